@@ -1,0 +1,95 @@
+"""Every private PyTorch import memopt depends on, in one place.
+
+memopt captures the joint forward+backward graph with AOTAutograd and hands it
+to its own partition function (DESIGN.md, "the hook that makes this a real
+compiler pass"). The public entry points for that are thin; the pieces below
+are private in torch 2.11-2.13 and may move. A torch upgrade should touch this
+file only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+# AOTAutograd's entry point used inside a torch.compile backend.
+from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
+
+# Extracts forward/backward GraphModules from the joint graph, given the set of
+# forward values to save. It takes care of AOTAutograd's calling convention
+# (output descriptors, tangents, RNG seeds, symbolic sizes).
+from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+# The "boxed" calling convention: the generated code takes one list and clears
+# it, so each input (a saved activation in backward) is freed at its last use.
+from torch.fx.graph import _BoxedCodeGen
+
+
+def extract_fwd_bwd(
+    joint: fx.GraphModule,
+    saved_values: list[fx.Node],
+    saved_sym_nodes: list[fx.Node],
+    num_fwd_outputs: int,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split `joint` into forward and backward modules that save `saved_values`.
+
+    Every node the backward outputs need that is neither saved nor a tangent is
+    copied into the backward graph (recomputed there).
+    """
+    return _extract_fwd_bwd_modules(
+        joint, saved_values, saved_sym_nodes, num_fwd_outputs=num_fwd_outputs
+    )
+
+
+def make_boxed(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """Recompile `gm` with the boxed calling convention and return a boxed callable."""
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list[Any]) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def is_sym_node(node: fx.Node) -> bool:
+    """True for nodes whose value is a symbolic int/float/bool (not a tensor)."""
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
+
+def unwrap_backend_error(err: BaseException) -> BaseException:
+    """Return the exception a torch.compile backend raised, unwrapped from dynamo's wrapper."""
+    inner: BaseException | None = err
+    seen = 0
+    while inner is not None and seen < 8:
+        if type(inner).__name__ != "BackendCompilerFailed":
+            return inner
+        inner = getattr(inner, "inner_exception", None) or inner.__cause__
+        seen += 1
+    return err
+
+
+def register_dynamo_backend(name: str, fn: Callable[..., Any]) -> None:
+    """Register `fn` as `torch.compile(backend=name)`, tolerating re-registration."""
+    from torch._dynamo.backends import registry
+
+    if name in registry._COMPILER_FNS:  # already registered (entry point or reload)
+        return
+    registry.register_backend(fn, name=name)
+
+
+def storage_key(t: Any) -> Any:
+    """A hashable identity of the storage under a (fake) tensor; views share it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

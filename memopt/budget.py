@@ -1,0 +1,83 @@
+"""Parse a memory budget at the API edge (STYLE.md, section 6).
+
+What a budget counts: the peak of all tensor memory live during one training
+step (forward, loss, backward), on the model's device: parameters and buffers,
+the inputs, activations kept for backward, temporaries, and the parameter
+gradients backward produces. It does not count optimizer state (e.g. Adam's
+moments), memory the CUDA caching allocator reserves but has not handed out,
+or the CUDA context.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+ACCEPTED = (
+    'a size string such as "4GB", "4GiB", "512MB" or "1.5 GiB"; an int number of bytes; '
+    "or a float fraction of the eager baseline peak in (0, 1]"
+)
+
+_BYTESIZE = TypeAdapter(ByteSize)
+_SIZE = re.compile(r"^\s*\d+(\.\d+)?\s*[a-zA-Z]*\s*$")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed budget: absolute bytes, or a fraction of the baseline peak."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    def resolve(self, baseline_bytes: int) -> int:
+        """Bytes this budget allows for a step whose unoptimized peak is `baseline_bytes`."""
+        if self.nbytes is not None:
+            return self.nbytes
+        assert self.fraction is not None
+        return int(self.fraction * baseline_bytes)
+
+    def __str__(self) -> str:
+        if self.nbytes is not None:
+            return f"{self.nbytes} bytes ({format_bytes(self.nbytes)})"
+        return f"{self.fraction:g} of the baseline peak"
+
+
+def parse_budget(budget: object) -> Budget | None:
+    """`None` -> None; "4GB" / "4GiB" / int bytes -> absolute; float in (0, 1] -> fraction.
+
+    Raises ValueError naming the accepted forms for anything else.
+    """
+    if budget is None:
+        return None
+    if isinstance(budget, bool):
+        raise ValueError(f"budget={budget!r} is not a memory budget; expected {ACCEPTED}")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget={budget!r} must be a positive number of bytes; "
+                             f"expected {ACCEPTED}")
+        return Budget(nbytes=budget)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"budget={budget!r}: a float budget is a fraction of the baseline "
+                             f"peak and must be in (0, 1]; expected {ACCEPTED}")
+        return Budget(fraction=budget)
+    if isinstance(budget, str) and _SIZE.match(budget):
+        try:
+            nbytes = int(_BYTESIZE.validate_python(budget.strip()))
+        except ValidationError:
+            nbytes = None
+        if nbytes:
+            return Budget(nbytes=nbytes)
+    raise ValueError(f"budget={budget!r} is not understood; expected {ACCEPTED}")
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"

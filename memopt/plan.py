@@ -1,0 +1,123 @@
+"""The memory plan: what a training step keeps, when each storage lives, where it sits.
+
+A `MemoryPlan` is data (STYLE.md, section 4): a frozen pydantic model with a JSON
+round trip (`plan.model_dump_json()` / `MemoryPlan.model_validate_json(text)`),
+built once by the pipeline and read by people (`plan.summary()`) and tests.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from .budget import format_bytes
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class StorageRecord(BaseModel):
+    """One storage (views share their base's) over the step schedule."""
+
+    model_config = _FROZEN
+    name: str                  # "fw.addmm": graph and node that produced it
+    kind: str                  # parameter, buffer, input, activation, saved, output, tangent,
+                               # backward, gradient
+    nbytes: int
+    start: int                 # first live step (-1: before the step begins)
+    end: int                   # last live step (inclusive)
+    nodes: tuple[str, ...]     # every node whose value lives in it
+    offset: int | None = None  # arena offset from the allocator (None for resident storages)
+    tag: int | None = None     # Chen's sharing tag
+
+
+class SavedTensor(BaseModel):
+    """A tensor the forward keeps for backward, and why."""
+
+    model_config = _FROZEN
+    name: str
+    op: str                    # "aten.addmm"
+    module: str                # qualified name in the user's model ("" for the root)
+    module_type: str           # "Linear"
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    decision: str              # "saved" (later: "recomputed")
+    reason: str
+
+
+class InplaceRecord(BaseModel):
+    model_config = _FROZEN
+    graph: str                 # "fw" or "bw"
+    node: str
+    op: str
+    inplace_op: str
+    writes_into: str
+    nbytes: int
+
+
+class SharingGroup(BaseModel):
+    """Storages that reuse one block of memory, one after another (Chen's tag)."""
+
+    model_config = _FROZEN
+    tag: int
+    nbytes: int
+    storages: tuple[str, ...]
+
+
+class MemoryPlan(BaseModel):
+    """The plan of one captured training graph (forward + backward)."""
+
+    model_config = _FROZEN
+    device: str
+    budget_bytes: int | None
+    baseline_peak_bytes: int       # memopt's passes off: same graphs, no in-place, no recompute
+    predicted_peak_bytes: int      # simulated peak of the step as memopt runs it
+    lower_bound_bytes: int         # max over the schedule of live bytes (no allocator does better)
+    arena_bytes: int               # resident bytes + the offset assignment's arena
+    sharing_bytes: int             # resident bytes + Chen's tag-recycling total
+    no_reuse_bytes: int            # every storage its own memory (Chen's "no optimization")
+    resident_bytes: int            # parameters, buffers and inputs
+    peak_step: str
+    num_forward_steps: int
+    num_backward_steps: int
+    storages: tuple[StorageRecord, ...]
+    saved: tuple[SavedTensor, ...]
+    inplace: tuple[InplaceRecord, ...]
+    sharing: tuple[SharingGroup, ...]
+    plan_seconds: float
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.nbytes for s in self.saved if s.decision == "saved")
+
+    def summary(self, max_rows: int = 20) -> str:
+        """A readable report: the headline numbers, then the largest saved tensors."""
+        b = format_bytes
+        budget = b(self.budget_bytes) if self.budget_bytes is not None else "none"
+        lines = [
+            f"memopt plan ({self.device}): {self.num_forward_steps} forward + "
+            f"{self.num_backward_steps} backward ops",
+            f"  predicted peak   {b(self.predicted_peak_bytes):>12}   (budget {budget})",
+            f"  baseline peak    {b(self.baseline_peak_bytes):>12}   (no memopt passes)",
+            f"  lower bound      {b(self.lower_bound_bytes):>12}   (max live bytes)",
+            f"  arena            {b(self.arena_bytes):>12}   (offset assignment)",
+            f"  tag sharing      {b(self.sharing_bytes):>12}   (Chen Sec. 3)",
+            f"  no reuse         {b(self.no_reuse_bytes):>12}   (every storage separate)",
+            f"  resident         {b(self.resident_bytes):>12}   (parameters, buffers, inputs)",
+            f"  peak at          {self.peak_step}",
+            f"  in-place rewrites {len(self.inplace)}, sharing groups {len(self.sharing)}, "
+            f"saved tensors {len(self.saved)} ({b(self.saved_bytes)})",
+        ]
+        if self.saved:
+            lines.append("")
+            header = f"  {'saved tensor':<28} {'op':<26} {'module':<32} {'shape':<20} {'bytes':>10}  decision"
+            lines.append(header)
+            rows = sorted(self.saved, key=lambda s: -s.nbytes)
+            for s in rows[:max_rows]:
+                module = f"{s.module} ({s.module_type})" if s.module else "(root)"
+                lines.append(
+                    f"  {s.name[:28]:<28} {s.op[:26]:<26} {module[:32]:<32} "
+                    f"{str(list(s.shape))[:20]:<20} {b(s.nbytes):>10}  {s.decision}"
+                )
+            if len(rows) > max_rows:
+                lines.append(f"  ... {len(rows) - max_rows} more")
+        return "\n".join(lines)

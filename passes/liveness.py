@@ -1,0 +1,206 @@
+"""Liveness analysis over the schedule of a whole training step (Chen et al. 2016, Sec. 3).
+
+Requires: the forward and backward GraphModules of one partition, FakeTensors in
+`node.meta['val']` (so no real memory is touched), and `memopt.inplace_of` on
+nodes an in-place rewrite produced. Run after partitioning and after the
+in-place pass; the allocator and the planners read the result.
+
+Ensures: a `StepSchedule`: the steps in execution order (every forward node, then
+every backward node) and, for every storage (views share their base's storage),
+its size in bytes, the first and last step at which it is live, and its kind.
+
+Algorithm:
+    Step 1: give every tensor value a storage identity: the FakeTensor's storage
+        (views share it), merged with the input storage for in-place rewrites.
+    Step 2: walk the schedule; a storage is born at the first step that produces
+        it and dies after the last step that produces or reads it. Chen's Fig. 2
+        counts pending reads per value; the last-use step is the same information.
+    Step 3: extend lifetimes the runtime imposes: graph inputs (parameters,
+        buffers, the user's inputs) are live for the whole step, the forward's
+        outputs are held by the caller until the step ends, and so are the
+        gradients the backward returns (autograd accumulates them into `.grad`).
+        Saved tensors die at their last backward use (the boxed backward frees
+        them as it goes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from memopt._torch_compat import is_tangent, storage_key
+
+from .meta import fake_value, inplace_source
+
+#: Storage kinds, in the order a plan lists them.
+KINDS = ("parameter", "buffer", "input", "activation", "saved", "output", "tangent",
+         "backward", "gradient")
+
+
+@dataclass(frozen=True)
+class StorageLife:
+    """One storage's lifetime over the step schedule (steps are indices into `steps`)."""
+
+    name: str                 # "fw.addmm": the graph and node that first produced it
+    nodes: tuple[str, ...]    # every node whose value lives in this storage
+    nbytes: int
+    start: int                # -1: live before the step begins
+    end: int                  # inclusive
+    kind: str
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    steps: tuple[str, ...]            # "fw.<node>" then "bw.<node>", execution order
+    num_forward_steps: int
+    storages: tuple[StorageLife, ...]
+
+    @property
+    def last_step(self) -> int:
+        return len(self.steps) - 1
+
+
+class _Storages:
+    """Step 1: storage identities, merged by a small union-find."""
+
+    def __init__(self) -> None:
+        self.parent: dict[object, object] = {}
+        self.nbytes: dict[object, int] = {}
+
+    def find(self, key: object) -> object:
+        while self.parent.get(key, key) is not key:
+            key = self.parent[key]
+        return key
+
+    def add(self, tensor: torch.Tensor) -> object:
+        key = storage_key(tensor)
+        if key not in self.parent:
+            self.parent[key] = key
+            self.nbytes[key] = tensor.untyped_storage().nbytes()
+        return self.find(key)
+
+    def union(self, a: object, b: object) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra is not rb:
+            self.parent[ra] = rb
+            self.nbytes[rb] = max(self.nbytes[ra], self.nbytes[rb])
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def analyze_liveness(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule | None,
+    *,
+    saved: frozenset[str],
+    primal_kinds: dict[str, str] | None = None,
+) -> StepSchedule:
+    """Lifetimes of every storage of a training step. `saved`: names of saved values."""
+    primal_kinds = primal_kinds or {}
+    stores = _Storages()
+    node_keys: dict[tuple[str, str], list[object]] = {}
+    steps: list[str] = []
+    first: dict[object, int] = {}
+    last: dict[object, int] = {}
+    members: dict[object, list[str]] = {}
+    resident_kind: dict[object, str] = {}
+    tangent_keys: set[object] = set()
+    graphs = [("fw", fw)] + ([("bw", bw)] if bw is not None else [])
+
+    # Step 1: storage identity of every node's value.
+    for prefix, gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "call_function", "get_attr"):
+                keys = [stores.add(t) for t in _tensors(fake_value(node))]
+                src = inplace_source(node)
+                if src is not None and keys and (prefix, src) in node_keys:
+                    stores.union(keys[0], node_keys[(prefix, src)][0])
+                node_keys[(prefix, node.name)] = keys
+
+    def keys_of(prefix: str, node: fx.Node) -> list[object]:
+        return [stores.find(k) for k in node_keys.get((prefix, node.name), [])]
+
+    def touch(key: object, step: int, name: str | None = None) -> None:
+        first.setdefault(key, step)
+        last[key] = max(last.get(key, step), step)
+        if name is not None:
+            members.setdefault(key, [])
+            if name not in members[key]:
+                members[key].append(name)
+
+    # Step 2: walk the schedule.
+    num_forward = 0
+    for prefix, gm in graphs:
+        bw_start = len(steps)
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                for key in keys_of(prefix, node):
+                    if prefix == "fw":
+                        resident_kind.setdefault(key, primal_kinds.get(node.name, "input"))
+                        touch(key, -1, f"{prefix}.{node.name}")
+                    elif is_tangent(node):
+                        tangent_keys.add(key)
+                        touch(key, bw_start, f"{prefix}.{node.name}")
+                    else:
+                        touch(key, bw_start, f"{prefix}.{node.name}")
+            elif node.op in ("call_function", "get_attr"):
+                step = len(steps)
+                steps.append(f"{prefix}.{node.name}")
+                for arg in node.all_input_nodes:
+                    for key in keys_of(prefix, arg):
+                        touch(key, step)
+                for key in keys_of(prefix, node):
+                    touch(key, step, f"{prefix}.{node.name}")
+        if prefix == "fw":
+            num_forward = len(steps)
+
+    # Step 3: lifetimes the runtime imposes.
+    end_of_step = len(steps) - 1
+    held: set[object] = set(resident_kind)
+    fw_out = next(iter(fw.graph.find_nodes(op="output")))
+    user_outputs: set[object] = set()
+    for arg in fw_out.all_input_nodes:
+        if arg.name not in saved:
+            user_outputs.update(keys_of("fw", arg))
+    held |= user_outputs
+    gradients: set[object] = set()
+    if bw is not None:
+        bw_out = next(iter(bw.graph.find_nodes(op="output")))
+        for arg in bw_out.all_input_nodes:
+            gradients.update(keys_of("bw", arg))
+        held |= gradients
+    saved_keys = {stores.find(k) for name in saved for k in node_keys.get(("fw", name), [])}
+
+    lives: list[StorageLife] = []
+    for key, start in first.items():
+        end = end_of_step if key in held else last[key]
+        if key in resident_kind:
+            kind = resident_kind[key]
+        elif key in tangent_keys:
+            kind = "tangent"
+        elif key in gradients and start >= num_forward:
+            kind = "gradient"
+        elif start >= num_forward:
+            kind = "backward"
+        elif key in user_outputs:
+            kind = "output"
+        elif key in saved_keys:
+            kind = "saved"
+        else:
+            kind = "activation"
+        names = tuple(members.get(key, ()))
+        lives.append(StorageLife(
+            name=names[0] if names else "?", nodes=names, nbytes=stores.nbytes[key],
+            start=-1 if key in resident_kind else start, end=max(end, start), kind=kind,
+        ))
+    lives.sort(key=lambda s: (s.start, s.name))
+    return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives))
+

@@ -1,0 +1,80 @@
+"""The node.meta keys memopt reads and writes, each defined once with a typed accessor.
+
+Passes never set attributes on `fx.Node`; what a pass learns about a node goes
+under one of these keys, as an immutable value (STYLE.md, section 3).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+from torch import fx
+
+#: Name of the input node an in-place rewrite writes into (str). Set by passes.inplace.
+INPLACE_OF = "memopt.inplace_of"
+
+#: Keys written by PyTorch's tracers that memopt reads.
+VAL = "val"
+NN_MODULE_STACK = "nn_module_stack"
+PARTITIONER_TAG = "partitioner_tag"
+
+
+def fake_value(node: fx.Node) -> Any:
+    """The FakeTensor (or tuple of them, or SymInt) traced for `node`, or None."""
+    return node.meta.get(VAL)
+
+
+def tensor_value(node: fx.Node) -> torch.Tensor | None:
+    """The node's value if it is a single tensor, else None."""
+    val = node.meta.get(VAL)
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def inplace_source(node: fx.Node) -> str | None:
+    return node.meta.get(INPLACE_OF)
+
+
+def set_inplace_source(node: fx.Node, source: fx.Node) -> None:
+    node.meta[INPLACE_OF] = source.name
+
+
+def is_forward_tagged(node: fx.Node) -> bool:
+    return node.meta.get(PARTITIONER_TAG) == "is_forward"
+
+
+_DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_INDEX = re.compile(r"\[(\d+)\]")
+_MODULES_ITEM = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
+
+
+def _clean_path(path: str) -> str:
+    path = _DYNAMO_ROOT.sub("", path)
+    path = _MODULES_ITEM.sub(r".\1", path)
+    path = _INDEX.sub(r".\1", path)
+    return path.strip(".")
+
+
+def user_module(node: fx.Node) -> tuple[str, str]:
+    """(qualified path, class name) of the innermost user module `node` came from.
+
+    Read from `node.meta['nn_module_stack']`, which dynamo and AOTAutograd keep on
+    every traced aten node. Returns ("", "") for nodes outside any submodule.
+    """
+    stack = node.meta.get(NN_MODULE_STACK)
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+    return _clean_path(str(path)), name
+
+
+def op_name(node: fx.Node) -> str:
+    """A short readable name of the node's operator ("aten.addmm", "getitem")."""
+    if node.target is operator.getitem:
+        return "getitem"
+    if isinstance(node.target, torch._ops.OpOverload):
+        return f"aten.{node.target._schema.name.split('::')[-1]}"
+    return str(getattr(node.target, "__name__", node.target))
