@@ -46,13 +46,26 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(inner, (MemoptError, _PlanOnly)):
             raise inner from None
         if type(err).__module__.startswith("torch._dynamo"):
-            raise CaptureError(
-                f"memopt could not capture the model as one training graph: "
-                f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-                " (memopt needs the forward to trace without graph breaks: no data-dependent "
-                "Python control flow on tensor values, no .item()/.tolist() in forward)"
-            ) from err
+            raise CaptureError(_capture_message(err)) from err
         raise
+
+
+def _capture_message(err: BaseException) -> str:
+    """The first line of dynamo's error and the innermost user-code line it points at."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    where = ""
+    if "from user code:" in text:
+        frames = [ln.strip() for ln in text.split("from user code:", 1)[1].splitlines()
+                  if ln.strip().startswith("File ")]
+        if frames:
+            where = f" at {frames[-1]}"
+    return (
+        f"memopt could not capture the model as one training graph: {type(err).__name__}: "
+        f"{first}{where}. memopt needs the forward to trace without graph breaks "
+        "(no Python branches on tensor values, no .item()/.tolist(), no print or logging "
+        "calls inside forward)."
+    )
 
 
 class CompiledModule(nn.Module):

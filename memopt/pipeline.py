@@ -161,23 +161,7 @@ def _assemble(
         SharingGroup(tag=t, nbytes=tags.tag_sizes[t], storages=tuple(names))
         for t, names in sorted(members.items()) if len(names) > 1
     )
-    saved = []
-    for node in fw.graph.nodes:
-        val = tensor_value(node)
-        if node.name not in saved_names or val is None:
-            continue
-        name = node.name
-        module, module_type = user_module(node)
-        is_input = node.op == "placeholder"
-        saved.append(SavedTensor(
-            name=name, op="input" if is_input else op_name(node), module=module,
-            module_type=module_type, shape=tuple(int(d) for d in val.shape),
-            dtype=str(val.dtype).replace("torch.", ""),
-            nbytes=0 if is_input else val.untyped_storage().nbytes(),
-            decision="saved",
-            reason="graph input: already resident" if is_input
-            else "read by backward; no recomputation planned (budget not binding)",
-        ))
+    saved = _saved_tensors(fw, schedule, saved_names)
     return MemoryPlan(
         device=device,
         budget_bytes=budget.resolve(baseline_peak) if budget is not None else None,
@@ -199,3 +183,35 @@ def _assemble(
         sharing=sharing,
         plan_seconds=elapsed,
     )
+
+
+def _saved_tensors(
+    fw: fx.GraphModule, schedule: StepSchedule, saved_names: frozenset[str]
+) -> tuple[SavedTensor, ...]:
+    """One record per saved value, in forward order. Bytes are counted once per
+    storage: a saved view of a graph input or of another saved value costs 0."""
+    storage_of = {name: s for s in schedule.storages for name in s.nodes}
+    counted: dict[str, str] = {}
+    records = []
+    for node in fw.graph.nodes:
+        val = tensor_value(node)
+        if node.name not in saved_names or val is None:
+            continue
+        module, module_type = user_module(node)
+        storage = storage_of.get(f"fw.{node.name}")
+        if storage is not None and storage.kind in RESIDENT_KINDS:
+            nbytes, reason = 0, f"a view of graph input {storage.name}: already resident"
+        elif storage is not None and storage.name in counted:
+            nbytes, reason = 0, f"shares storage with saved {counted[storage.name]}"
+        else:
+            nbytes = val.untyped_storage().nbytes()
+            reason = "read by backward; no recomputation planned (budget not binding)"
+            if storage is not None:
+                counted[storage.name] = node.name
+        records.append(SavedTensor(
+            name=node.name, op="input" if node.op == "placeholder" else op_name(node),
+            module=module, module_type=module_type, shape=tuple(int(d) for d in val.shape),
+            dtype=str(val.dtype).replace("torch.", ""), nbytes=nbytes, decision="saved",
+            reason=reason,
+        ))
+    return tuple(records)

@@ -1,0 +1,112 @@
+"""Benchmark workloads for ``memopt.measure``.
+
+Each builder is ``build(device: str) -> Workload``: a model in train mode and
+the inputs of one training step, deterministic (``torch.manual_seed(0)``).
+Name one as ``"benchmarks.workloads:mlp64"`` with the repository root as the
+working directory.
+
+| name      | model                                                   | inputs                        | loss                      |
+| --------- | ------------------------------------------------------- | ----------------------------- | ------------------------- |
+| mlp64     | 64 x (Linear(512, 512) + GELU)                           | randn(2048, 512)              | sum of the output         |
+| resnet50  | HF ResNetModel(ResNetConfig()), bottleneck [3, 4, 6, 3]  | randn(32, 3, 64, 64)          | pooler_output.sum()       |
+| gpt2      | HF GPT2LMHeadModel, 12 layers, vocabulary 50257, dropout 0.1 | input_ids, labels (4, 256) | the model's LM loss       |
+| lstm      | LSTMCell(256, 256) in a Python loop over T=256 steps     | randn(256, 64, 256) (T, B, F) | sum of the hidden states  |
+| tiny_mlp  | 4 x (Linear(64, 64) + GELU), for tests                   | randn(32, 64)                 | sum of the output         |
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memopt.measure import Workload
+
+__all__ = ["LSTMLoop", "gpt2", "lstm", "mlp", "mlp64", "resnet50", "tiny_mlp"]
+
+
+def mlp(device: str, *, layers: int, width: int, batch: int) -> Workload:
+    """``layers`` x (Linear(width, width) + GELU) on a randn(batch, width) input."""
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.GELU()]
+    model = nn.Sequential(*blocks).to(device).train()
+    x = torch.randn(batch, width, device=device)
+    return Workload(model=model, args=(x,))
+
+
+def mlp64(device: str) -> Workload:
+    """The 64-layer chain of DESIGN.md's measured facts (eager: ~541 MB extra RSS)."""
+    return mlp(device, layers=64, width=512, batch=2048)
+
+
+def tiny_mlp(device: str) -> Workload:
+    """A small MLP for tests: 4 x (Linear(64, 64) + GELU), batch 32."""
+    return mlp(device, layers=4, width=64, batch=32)
+
+
+def _pooler_sum(output) -> torch.Tensor:
+    return output.pooler_output.sum()
+
+
+def resnet50(device: str) -> Workload:
+    """HF ResNet-50 (default ResNetConfig), random init, batch 32 of 3x64x64.
+
+    The loss is ``pooler_output.sum()`` (the pooled 2048-d features); the
+    model has no head, so there are no labels.
+    """
+    from transformers import ResNetConfig, ResNetModel
+
+    torch.manual_seed(0)
+    model = ResNetModel(ResNetConfig()).to(device).train()
+    pixels = torch.randn(32, 3, 64, 64, device=device)
+    return Workload(model=model, args=(pixels,), loss=_pooler_sum)
+
+
+def gpt2(device: str) -> Workload:
+    """HF GPT-2 with a LM head: 12 layers, full vocabulary, batch 4, sequence 256.
+
+    Dropout stays at GPT2Config's defaults (0.1 for embeddings, attention and
+    residuals) and the model is in train mode, so the step draws random masks.
+    The loss is the model's own LM loss (``output.loss``).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=12, use_cache=False)
+    model = GPT2LMHeadModel(config).to(device).train()
+    # Name the loss explicitly: with loss_type unset, transformers logs a warning
+    # inside forward, which is a graph break for torch.compile (fullgraph).
+    model.loss_type = "ForCausalLM"
+    input_ids = torch.randint(0, config.vocab_size, (4, 256), device=device)
+    labels = torch.randint(0, config.vocab_size, (4, 256), device=device)
+    return Workload(model=model, kwargs={"input_ids": input_ids, "labels": labels})
+
+
+class LSTMLoop(nn.Module):
+    """An ``nn.LSTMCell`` run in a Python for-loop over the time axis.
+
+    Input (T, B, F); output the stacked hidden states (T, B, H).
+    """
+
+    def __init__(self, input_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(input_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[1]
+        h = x.new_zeros(batch, self.cell.hidden_size)
+        c = x.new_zeros(batch, self.cell.hidden_size)
+        hs = []
+        for t in range(x.shape[0]):
+            h, c = self.cell(x[t], (h, c))
+            hs.append(h)
+        return torch.stack(hs)
+
+
+def lstm(device: str) -> Workload:
+    """LSTMCell(256, 256) over T=256 steps, batch 64; loss = sum of hidden states."""
+    torch.manual_seed(0)
+    model = LSTMLoop(256, 256).to(device).train()
+    x = torch.randn(256, 64, 256, device=device)
+    return Workload(model=model, args=(x,))
