@@ -3,29 +3,47 @@
     model = memopt.compile(model, budget="4GB")   # then train as usual
     print(memopt.plan(model, x).summary())        # what is saved, shared, rewritten
 
-See README.md for what works today and docs in each module for the algorithms
-(Chen et al. 2016; Gruslys et al. 2016; MacKay et al. 2018).
+See README.md for what works today and the docs in each module for the
+algorithms (Chen et al. 2016; Gruslys et al. 2016; MacKay et al. 2018).
+
+The public names load lazily, so `import memopt.allocator` (pure-Python
+solvers) does not import torch, and `python -m memopt.measure` starts fast.
 """
 
-from .api import CompiledModule, compile, plan
-from .backend import MemoptBackend, memopt_backend
-from .budget import Budget, format_bytes, parse_budget
-from .errors import BudgetError, CaptureError, MemoptError, PassError
-from .plan import MemoryPlan
+from __future__ import annotations
 
-__all__ = [
-    "Budget",
-    "BudgetError",
-    "CaptureError",
-    "CompiledModule",
-    "MemoptBackend",
-    "MemoptError",
-    "MemoryPlan",
-    "PassError",
-    "compile",
-    "format_bytes",
-    "memopt_backend",
-    "parse_budget",
-    "plan",
-]
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CompiledModule": "api",
+    "compile": "api",
+    "plan": "api",
+    "MemoptBackend": "backend",
+    "memopt_backend": "backend",
+    "Budget": "budget",
+    "format_bytes": "budget",
+    "parse_budget": "budget",
+    "BudgetError": "errors",
+    "CaptureError": "errors",
+    "MemoptError": "errors",
+    "PassError": "errors",
+    "MemoryPlan": "plan",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memopt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -79,14 +79,6 @@ def unwrap_backend_error(err: BaseException) -> BaseException:
     return err
 
 
-def register_dynamo_backend(name: str, fn: Callable[..., Any]) -> None:
-    """Register `fn` as `torch.compile(backend=name)`, tolerating re-registration."""
-    from torch._dynamo.backends import registry
-
-    if name in registry._COMPILER_FNS:  # already registered (entry point or reload)
-        return
-    registry.register_backend(fn, name=name)
-
 
 def storage_key(t: Any) -> Any:
     """A hashable identity of the storage under a (fake) tensor; views share it."""

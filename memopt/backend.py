@@ -7,7 +7,8 @@ the forward and backward GraphModules and the plan. Both modules then run with
 the boxed calling convention, so each saved tensor is freed at its last use in
 backward.
 
-    torch.compile(model, backend="memopt")                       # registered name
+    torch.compile(model, backend="memopt")                       # registered name (the
+                                                                 # package's entry point)
     torch.compile(model, backend=MemoptBackend(budget="4GB"))   # with options
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from ._torch_compat import aot_module_simplified, make_boxed, register_dynamo_backend
+from ._torch_compat import aot_module_simplified, make_boxed
 from .budget import Budget, parse_budget
 from .pipeline import Options, plan_joint
 from .plan import MemoryPlan
@@ -111,5 +112,3 @@ def memopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options:
     options={"budget": "4GB"})` passes its options here."""
     return MemoptBackend(**options)(gm, example_inputs)
 
-
-register_dynamo_backend("memopt", memopt_backend)
