@@ -30,7 +30,7 @@ _EXPORTS = {
     "CaptureError": "errors",
     "MemoptError": "errors",
     "PassError": "errors",
-    "MemoryPlan": "plan",
+    "MemoryPlan": "memory_plan",
 }
 
 __all__ = sorted(_EXPORTS)

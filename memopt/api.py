@@ -19,7 +19,7 @@ from torch import nn
 from ._torch_compat import unwrap_backend_error
 from .backend import MemoptBackend
 from .errors import CaptureError, MemoptError
-from .plan import MemoryPlan
+from .memory_plan import MemoryPlan
 
 #: Sharing these dicts makes the compiled module hold the very same parameter
 #: and buffer objects (and state_dict keys) as the user's model.

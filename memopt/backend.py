@@ -23,7 +23,7 @@ from torch import fx
 from ._torch_compat import aot_module_simplified, make_boxed
 from .budget import Budget, parse_budget
 from .pipeline import Options, plan_joint
-from .plan import MemoryPlan
+from .memory_plan import MemoryPlan
 
 log = logging.getLogger("memopt")
 

@@ -24,7 +24,7 @@ from memopt.passes.partition import find_cut, partition
 
 from .budget import Budget, format_bytes
 from .errors import BudgetError, PassError
-from .plan import InplaceRecord, MemoryPlan, SavedTensor, SharingGroup, StorageRecord
+from .memory_plan import InplaceRecord, MemoryPlan, SavedTensor, SharingGroup, StorageRecord
 
 log = logging.getLogger("memopt")
 

@@ -43,7 +43,8 @@ KINDS = ("parameter", "buffer", "input", "activation", "saved", "output", "tange
 class StorageLife:
     """One storage's lifetime over the step schedule (steps are indices into `steps`)."""
 
-    name: str                 # "fw.addmm": the graph and node that first produced it
+    name: str                 # "fw.addmm" or "fw.native_layer_norm[1]": the graph and node
+                              # (and output index) that first produced it; unique per step
     nodes: tuple[str, ...]    # every node whose value lives in this storage
     nbytes: int
     start: int                # -1: live before the step begins
@@ -157,8 +158,13 @@ def analyze_liveness(
                 for arg in node.all_input_nodes:
                     for key in keys_of(prefix, arg):
                         touch(key, step)
-                for key in keys_of(prefix, node):
-                    touch(key, step, f"{prefix}.{node.name}")
+                keys = keys_of(prefix, node)
+                multi = isinstance(fake_value(node), (tuple, list))
+                for i, key in enumerate(keys):
+                    # A multi-output op names each output storage by index, so that
+                    # names stay unique ("fw.native_layer_norm[1]").
+                    touch(key, step, f"{prefix}.{node.name}[{i}]" if multi else
+                          f"{prefix}.{node.name}")
         if prefix == "fw":
             num_forward = len(steps)
 

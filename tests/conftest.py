@@ -1,0 +1,18 @@
+"""Shared test setup.
+
+Dynamo caches compiled code per Python code object and stops recompiling a code
+object after `recompile_limit` entries; the corpus compiles many instances of the
+same model classes, so every test starts from a clean dynamo cache and a fixed seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_and_seed():
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
