@@ -3,7 +3,16 @@
 Chen et al. 2016, Sec. 3 and Fig. 2: "an inplace operation can happen when there
 is no other pending operations that depend on its input". The liveness counter
 of Fig. 2 is, per storage, the position of its last reader; an op may overwrite
-its first input when it is that last reader.
+an input when it is that last reader. Two rewrites do that:
+
+* the in-place variant, which overwrites the first input (`aten.relu` ->
+  `aten.relu_`);
+* the `out=` variant writing into any input, for ops whose every output element
+  depends only on input elements read before it is written: pointwise ops
+  (`torch.Tag.pointwise`, e.g. `gelu_backward(grad, x, out=grad)`) and the
+  row-wise softmax backward kernels in `ROW_SAFE`, which reduce a row before
+  writing it. This is what lets backward reuse the dying incoming gradient,
+  as in Chen's Fig. 1.
 
 Requires: a forward or backward GraphModule from passes.partition, with
 FakeTensors in `node.meta['val']`. Run before passes.liveness (which reads the
@@ -19,14 +28,15 @@ node still reads.
 Algorithm:
     Step 1: group nodes by storage (a view shares its base's storage) and find each
         storage's last reader, in graph order.
-    Step 2: for each node in order, check the rules in `_can_rewrite` for its first
-        argument: an in-place overload with the same name exists, the output has
-        the input's shape, dtype and strides, the input is a whole, dense,
-        non-view storage, no other argument aliases it, the op is not random,
-        and this node is the storage's last reader.
-    Step 3: rewrite the target and record the source in `memopt.inplace_of`. The
-        output now lives in the input's storage, so later rewrites see the merged
-        lifetime.
+    Step 2: for each node in order, find a variant (in-place for the first
+        argument, else `out=` for any tensor argument) and an argument it may
+        overwrite: the output has the argument's shape, dtype and strides, the
+        argument is a whole, dense storage that is not a graph input or output,
+        no other argument aliases it, the op is not random, and this node is the
+        storage's last reader.
+    Step 3: rewrite the target (and add `out=`), record the overwritten argument
+        in `memopt.inplace_of`. The output now lives in that storage, so later
+        rewrites see the merged lifetime.
 """
 
 from __future__ import annotations
@@ -59,15 +69,50 @@ class InplaceResult:
         return len(self.rewrites)
 
 
+_aten = torch.ops.aten
+
+#: Non-pointwise ops whose kernels (CPU and CUDA) reduce each row before writing it,
+#: so `out=` may alias an input; bit-exactness is tested in tests/test_passes.py.
+ROW_SAFE = frozenset({
+    _aten._log_softmax_backward_data.default,
+    _aten._softmax_backward_data.default,
+})
+
+
+def _is_functional(op: object) -> bool:
+    """A single-result aten op that neither mutates, returns a view, nor draws random numbers."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return False
+    schema = op._schema
+    return not (
+        schema.is_mutable
+        or len(schema.returns) != 1
+        or any(r.alias_info is not None for r in schema.returns)
+        or torch.Tag.nondeterministic_seeded in op.tags
+    )
+
+
+def _out_overload(op: object) -> tuple[torch._ops.OpOverload, str] | None:
+    """The `out=` overload of a pointwise or ROW_SAFE functional op, and its out name."""
+    if not _is_functional(op) or not (torch.Tag.pointwise in op.tags or op in ROW_SAFE):
+        return None
+    names = [(a.name, str(a.type)) for a in op._schema.arguments]
+    packet = getattr(_aten, op._opname)
+    for overload_name in packet.overloads():
+        candidate = getattr(packet, overload_name)
+        args = candidate._schema.arguments
+        written = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
+        rest = [(a.name, str(a.type)) for a in args if a not in written]
+        if len(written) == 1 and written[0].kwarg_only and rest == names:
+            return candidate, written[0].name
+    return None
+
+
 def _inplace_overload(op: object) -> torch._ops.OpOverload | None:
     """The in-place overload `aten.<name>_.<overload>` of a functional aten op."""
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+    if not _is_functional(op):
         return None
     schema = op._schema
-    if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
-        return None  # already mutating, or a view
-    if len(schema.returns) != 1 or torch.Tag.nondeterministic_seeded in op.tags:
-        return None
     packet = getattr(torch.ops.aten, f"{op._opname}_", None)
     if packet is None:
         return None
@@ -127,35 +172,52 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
             key = merged[key]
         return key
 
-    rewrites: list[InplaceRewrite] = []
-    for node in nodes:
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
-            continue
-        inplace = _inplace_overload(node.target)
-        src = node.args[0]
-        if inplace is None or src not in key_of or node not in key_of:
-            continue
+    def may_overwrite(node: fx.Node, src: fx.Node) -> bool:
+        if src not in key_of or node not in key_of:
+            return False
         key = storage(src)
         out, inp = tensor_value(node), tensor_value(src)
         others = [a for a in node.all_input_nodes if a is not src]
-        if (
+        return not (
             key in pinned
             or last_read.get(key) != order[node]
             or any(storage(a) == key for a in others)
+            or sum(a is src for a in node.args) != 1
             or out.shape != inp.shape
             or out.dtype != inp.dtype
             or out.device != inp.device
             or out.stride() != inp.stride()
             or not _is_whole_dense(inp)
-        ):
+        )
+
+    rewrites: list[InplaceRewrite] = []
+    for node in nodes:
+        if node.op != "call_function":
             continue
+        # Step 2: a variant and an argument it may overwrite.
+        functional = node.target
+        src, kwargs = None, None
+        inplace = _inplace_overload(functional)
+        if inplace is not None and node.args and isinstance(node.args[0], fx.Node) \
+                and may_overwrite(node, node.args[0]):
+            src, target = node.args[0], inplace
+        elif (found := _out_overload(functional)) is not None:
+            target, out_name = found
+            src = next((a for a in node.args if isinstance(a, fx.Node)
+                        and may_overwrite(node, a)), None)
+            kwargs = {**node.kwargs, out_name: src}
+        if src is None:
+            continue
+        # Step 3: rewrite, and merge the output's storage into the overwritten one.
+        key = storage(src)
         rewrites.append(InplaceRewrite(
-            node=node.name, op=str(node.target), inplace_op=str(inplace),
-            writes_into=src.name, nbytes=inp.untyped_storage().nbytes(),
+            node=node.name, op=str(functional), inplace_op=str(target),
+            writes_into=src.name, nbytes=tensor_value(src).untyped_storage().nbytes(),
         ))
-        node.target = inplace
+        node.target = target
+        if kwargs is not None:
+            node.kwargs = kwargs
         set_inplace_source(node, src)
-        # The output now lives in `src`'s storage: its readers extend that lifetime.
         old = storage(node)
         merged[old] = key
         if old in last_read:

@@ -135,3 +135,50 @@ def test_baseline_counts_the_peak_of_eager_like_execution():
     assert plan.predicted_peak_bytes >= params + layers * act
     assert plan.predicted_peak_bytes <= plan.no_reuse_bytes
     assert plan.lower_bound_bytes <= plan.arena_bytes
+
+
+def test_out_variant_lookup():
+    from memopt.passes.inplace import _out_overload
+
+    aten = torch.ops.aten
+    assert _out_overload(aten.gelu_backward.default)[0] is aten.gelu_backward.grad_input
+    assert _out_overload(aten.mul.Tensor) == (aten.mul.out, "out")
+    assert _out_overload(aten._log_softmax_backward_data.default)[0] is \
+        aten._log_softmax_backward_data.out
+    assert _out_overload(aten.mm.default) is None          # not pointwise: no aliasing out
+    assert _out_overload(aten.native_dropout.default) is None
+
+
+def test_backward_reuses_the_dying_gradient():
+    # gelu_backward(grad, x): grad dies there; the pass writes the result into it.
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 1))
+    plan = _plan(model, torch.randn(16, 32))
+    outs = [r for r in plan.inplace if r.graph == "bw" and "gelu_backward" in r.op]
+    assert outs and all(r.inplace_op.endswith("grad_input") for r in outs)
+    x = torch.randn(16, 32)
+    compiled = memopt.compile(model)
+    compiled(x).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    for g, p in zip(got, model.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_row_safe_kernels_may_write_into_their_inputs():
+    # The ROW_SAFE rule rests on the kernels reducing a row before writing it:
+    # check bit-exactness of out= aliasing each input, against the functional op.
+    from memopt.passes.inplace import ROW_SAFE, _out_overload
+
+    x = torch.randn(64, 1000)
+    for op in ROW_SAFE:
+        output = torch.log_softmax(x, 1) if "log" in str(op) else torch.softmax(x, 1)
+        grad = torch.randn(64, 1000)
+        expected = op(grad, output, 1, torch.float32)
+        for alias in ("grad", "output"):
+            g, o = grad.clone(), output.clone()
+            out = g if alias == "grad" else o
+            out_op, out_name = _out_overload(op)
+            out_op(g, o, 1, torch.float32, **{out_name: out})
+            assert torch.equal(out, expected), (op, alias)
