@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from memopt.budget import format_bytes
 from memopt.measure import Measurement, measure_step
 
-MODELS = ("mlp64", "resnet50", "gpt2", "lstm")
+MODELS = ("mlp64", "resnet50", "gpt2", "lstm", "lstm_sum")
 
 
 @dataclass(frozen=True)

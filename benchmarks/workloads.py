@@ -10,7 +10,8 @@ working directory.
 | mlp64     | 64 x (Linear(512, 512) + GELU)                           | randn(2048, 512)              | sum of the output         |
 | resnet50  | HF ResNetModel(ResNetConfig()), bottleneck [3, 4, 6, 3]  | randn(32, 3, 64, 64)          | pooler_output.sum()       |
 | gpt2      | HF GPT2LMHeadModel, 12 layers, vocabulary 50257, dropout 0.1 | input_ids, labels (4, 256) | the model's LM loss       |
-| lstm      | LSTMCell(256, 256) in a Python loop over T=256 steps     | randn(256, 64, 256) (T, B, F) | sum of the hidden states  |
+| lstm      | LSTMCell(256, 256) in a Python loop over T=256 steps     | randn(256, 64, 256) (T, B, F) | MSE to a random target    |
+| lstm_sum  | the same                                                | the same                      | sum of the hidden states  |
 | tiny_mlp  | 4 x (Linear(64, 64) + GELU), for tests                   | randn(32, 64)                 | sum of the output         |
 """
 
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from memopt.measure import Workload
 
-__all__ = ["LSTMLoop", "gpt2", "lstm", "mlp", "mlp64", "resnet50", "tiny_mlp"]
+__all__ = ["LSTMLoop", "gpt2", "lstm", "lstm_sum", "mlp", "mlp64", "resnet50", "tiny_mlp"]
 
 
 def mlp(device: str, *, layers: int, width: int, batch: int) -> Workload:
@@ -105,7 +107,22 @@ class LSTMLoop(nn.Module):
 
 
 def lstm(device: str) -> Workload:
-    """LSTMCell(256, 256) over T=256 steps, batch 64; loss = sum of hidden states."""
+    """LSTMCell(256, 256) over T=256 steps, batch 64; loss = MSE of the hidden states
+    against a fixed random target (a dense output gradient, as any real loss gives)."""
+    torch.manual_seed(0)
+    model = LSTMLoop(256, 256).to(device).train()
+    x = torch.randn(256, 64, 256, device=device)
+    target = torch.randn(256, 64, 256, device=device)
+    return Workload(model=model, args=(x,), loss=lambda out: F.mse_loss(out, target))
+
+
+def lstm_sum(device: str) -> Workload:
+    """`lstm` with loss = sum of the hidden states.
+
+    The gradient of `sum()` is a zero-stride expand, free in eager; AOTAutograd
+    materializes every output gradient densely (16 MiB here). memopt's plan
+    counts it; eager never allocates it. Kept to show that gap honestly.
+    """
     torch.manual_seed(0)
     model = LSTMLoop(256, 256).to(device).train()
     x = torch.randn(256, 64, 256, device=device)

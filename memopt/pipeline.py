@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import fx
@@ -49,25 +51,20 @@ def _intervals(schedule: StepSchedule, granularity: int) -> list[Interval]:
             for s in schedule.storages]
 
 
-def _peak(schedule: StepSchedule, granularity: int) -> tuple[int, int]:
-    result = peak_live_bytes(_intervals(schedule, granularity), len(schedule.steps))
-    return result.peak_bytes, result.peak_step
+def _peak_bytes(schedule: StepSchedule, granularity: int) -> int:
+    return peak_live_bytes(_intervals(schedule, granularity), len(schedule.steps)).peak_bytes
 
 
-def _stage(name: str, done: list[str]):
-    """Context for one stage: exceptions are re-raised naming it and the stages before."""
-
-    class _Stage:
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, exc_type, exc, tb) -> bool:
-            if exc is not None and not isinstance(exc, (BudgetError, PassError)):
-                raise PassError(name, tuple(done), exc) from exc
-            done.append(name)
-            return False
-
-    return _Stage()
+@contextmanager
+def _stage(name: str, done: list[str]) -> Iterator[None]:
+    """One pipeline stage: a failure is re-raised as PassError naming it and the stages before."""
+    try:
+        yield
+    except (BudgetError, PassError):
+        raise
+    except Exception as exc:
+        raise PassError(name, tuple(done), exc) from exc
+    done.append(name)
 
 
 def plan_joint(
@@ -84,14 +81,13 @@ def plan_joint(
     with _stage("partition", done):
         cut = find_cut(joint, num_fwd_outputs)
         fw, bw = partition(joint, num_fwd_outputs, cut)
-        saved_names = frozenset(
-            n.name for n in bw.graph.find_nodes(op="placeholder") if n.name in set(cut.saved)
-        )
+        # the extraction drops saved values the backward never reads
+        saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}
     device = _device_of(fw)
     gran = allocation_granularity(device)
     with _stage("liveness (baseline)", done):
         baseline = analyze_liveness(fw, bw, saved=saved_names, primal_kinds=primal_kinds)
-        baseline_peak, _ = _peak(baseline, gran)
+        baseline_peak = _peak_bytes(baseline, gran)
     rewrites: list[InplaceRecord] = []
     if options.inplace:
         with _stage("in-place", done):

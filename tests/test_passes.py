@@ -6,6 +6,7 @@ results and the generated code against facts computed here, independently.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -182,3 +183,17 @@ def test_row_safe_kernels_may_write_into_their_inputs():
             out_op, out_name = _out_overload(op)
             out_op(g, o, 1, torch.float32, **{out_name: out})
             assert torch.equal(out, expected), (op, alias)
+
+
+def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
+    import memopt.pipeline as pipeline
+
+    def broken(gm):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(pipeline, "reinplace", broken)
+    with pytest.raises(memopt.PassError) as info:
+        memopt.plan(nn.Linear(4, 4), torch.randn(2, 4))
+    assert info.value.stage == "in-place"
+    assert info.value.before == ("partition", "liveness (baseline)")
+    assert isinstance(info.value.cause, RuntimeError)
