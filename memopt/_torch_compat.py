@@ -22,6 +22,18 @@ from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
 # (output descriptors, tangents, RNG seeds, symbolic sizes).
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
+# Raised by dynamo when a function has been recompiled `recompile_limit` times.
+try:
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+except ImportError:  # pragma: no cover - older/newer torch
+    class FailOnRecompileLimitHit(Exception):  # type: ignore[no-redef]
+        pass
+
+
+def recompile_limit() -> int:
+    return int(torch._dynamo.config.recompile_limit)
+
+
 # The "boxed" calling convention: the generated code takes one list and clears
 # it, so each input (a saved activation in backward) is freed at its last use.
 from torch.fx.graph import _BoxedCodeGen

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._torch_compat import unwrap_backend_error
+from ._torch_compat import FailOnRecompileLimitHit, recompile_limit, unwrap_backend_error
 from .backend import MemoptBackend
 from .errors import CaptureError, MemoptError
 from .memory_plan import MemoryPlan
@@ -45,6 +45,13 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict) -> Any:
         inner = unwrap_backend_error(err)
         if isinstance(inner, (MemoptError, _PlanOnly)):
             raise inner from None
+        if isinstance(err, FailOnRecompileLimitHit):
+            raise CaptureError(
+                f"memopt plans each input shape / dtype / train-eval mode separately and this "
+                f"module has now seen more than torch._dynamo.config.recompile_limit = "
+                f"{recompile_limit()} of them. Pad inputs to a few bucket sizes, or raise "
+                f"that limit if every shape really needs its own plan."
+            ) from err
         if type(err).__module__.startswith("torch._dynamo"):
             raise CaptureError(_capture_message(err)) from err
         raise

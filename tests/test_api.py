@@ -589,3 +589,11 @@ def test_invariant_checker_catches_broken_plans() -> None:
     broken = plan.model_copy(update={"saved": (*plan.saved, fake_saved)})
     with pytest.raises(AssertionError, match="overwrites saved"):
         check_plan_invariants(broken, model, inputs)
+
+
+def test_too_many_shapes_gives_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    compiled = memopt.compile(nn.Linear(4, 4))
+    with pytest.raises(memopt.CaptureError, match="recompile_limit"):
+        for n in range(1, 5):
+            compiled(torch.randn(n, 4)).sum().backward()
