@@ -22,7 +22,7 @@ from memopt.allocator import share_by_tags
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
-from memopt.passes.partition import find_cut, partition
+from memopt.passes.partition import find_cut, partition, read_concat_views
 
 from .budget import Budget, format_bytes
 from .errors import BudgetError, PassError
@@ -80,6 +80,8 @@ def plan_joint(
     done: list[str] = []
     with _stage("partition", done):
         cut = find_cut(joint, num_fwd_outputs)
+        if read_concat_views(joint, num_fwd_outputs, cut):
+            cut = find_cut(joint, num_fwd_outputs)
         fw, bw = partition(joint, num_fwd_outputs, cut)
         # the extraction drops saved values the backward never reads
         saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}

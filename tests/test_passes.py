@@ -197,3 +197,34 @@ def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
     assert info.value.stage == "in-place"
     assert info.value.before == ("partition", "liveness (baseline)")
     assert isinstance(info.value.cause, RuntimeError)
+
+
+def test_stacked_states_are_read_back_as_views_of_the_stack():
+    # h_t is saved for the next step's backward, and stack() copies it into the
+    # output: the backward reads select(stack, 0, t) instead, so h_t dies in forward.
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.RNNCell(16, 32)
+
+        def forward(self, x):
+            h = x.new_zeros(x.shape[1], 32)
+            hs = []
+            for t in range(x.shape[0]):
+                h = self.cell(x[t], h)
+                hs.append(h)
+            return torch.stack(hs)
+
+    x = torch.randn(6, 4, 16)
+    model = Loop()
+    plan = _plan(model, x)
+    saved_ops = [s.op for s in plan.saved if s.nbytes > 0]
+    assert "aten.stack" in saved_ops
+    assert not any(s.op == "aten.tanh" and s.nbytes > 0 for s in plan.saved), plan.summary()
+    compiled = memopt.compile(model)
+    compiled(x).pow(2).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).pow(2).sum().backward()
+    for g, p in zip(got, model.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
