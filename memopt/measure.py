@@ -30,21 +30,25 @@ How it is measured
   resident tensors.
 * CPU: PyTorch's CPU allocator keeps no counter, so the step runs in a fresh
   Python process (``python -m memopt.measure ... --json``) with
-  ``MALLOC_MMAP_THRESHOLD_=65536`` so that every buffer of 64 KiB or more is
-  mmap'd and goes back to the OS when freed. After the warm-up steps (which
-  include any compilation), the gradients are set to ``None``,
-  ``gc.collect()`` runs, ``malloc_trim(0)`` hands free heap pages back to the
-  OS (without it, a step that reuses heap memory freed during warm-up, e.g.
-  thousands of 64 KiB LSTM states, is under-counted), ``5`` is written to ``/proc/self/clear_refs`` (this
-  resets VmHWM to the current RSS) and VmRSS is read. After the measured step,
+  ``MALLOC_MMAP_THRESHOLD_=4096`` so that every buffer of a page or more is
+  mmap'd and goes back to the OS when freed. (DESIGN.md's 65536 works for
+  large tensors, but on an LSTM whose states are exactly 64 KiB the heap
+  fragments and RSS rose ~15% above the bytes allocated, eager and memopt
+  alike; one page keeps RSS within a few percent of the allocated bytes.)
+  After the warm-up steps (which include any compilation), the gradients
+  are set to ``None``, ``gc.collect()`` runs, ``malloc_trim(0)`` hands free
+  heap pages back to the OS (without it, a step that reuses heap memory
+  freed during warm-up is under-counted), ``5`` is written to
+  ``/proc/self/clear_refs`` (this resets VmHWM to the current RSS) and VmRSS
+  is read. After the measured step,
   VmHWM is read::
 
       peak_bytes = (VmHWM - VmRSS_before) + resident_bytes
 
   The resident tensors are already in ``VmRSS_before``, so they are added
-  back. Buffers smaller than 64 KiB come from malloc's heap, which may reuse
+  back. Buffers smaller than a page come from malloc's heap, which may reuse
   memory that the warm-up steps already made resident; such buffers can be
-  under-counted. Use tensors of at least 64 KiB when the number matters.
+  under-counted.
 
 ``step_seconds`` is the median wall time of the measured step and
 ``timed_steps`` more steps (each starting with gradients set to ``None``).
@@ -87,7 +91,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Measurement", "Workload", "default_loss", "measure_step", "main"]
 
-MALLOC_MMAP_THRESHOLD = 65536
+MALLOC_MMAP_THRESHOLD = 4096
 """Value of ``MALLOC_MMAP_THRESHOLD_`` in the child process (bytes)."""
 
 _WORKLOAD_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
