@@ -19,6 +19,15 @@ def _plan(model: nn.Module, *inputs: torch.Tensor, **options) -> memopt.MemoryPl
     return memopt.plan(model, *inputs, **options)
 
 
+def _assert_param_grads_match_eager(model: nn.Module, x: torch.Tensor, loss=torch.sum) -> None:
+    loss(memopt.compile(model)(x)).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss(model(x)).backward()
+    for g, p in zip(got, model.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
 def _storage_of(plan: memopt.MemoryPlan, qualified: str):
     return next(s for s in plan.storages if qualified in s.nodes)
 
@@ -157,14 +166,7 @@ def test_backward_reuses_the_dying_gradient():
     plan = _plan(model, torch.randn(16, 32))
     outs = [r for r in plan.inplace if r.graph == "bw" and "gelu_backward" in r.op]
     assert outs and all(r.inplace_op.endswith("grad_input") for r in outs)
-    x = torch.randn(16, 32)
-    compiled = memopt.compile(model)
-    compiled(x).sum().backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    model(x).sum().backward()
-    for g, p in zip(got, model.parameters()):
-        assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
+    _assert_param_grads_match_eager(model, torch.randn(16, 32))
 
 
 def test_row_safe_kernels_may_write_into_their_inputs():
@@ -221,10 +223,4 @@ def test_stacked_states_are_read_back_as_views_of_the_stack():
     saved_ops = [s.op for s in plan.saved if s.nbytes > 0]
     assert "aten.stack" in saved_ops
     assert not any(s.op == "aten.tanh" and s.nbytes > 0 for s in plan.saved), plan.summary()
-    compiled = memopt.compile(model)
-    compiled(x).pow(2).sum().backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    model(x).pow(2).sum().backward()
-    for g, p in zip(got, model.parameters()):
-        assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
+    _assert_param_grads_match_eager(model, x, loss=lambda out: out.pow(2).sum())
