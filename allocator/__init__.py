@@ -6,6 +6,7 @@ layout. None of them imports torch.
 """
 
 from .liveness import Interval, PeakResult, live_bytes_profile, peak_live_bytes
+from .mirror import SegmentPlan, grid_budgets, plan_segments, search_budgets
 from .offsets import OffsetResult, assign_offsets, find_overlap
 from .sharing import SharingResult, no_sharing_bytes, share_by_tags
 
@@ -13,11 +14,15 @@ __all__ = [
     "Interval",
     "OffsetResult",
     "PeakResult",
+    "SegmentPlan",
     "SharingResult",
     "assign_offsets",
     "find_overlap",
+    "grid_budgets",
     "live_bytes_profile",
     "no_sharing_bytes",
     "peak_live_bytes",
+    "plan_segments",
+    "search_budgets",
     "share_by_tags",
 ]

@@ -62,9 +62,11 @@ class MemoptBackend:
     """
 
     def __init__(self, budget: object = None, *, inplace: bool = True,
-                 plan_only: bool = False) -> None:
+                 mirror: object = None, plan_only: bool = False) -> None:
         self.budget: Budget | None = parse_budget(budget)
-        self.options = Options(inplace=inplace)
+        if mirror is not None and mirror != "all":
+            mirror = frozenset(mirror)
+        self.options = Options(inplace=inplace, mirror=mirror)
         self.plan_only = plan_only
         self.plans: list[MemoryPlan] = []
         self.last_plan: MemoryPlan | None = None

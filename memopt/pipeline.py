@@ -22,7 +22,8 @@ from memopt.allocator import share_by_tags
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
-from memopt.passes.partition import find_cut, partition, read_concat_views
+from memopt.passes.partition import find_cut, forward_region, partition, read_concat_views
+from memopt.passes.recompute import mirror_cut, mirrorable, place_recomputation
 
 from .budget import Budget, format_bytes
 from .errors import BudgetError, PassError
@@ -38,6 +39,9 @@ class Options:
     """Pipeline switches (the defaults are what `memopt.compile` runs)."""
 
     inplace: bool = True
+    #: Forward node names to recompute in backward (m(v) = 1), or "all" for every
+    #: mirrorable node; None: decided by the budget search. An expert override.
+    mirror: frozenset[str] | str | None = None
 
 
 def allocation_granularity(device: str) -> int:
@@ -67,6 +71,72 @@ def _stage(name: str, done: list[str]) -> Iterator[None]:
     done.append(name)
 
 
+@dataclass(frozen=True)
+class _Built:
+    """One candidate step: its graphs, their schedule and its simulated peak."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    saved_names: frozenset[str]
+    recomputed: frozenset[str]
+    rewrites: tuple[InplaceRecord, ...]
+    schedule: StepSchedule
+    peak_bytes: int
+
+
+def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: frozenset[str], *,
+           inplace: bool, primal_kinds: dict[str, str], done: list[str]) -> _Built:
+    """Partition (recomputing `mirror`), place recomputation, rewrite in place, analyze."""
+    with _stage("partition", done):
+        cut = mirror_cut(joint, num_fwd_outputs, mirror) if mirror else \
+            find_cut(joint, num_fwd_outputs)
+        fw, bw = partition(joint, num_fwd_outputs, cut)
+        recomputed = frozenset(n.name for n in bw.graph.nodes
+                               if n.op == "call_function" and n.name in mirror)
+        if recomputed:
+            place_recomputation(bw, recomputed)
+        # the extraction drops saved values the backward never reads
+        saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}
+    rewrites: list[InplaceRecord] = []
+    if inplace:
+        with _stage("in-place", done):
+            for graph_name, gm in (("fw", fw), ("bw", bw)):
+                result: InplaceResult = reinplace(gm)
+                rewrites += [InplaceRecord(graph=graph_name, **r.__dict__) for r in result.rewrites]
+    with _stage("liveness", done):
+        schedule = analyze_liveness(fw, bw, saved=saved_names, primal_kinds=primal_kinds)
+    peak = _peak_bytes(schedule, allocation_granularity(_device_of(fw)))
+    return _Built(fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak)
+
+
+def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: int,
+                   build) -> tuple[frozenset[str], tuple[tuple[int, int], ...]]:
+    """Chen et al. 2016, Alg. 3 with the Appendix A grid over B, each candidate scored
+    by the exact simulator: the feasible plan (peak <= budget) with the least
+    recomputed FLOPs, else the plan with the lowest peak."""
+    from memopt.allocator import search_budgets
+    from memopt.passes.recompute import node_flops, storage_sizes
+
+    region = [n for n in joint.graph.nodes if n.op == "call_function"
+              and n in forward_region(joint, num_fwd_outputs)]
+    allowed = {n.name for n in mirrorable(joint, num_fwd_outputs)}
+    sizes = storage_sizes(region)
+    droppable = [n.name in allowed for n in region]
+    flops = [node_flops(n) for n in region]
+    infeasible = 1 << 62
+
+    def score(segment_plan) -> int:
+        names = frozenset(n.name for n, m in zip(region, segment_plan.mirror) if m)
+        built = build(names)
+        if built.peak_bytes > budget_bytes:
+            return infeasible + built.peak_bytes
+        return sum(f for n, f in zip(region, flops) if n.name in built.recomputed)
+
+    best, tried = search_budgets(sizes, droppable, droppable=droppable, score=score)
+    names = frozenset(n.name for n, m in zip(region, best.mirror) if m)
+    return names, tried
+
+
 def plan_joint(
     joint: fx.GraphModule,
     num_fwd_outputs: int,
@@ -75,37 +145,50 @@ def plan_joint(
     budget: Budget | None,
     options: Options = Options(),
 ) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
-    """Run memopt's passes on `joint`; return the forward, backward and the plan."""
+    """Run memopt's passes on `joint`; return the forward, backward and the plan.
+
+    Step 1: declare minimum dependencies (passes.partition.read_concat_views).
+    Step 2: the baseline: no in-place, no recomputation.
+    Step 3: the mirror set: the user's (`options.mirror`), none when the plan without
+        recomputation fits the budget, else Chen's Alg. 3 + grid search.
+    Step 4: the final graphs and the plan.
+    """
     t0 = time.perf_counter()
     done: list[str] = []
-    with _stage("partition", done):
-        cut = find_cut(joint, num_fwd_outputs)
-        if read_concat_views(joint, num_fwd_outputs, cut):
-            cut = find_cut(joint, num_fwd_outputs)
-        fw, bw = partition(joint, num_fwd_outputs, cut)
-        # the extraction drops saved values the backward never reads
-        saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}
-    device = _device_of(fw)
+    with _stage("minimum dependencies", done):
+        read_concat_views(joint, num_fwd_outputs, find_cut(joint, num_fwd_outputs))
+
+    def build(mirror: frozenset[str], inplace: bool = options.inplace) -> _Built:
+        return _build(joint, num_fwd_outputs, mirror, inplace=inplace,
+                      primal_kinds=primal_kinds, done=[])
+
+    with _stage("baseline", done):
+        baseline_peak = build(frozenset(), inplace=False).peak_bytes
+    budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
+    mirror: frozenset[str] = frozenset()
+    tried: tuple[tuple[int, int], ...] = ()
+    if options.mirror == "all":
+        mirror = frozenset(n.name for n in mirrorable(joint, num_fwd_outputs))
+    elif options.mirror is not None:
+        mirror = frozenset(options.mirror)
+    elif budget_bytes is not None:
+        built = build(frozenset())
+        if built.peak_bytes > budget_bytes:
+            with _stage("budget search", done):
+                mirror, tried = _choose_mirror(joint, num_fwd_outputs, budget_bytes, build)
+    final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
+                   primal_kinds=primal_kinds, done=done)
+    device = _device_of(final.fw)
     gran = allocation_granularity(device)
-    with _stage("liveness (baseline)", done):
-        baseline = analyze_liveness(fw, bw, saved=saved_names, primal_kinds=primal_kinds)
-        baseline_peak = _peak_bytes(baseline, gran)
-    rewrites: list[InplaceRecord] = []
-    if options.inplace:
-        with _stage("in-place", done):
-            for graph_name, gm in (("fw", fw), ("bw", bw)):
-                result: InplaceResult = reinplace(gm)
-                rewrites += [InplaceRecord(graph=graph_name, **r.__dict__) for r in result.rewrites]
-    with _stage("liveness", done):
-        schedule = analyze_liveness(fw, bw, saved=saved_names, primal_kinds=primal_kinds)
     with _stage("allocator", done):
-        plan = _assemble(fw, schedule, saved_names, rewrites, baseline_peak, budget, device,
-                         gran, time.perf_counter() - t0)
+        plan = _assemble(final.fw, final.schedule, final.saved_names, list(final.rewrites),
+                         baseline_peak, budget, device, gran, time.perf_counter() - t0)
     log.info(
         "memopt: peak %s -> %s (lower bound %s, arena %s), %d in-place, %d saved tensors, "
-        "planned in %.2fs", format_bytes(plan.baseline_peak_bytes),
+        "%d recomputed, planned in %.2fs", format_bytes(plan.baseline_peak_bytes),
         format_bytes(plan.predicted_peak_bytes), format_bytes(plan.lower_bound_bytes),
-        format_bytes(plan.arena_bytes), len(rewrites), len(plan.saved), plan.plan_seconds,
+        format_bytes(plan.arena_bytes), len(final.rewrites), len(plan.saved),
+        len(final.recomputed), plan.plan_seconds,
     )
     if plan.budget_bytes is not None and plan.predicted_peak_bytes > plan.budget_bytes:
         raise BudgetError(
@@ -114,7 +197,7 @@ def plan_joint(
             baseline_bytes=plan.baseline_peak_bytes,
             budget=str(budget),
         )
-    return fw, bw, plan
+    return final.fw, final.bw, plan
 
 
 def _device_of(gm: fx.GraphModule) -> str:

@@ -1,0 +1,75 @@
+"""Recomputation (Chen et al. 2016, Alg. 2 and 3): eager's gradients whatever is recomputed.
+
+The whole correctness corpus runs with every mirrorable node recomputed (the
+most recomputation memopt does) and under fractional budgets that force the
+Alg. 3 search; plus the budget semantics (BudgetError, monotonic peaks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from models import CORPUS
+from test_corpus import check_matches_eager
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=repr)
+def test_corpus_matches_eager_with_everything_recomputed(case) -> None:
+    run = check_matches_eager(case.make_model, case.make_inputs,
+                              compile_fn=lambda m: memopt.compile(m, mirror="all"))
+    plan = run.compiled.memopt_plan
+    assert plan is not None and plan.predicted_peak_bytes > 0
+
+
+def _deep_mlp() -> nn.Module:
+    blocks: list[nn.Module] = []
+    for _ in range(12):
+        blocks += [nn.Linear(128, 128), nn.GELU(), nn.LayerNorm(128), nn.Dropout(0.1)]
+    return nn.Sequential(*blocks)
+
+
+def _inputs() -> tuple[torch.Tensor]:
+    return (torch.randn(256, 128),)
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.8])
+def test_budget_forces_recomputation_and_keeps_eager_gradients(fraction) -> None:
+    run = check_matches_eager(_deep_mlp, _inputs, budget=fraction)
+    plan = run.compiled.memopt_plan
+    assert plan.budget_bytes is not None
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
+
+
+def test_recomputation_never_touches_dropout_or_batchnorm_updates() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    run = check_matches_eager(lambda: model, lambda: (torch.randn(32, 16),),
+                              compile_fn=lambda m: memopt.compile(m, mirror="all"), steps=2)
+    assert int(run.model[1].num_batches_tracked) == 2
+
+
+def test_impossible_budget_raises_with_the_minimum_reached() -> None:
+    model = _deep_mlp()
+    with pytest.raises(memopt.BudgetError) as info:
+        memopt.compile(model, budget=0.05)(*_inputs())
+    err = info.value
+    assert err.budget_bytes < err.minimum_bytes < err.baseline_bytes
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_lowering_the_budget_never_raises_the_predicted_peak() -> None:
+    torch.manual_seed(0)
+    model = _deep_mlp()
+    x = _inputs()[0]
+    peaks = []
+    for fraction in (1.0, 0.9, 0.8, 0.75):
+        try:
+            peaks.append(memopt.plan(model, x, budget=fraction).predicted_peak_bytes)
+        except memopt.BudgetError:
+            break
+    assert len(peaks) >= 3
+    assert all(b <= a for a, b in zip(peaks, peaks[1:])), peaks
