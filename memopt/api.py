@@ -134,7 +134,9 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             "512MB", an int of bytes, or a float fraction in (0, 1] of the
             unoptimized peak. It counts parameters, buffers, inputs, activations,
             temporaries and parameter gradients of one forward+backward step.
-        options: `inplace=False` turns the in-place pass off.
+        options: `inplace=False` turns the in-place pass off; `mirror="all"` (or a
+            set of forward node names) recomputes those nodes in backward instead of
+            letting the budget search choose (an expert override, Chen Sec. 4.5).
 
     Returns a module that trains in the user's loop and computes eager's gradients.
     Raises ValueError for a malformed budget, memopt.BudgetError (at the first
