@@ -69,14 +69,20 @@ class _Storages:
     def __init__(self) -> None:
         self.parent: dict[object, object] = {}
         self.nbytes: dict[object, int] = {}
+        self.received: set[object] = set()  # storages the backward graph takes as inputs
 
     def find(self, key: object) -> object:
         while self.parent.get(key, key) is not key:
             key = self.parent[key]
         return key
 
-    def add(self, tensor: torch.Tensor) -> object:
+    def add(self, tensor: torch.Tensor, fresh_in: str | None = None) -> object:
+        """The storage of `tensor`. With `fresh_in`, a storage the backward did not
+        receive as an input is a new one of that graph: a recomputed node shares its
+        FakeTensor with the forward original but allocates its own memory."""
         key = storage_key(tensor)
+        if fresh_in is not None and key not in self.received:
+            key = (fresh_in, key)
         if key not in self.parent:
             self.parent[key] = key
             self.nbytes[key] = tensor.untyped_storage().nbytes()
@@ -116,11 +122,16 @@ def analyze_liveness(
     tangent_keys: set[object] = set()
     graphs = [("fw", fw)] + ([("bw", bw)] if bw is not None else [])
 
-    # Step 1: storage identity of every node's value.
+    # Step 1: storage identity of every node's value. Backward nodes allocate new
+    # storages unless they alias a backward input (saved tensor or tangent).
+    if bw is not None:
+        stores.received = {storage_key(t) for n in bw.graph.find_nodes(op="placeholder")
+                           for t in _tensors(fake_value(n))}
     for prefix, gm in graphs:
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "call_function", "get_attr"):
-                keys = [stores.add(t) for t in _tensors(fake_value(node))]
+                fresh = "bw" if prefix == "bw" and node.op != "placeholder" else None
+                keys = [stores.add(t, fresh) for t in _tensors(fake_value(node))]
                 src = inplace_source(node)
                 if src is not None and keys and (prefix, src) in node_keys:
                     stores.union(keys[0], node_keys[(prefix, src)][0])

@@ -224,3 +224,21 @@ def test_stacked_states_are_read_back_as_views_of_the_stack():
     assert "aten.stack" in saved_ops
     assert not any(s.op == "aten.tanh" and s.nbytes > 0 for s in plan.saved), plan.summary()
     _assert_param_grads_match_eager(model, x, loss=lambda out: out.pow(2).sum())
+
+
+def test_recomputed_nodes_allocate_their_own_storage_in_backward():
+    # A recomputed node shares its FakeTensor with the forward original, but it is a
+    # new allocation in backward: liveness must not stretch the forward one across.
+    blocks = []
+    for _ in range(6):
+        blocks += [nn.Linear(64, 64), nn.Tanh()]
+    model = nn.Sequential(*blocks)
+    plan = memopt.plan(model, torch.randn(32, 64), mirror="all")
+    fwd = plan.num_forward_steps
+    recomputed = [s for s in plan.storages if s.start >= fwd and any(
+        n.startswith("bw.tanh") or n.startswith("bw.addmm") for n in s.nodes)]
+    assert recomputed, "expected recomputed tanh/addmm storages born in backward"
+    # no forward activation survives into backward unless it is saved or an output
+    for s in plan.storages:
+        if s.kind == "activation":
+            assert s.end < fwd, s
