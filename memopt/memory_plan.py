@@ -63,6 +63,28 @@ class SharingGroup(BaseModel):
     storages: tuple[str, ...]
 
 
+class RecomputedNode(BaseModel):
+    """A forward op dropped after forward and run again in backward (Chen Alg. 2, m(v)=1)."""
+
+    model_config = _FROZEN
+    name: str
+    op: str
+    module: str
+    module_type: str
+    shape: tuple[int, ...]
+    nbytes: int
+    flops: int
+
+
+class SearchCandidate(BaseModel):
+    """One budget B the Alg. 3 search tried, and the simulator's verdict on its plan."""
+
+    model_config = _FROZEN
+    segment_budget_bytes: int      # Alg. 3's B
+    predicted_peak_bytes: int | None  # None when the plan met the budget (score = FLOPs)
+    recompute_flops: int | None
+
+
 class MemoryPlan(BaseModel):
     """The plan of one captured training graph (forward + backward)."""
 
@@ -84,6 +106,10 @@ class MemoryPlan(BaseModel):
     inplace: tuple[InplaceRecord, ...]
     sharing: tuple[SharingGroup, ...]
     plan_seconds: float
+    recomputed: tuple[RecomputedNode, ...] = ()
+    forward_flops: int = 0             # one forward pass, by the same cost model
+    recompute_flops: int = 0           # extra forward work the recomputation adds
+    search: tuple[SearchCandidate, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -107,6 +133,12 @@ class MemoryPlan(BaseModel):
             f"  in-place rewrites {len(self.inplace)}, sharing groups {len(self.sharing)}, "
             f"saved tensors {len(self.saved)} ({b(self.saved_bytes)})",
         ]
+        if self.recomputed:
+            extra = self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+            lines.append(
+                f"  recomputed ops   {len(self.recomputed)} ({b(sum(r.nbytes for r in self.recomputed))} "
+                f"not kept), +{extra:.0%} of a forward pass; search tried {len(self.search)} budgets"
+            )
         if self.saved:
             lines.append("")
             header = f"  {'saved tensor':<28} {'op':<26} {'module':<32} {'shape':<20} {'bytes':>10}  decision"

@@ -27,7 +27,8 @@ from memopt.passes.recompute import mirror_cut, mirrorable, place_recomputation
 
 from .budget import Budget, format_bytes
 from .errors import BudgetError, PassError
-from .memory_plan import InplaceRecord, MemoryPlan, SavedTensor, SharingGroup, StorageRecord
+from .memory_plan import (InplaceRecord, MemoryPlan, RecomputedNode, SavedTensor, SearchCandidate,
+                          SharingGroup, StorageRecord)
 
 log = logging.getLogger("memopt")
 
@@ -109,6 +110,32 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: frozenset[str], 
     return _Built(fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak)
 
 
+_INFEASIBLE = 1 << 62  # scores at or above this: the plan missed the budget (+ its peak)
+
+
+def _recomputed_nodes(joint: fx.GraphModule, num_fwd_outputs: int, names: frozenset[str]
+                      ) -> tuple[tuple[RecomputedNode, ...], int]:
+    """The recomputed ops, and the cost of one forward pass, by the same FLOP model."""
+    from memopt.passes.recompute import node_flops
+
+    region = forward_region(joint, num_fwd_outputs)
+    records, total = [], 0
+    for node in joint.graph.nodes:
+        if node not in region or node.op != "call_function":
+            continue
+        flops = node_flops(node)
+        total += flops
+        val = tensor_value(node)
+        if node.name in names and val is not None:
+            module, module_type = user_module(node)
+            records.append(RecomputedNode(
+                name=node.name, op=op_name(node), module=module, module_type=module_type,
+                shape=tuple(int(d) for d in val.shape), nbytes=val.untyped_storage().nbytes(),
+                flops=flops,
+            ))
+    return tuple(records), total
+
+
 def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: int,
                    build) -> tuple[frozenset[str], tuple[tuple[int, int], ...]]:
     """Chen et al. 2016, Alg. 3 with the Appendix A grid over B, each candidate scored
@@ -123,7 +150,7 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     sizes = storage_sizes(region)
     droppable = [n.name in allowed for n in region]
     flops = [node_flops(n) for n in region]
-    infeasible = 1 << 62
+    infeasible = _INFEASIBLE
 
     def score(segment_plan) -> int:
         names = frozenset(n.name for n, m in zip(region, segment_plan.mirror) if m)
@@ -178,11 +205,27 @@ def plan_joint(
                 mirror, tried = _choose_mirror(joint, num_fwd_outputs, budget_bytes, build)
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
                    primal_kinds=primal_kinds, done=done)
+    recomputed, forward_flops = _recomputed_nodes(joint, num_fwd_outputs, final.recomputed)
+    search = tuple(
+        SearchCandidate(segment_budget_bytes=b, predicted_peak_bytes=s - _INFEASIBLE,
+                        recompute_flops=None) if s >= _INFEASIBLE else
+        SearchCandidate(segment_budget_bytes=b, predicted_peak_bytes=None, recompute_flops=s)
+        for b, s in tried
+    )
     device = _device_of(final.fw)
     gran = allocation_granularity(device)
     with _stage("allocator", done):
         plan = _assemble(final.fw, final.schedule, final.saved_names, list(final.rewrites),
                          baseline_peak, budget, device, gran, time.perf_counter() - t0)
+        plan = plan.model_copy(update={
+            "recomputed": recomputed, "forward_flops": forward_flops,
+            "recompute_flops": sum(r.flops for r in recomputed), "search": search,
+            "saved": tuple(
+                r.model_copy(update={"reason": "kept: a segment boundary of the Alg. 3 plan, "
+                                               "read by backward or by recomputation"})
+                if recomputed and r.reason.startswith("read by backward") else r
+                for r in plan.saved),
+        })
     log.info(
         "memopt: peak %s -> %s (lower bound %s, arena %s), %d in-place, %d saved tensors, "
         "%d recomputed, planned in %.2fs", format_bytes(plan.baseline_peak_bytes),

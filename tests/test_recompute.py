@@ -73,3 +73,16 @@ def test_lowering_the_budget_never_raises_the_predicted_peak() -> None:
             break
     assert len(peaks) >= 3
     assert all(b <= a for a, b in zip(peaks, peaks[1:])), peaks
+
+
+def test_plan_lists_what_is_recomputed_and_the_search() -> None:
+    torch.manual_seed(0)
+    plan = memopt.plan(_deep_mlp(), *_inputs(), budget=0.8)
+    assert plan.recomputed, plan.summary()
+    assert plan.recompute_flops == sum(r.flops for r in plan.recomputed) > 0
+    assert 0 < plan.recompute_flops <= plan.forward_flops
+    assert plan.search and any(c.predicted_peak_bytes is None for c in plan.search)
+    assert all(r.module for r in plan.recomputed)           # user module names
+    assert all("dropout" not in r.op for r in plan.recomputed)
+    assert "recomputed ops" in plan.summary()
+    assert memopt.MemoryPlan.model_validate_json(plan.model_dump_json()) == plan
