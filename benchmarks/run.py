@@ -71,13 +71,79 @@ def run_core(models: list[str], device: str, timed_steps: int) -> list[Row]:
     return rows
 
 
+BUDGET_MODELS = ("mlp64", "resnet50", "gpt2")
+FRACTIONS = (1.0, 0.5, 0.25, 0.1)
+#: Peers measured in the same run as memopt's budgets.
+PEERS = {"mlp64": ("checkpoint_sequential:8",), "gpt2": ("hf_checkpointing",)}
+
+
+def minimum_budget(model: str, device: str) -> int:
+    """The smallest peak memopt's search reaches (planned on FakeTensors, not run)."""
+    import memopt
+    from benchmarks import workloads
+
+    wl = getattr(workloads, model)(device)
+    try:
+        memopt.plan(wl.model, *wl.args, example_kwargs=wl.kwargs, budget=1)
+    except memopt.BudgetError as err:
+        return err.minimum_bytes
+    raise AssertionError("a 1-byte budget was met")
+
+
+def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[str]]:
+    """Chen et al. 2016 Alg. 3 budgets: measured against eager and the peers."""
+    rows = []
+    for model in models:
+        spec = f"benchmarks.workloads:{model}"
+        eager = measure_step(spec, mode="eager", device=device, timed_steps=timed_steps,
+                             isolate=True)
+        lowest = minimum_budget(model, device)
+        configs = [(f"memopt {f:.0%}", "memopt", int(f * eager.peak_bytes)) for f in FRACTIONS]
+        configs.append(("memopt minimum", "memopt", lowest))
+        configs += [(peer, peer, None) for peer in PEERS.get(model, ())]
+        rows.append([model, "eager", "-", "-", format_bytes(eager.peak_bytes), "1.00x", "-",
+                     "1.00x", "-"])
+        for label, mode, budget in configs:
+            try:
+                m = measure_step(spec, mode=mode, budget=budget, device=device,
+                                 timed_steps=timed_steps, isolate=True)
+            except RuntimeError as err:
+                reason = "BudgetError" if "BudgetError" in str(err) else "failed"
+                rows.append([model, label, format_bytes(budget) if budget else "-",
+                             reason, "-", "-", "-", "-", "-"])
+                continue
+            fits = "-" if budget is None else ("yes" if m.peak_bytes <= budget else "**no**")
+            rows.append([
+                model, label, format_bytes(budget) if budget else "-",
+                format_bytes(m.predicted_peak_bytes) if m.predicted_peak_bytes else "-",
+                format_bytes(m.peak_bytes), f"{m.peak_bytes / eager.peak_bytes:.2f}x", fits,
+                f"{m.step_seconds / eager.step_seconds:.2f}x",
+                f"{1 + m.recompute_flops_ratio:.2f}x" if m.recompute_flops_ratio is not None
+                else "-",
+            ])
+        print(f"# {model}: budgets done", file=sys.stderr, flush=True)
+    return rows
+
+
+BUDGET_HEADER = ["model", "config", "budget", "predicted", "measured", "measured / eager",
+                 "measured <= budget", "time / eager", "forward FLOPs / eager"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--timed-steps", type=int, default=2)
+    parser.add_argument("--budgets", action="store_true",
+                        help="the budget sweep (Chen Alg. 3) against eager and the peers")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.budgets:
+        models = [m for m in args.models if m in BUDGET_MODELS] or list(BUDGET_MODELS)
+        rows = run_budgets(models, args.device, args.timed_steps)
+        print(f"\nBudgets, device={args.device} (one fresh process per cell)\n")
+        print(markdown(rows, BUDGET_HEADER))
+        return 0
     rows = run_core(args.models, args.device, args.timed_steps)
     print(f"\nCore pipeline, budget=None, device={args.device} (one fresh process per cell)\n")
     print(markdown([r.cells() for r in rows], HEADER))

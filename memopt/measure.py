@@ -96,6 +96,12 @@ MALLOC_MMAP_THRESHOLD = 4096
 
 _WORKLOAD_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _MODES = ("eager", "memopt")
+#: Peers measured side by side with memopt: "checkpoint_sequential:K" (an
+#: nn.Sequential run through torch.utils.checkpoint.checkpoint_sequential with K
+#: segments), "hf_checkpointing" (transformers' gradient_checkpointing_enable()),
+#: "inductor:F" (torch.compile with activation_memory_budget = F).
+_PEER_PREFIXES = ("checkpoint_sequential:", "inductor:")
+_PEERS = ("hf_checkpointing",)
 _STDERR_TAIL_LINES = 30
 
 
@@ -119,6 +125,8 @@ class Measurement:
     plan_seconds: float | None
     """First (compiling) step's time minus ``step_seconds``; None for eager."""
     device: str
+    recompute_flops_ratio: float | None = None
+    """memopt's recomputed FLOPs over one forward pass (its plan's cost model)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -127,7 +135,9 @@ class Measurement:
     def from_json(cls, text: str) -> Measurement:
         data = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(data, dict) or set(data) != names:
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING}
+        if not isinstance(data, dict) or not required <= set(data) <= names:
             raise ValueError(f"not a Measurement: {text!r}")
         return cls(**data)
 
@@ -185,8 +195,21 @@ def _check_workload_name(workload: str) -> None:
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in _MODES:
-        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if mode in _MODES or mode in _PEERS or mode.startswith(_PEER_PREFIXES):
+        return
+    raise ValueError(f"mode must be one of {_MODES + _PEERS}, or start with one of "
+                     f"{_PEER_PREFIXES}; got {mode!r}")
+
+
+class _CheckpointSequential(torch.nn.Module):
+    def __init__(self, model: torch.nn.Sequential, segments: int) -> None:
+        super().__init__()
+        self.model, self.segments = model, segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        return checkpoint_sequential(self.model, self.segments, x, use_reentrant=False)
 
 
 def _check_device(device: str) -> torch.device:
@@ -326,6 +349,18 @@ def _reset_hwm() -> None:
 def _compile(model: torch.nn.Module, mode: str, budget: Any, options: dict | None):
     if mode == "eager":
         return model
+    if mode.startswith("checkpoint_sequential:"):
+        if not isinstance(model, torch.nn.Sequential):
+            raise ValueError("checkpoint_sequential needs an nn.Sequential model")
+        return _CheckpointSequential(model, int(mode.split(":", 1)[1]))
+    if mode == "hf_checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    if mode.startswith("inductor:"):
+        import torch._functorch.config as functorch_config  # noqa: PLC0415
+
+        functorch_config.activation_memory_budget = float(mode.split(":", 1)[1])
+        return torch.compile(model)
     import memopt  # noqa: PLC0415 (the package may be partly written)
 
     return memopt.compile(model, budget=budget, **(options or {}))
@@ -365,6 +400,9 @@ def _measure_here(
     if plan is not None:
         value = getattr(plan, "predicted_peak_bytes", None)
         predicted = None if value is None else int(value)
+    flops_ratio = None
+    if plan is not None and getattr(plan, "forward_flops", 0):
+        flops_ratio = plan.recompute_flops / plan.forward_flops
 
     # Step 2: a clean start: no gradients, no garbage.
     _params_to_none(modules, wl)
@@ -403,6 +441,7 @@ def _measure_here(
         predicted_peak_bytes=predicted,
         plan_seconds=plan_seconds,
         device=str(dev),
+        recompute_flops_ratio=flops_ratio,
     )
 
 
@@ -567,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Measure the peak memory of one training step in this process.",
     )
     parser.add_argument("--workload", required=True, help="package.module:function")
-    parser.add_argument("--mode", default="eager", choices=_MODES)
+    parser.add_argument("--mode", default="eager")
     parser.add_argument("--budget", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--warmup", type=int, default=1)
