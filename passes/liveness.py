@@ -69,20 +69,16 @@ class _Storages:
     def __init__(self) -> None:
         self.parent: dict[object, object] = {}
         self.nbytes: dict[object, int] = {}
-        self.received: set[object] = set()  # storages the backward graph takes as inputs
 
     def find(self, key: object) -> object:
         while self.parent.get(key, key) is not key:
             key = self.parent[key]
         return key
 
-    def add(self, tensor: torch.Tensor, fresh_in: str | None = None) -> object:
-        """The storage of `tensor`. With `fresh_in`, a storage the backward did not
-        receive as an input is a new one of that graph: a recomputed node shares its
-        FakeTensor with the forward original but allocates its own memory."""
-        key = storage_key(tensor)
-        if fresh_in is not None and key not in self.received:
-            key = (fresh_in, key)
+    def add(self, tensor: torch.Tensor, key: object = None) -> object:
+        """The storage of `tensor`: its FakeTensor's storage, or `key` when given."""
+        if key is None:
+            key = storage_key(tensor)
         if key not in self.parent:
             self.parent[key] = key
             self.nbytes[key] = tensor.untyped_storage().nbytes()
@@ -114,6 +110,7 @@ def analyze_liveness(
     primal_kinds = primal_kinds or {}
     stores = _Storages()
     node_keys: dict[tuple[str, str], list[object]] = {}
+    node_raw: dict[tuple[str, str], list[object]] = {}
     steps: list[str] = []
     first: dict[object, int] = {}
     last: dict[object, int] = {}
@@ -122,20 +119,26 @@ def analyze_liveness(
     tangent_keys: set[object] = set()
     graphs = [("fw", fw)] + ([("bw", bw)] if bw is not None else [])
 
-    # Step 1: storage identity of every node's value. Backward nodes allocate new
-    # storages unless they alias a backward input (saved tensor or tangent).
-    if bw is not None:
-        stores.received = {storage_key(t) for n in bw.graph.find_nodes(op="placeholder")
-                           for t in _tensors(fake_value(n))}
+    # Step 1: storage identity of every node's value. Forward: the FakeTensor's
+    # storage (views share it). Backward: inputs keep the forward identity; views and
+    # getitems take their source's; every other op allocates a new storage. A node
+    # recomputed in backward shares its FakeTensor with the forward original but
+    # allocates its own memory, so FakeTensor identity cannot be trusted there.
     for prefix, gm in graphs:
         for node in gm.graph.nodes:
-            if node.op in ("placeholder", "call_function", "get_attr"):
-                fresh = "bw" if prefix == "bw" and node.op != "placeholder" else None
-                keys = [stores.add(t, fresh) for t in _tensors(fake_value(node))]
-                src = inplace_source(node)
-                if src is not None and keys and (prefix, src) in node_keys:
-                    stores.union(keys[0], node_keys[(prefix, src)][0])
-                node_keys[(prefix, node.name)] = keys
+            if node.op not in ("placeholder", "call_function", "get_attr"):
+                continue
+            tensors = _tensors(fake_value(node))
+            node_raw[(prefix, node.name)] = [storage_key(t) for t in tensors]
+            if prefix == "fw" or node.op == "placeholder":
+                keys = [stores.add(t) for t in tensors]
+            else:
+                keys = [stores.add(t, key) for t, key in
+                        zip(tensors, _backward_keys(node, tensors, node_keys, node_raw))]
+            src = inplace_source(node)
+            if src is not None and keys and (prefix, src) in node_keys:
+                stores.union(keys[0], node_keys[(prefix, src)][0])
+            node_keys[(prefix, node.name)] = keys
 
     def keys_of(prefix: str, node: fx.Node) -> list[object]:
         return [stores.find(k) for k in node_keys.get((prefix, node.name), [])]
@@ -221,3 +224,21 @@ def analyze_liveness(
     lives.sort(key=lambda s: (s.start, s.name))
     return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives))
 
+
+
+
+def _backward_keys(node: fx.Node, tensors: list[torch.Tensor],
+                   node_keys: dict[tuple[str, str], list[object]],
+                   node_raw: dict[tuple[str, str], list[object]]) -> list[object]:
+    """Storage keys of a backward node's outputs (see Step 1): an output whose
+    FakeTensor storage is one of its inputs' aliases that input (a view, an
+    `_unsafe_view`, a getitem); any other output is a new allocation."""
+    inputs: dict[object, object] = {}
+    for arg in node.all_input_nodes:
+        for raw, key in zip(node_raw.get(("bw", arg.name), []), node_keys.get(("bw", arg.name), [])):
+            inputs.setdefault(raw, key)
+    keys = []
+    for i, t in enumerate(tensors):
+        raw = storage_key(t)
+        keys.append(inputs.get(raw, ("bw", node.name, i)))
+    return keys
