@@ -105,7 +105,8 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: frozenset[str], 
                 result: InplaceResult = reinplace(gm)
                 rewrites += [InplaceRecord(graph=graph_name, **r.__dict__) for r in result.rewrites]
     with _stage("liveness", done):
-        schedule = analyze_liveness(fw, bw, saved=saved_names, primal_kinds=primal_kinds)
+        schedule = analyze_liveness(fw, bw, saved=saved_names, num_user_outputs=num_fwd_outputs,
+                                    primal_kinds=primal_kinds)
     peak = _peak_bytes(schedule, allocation_granularity(_device_of(fw)))
     return _Built(fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak)
 

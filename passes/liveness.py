@@ -104,9 +104,12 @@ def analyze_liveness(
     bw: fx.GraphModule | None,
     *,
     saved: frozenset[str],
+    num_user_outputs: int,
     primal_kinds: dict[str, str] | None = None,
 ) -> StepSchedule:
-    """Lifetimes of every storage of a training step. `saved`: names of saved values."""
+    """Lifetimes of every storage of a training step. `saved`: names of saved values;
+    the forward returns `num_user_outputs` outputs for the caller, then the saved values
+    (AOTAutograd's convention). A value can be both: the caller still holds it."""
     primal_kinds = primal_kinds or {}
     stores = _Storages()
     node_keys: dict[tuple[str, str], list[object]] = {}
@@ -187,8 +190,8 @@ def analyze_liveness(
     held: set[object] = set(resident_kind)
     fw_out = next(iter(fw.graph.find_nodes(op="output")))
     user_outputs: set[object] = set()
-    for arg in fw_out.all_input_nodes:
-        if arg.name not in saved:
+    for arg in fw_out.args[0][:num_user_outputs]:
+        if isinstance(arg, fx.Node):
             user_outputs.update(keys_of("fw", arg))
     held |= user_outputs
     gradients: set[object] = set()

@@ -242,3 +242,21 @@ def test_recomputed_nodes_allocate_their_own_storage_in_backward():
     for s in plan.storages:
         if s.kind == "activation":
             assert s.end < fwd, s
+
+
+def test_an_output_that_backward_also_reads_lives_to_the_end():
+    # logits are returned to the caller AND read by recomputation in backward: the
+    # caller holds them, so the storage must not be freed at its last backward read.
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 64)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return logits, torch.log_softmax(logits, -1).sum()
+
+    plan = memopt.plan(Head(), torch.randn(16, 32), mirror="all")
+    last = plan.num_forward_steps + plan.num_backward_steps - 1
+    output = [s for s in plan.storages if s.kind == "output" and s.nbytes == 16 * 64 * 4]
+    assert output and all(s.end == last for s in output), plan.storages
