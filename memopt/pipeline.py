@@ -145,8 +145,8 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     from memopt.allocator import search_budgets
     from memopt.passes.recompute import node_flops, storage_sizes
 
-    region = [n for n in joint.graph.nodes if n.op == "call_function"
-              and n in forward_region(joint, num_fwd_outputs)]
+    forward = forward_region(joint, num_fwd_outputs)
+    region = [n for n in joint.graph.nodes if n.op == "call_function" and n in forward]
     allowed = {n.name for n in mirrorable(joint, num_fwd_outputs)}
     sizes = storage_sizes(region)
     droppable = [n.name in allowed for n in region]
