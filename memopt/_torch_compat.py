@@ -37,6 +37,7 @@ def recompile_limit() -> int:
 # The "boxed" calling convention: the generated code takes one list and clears
 # it, so each input (a saved activation in backward) is freed at its last use.
 from torch.fx.graph import _BoxedCodeGen
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def extract_fwd_bwd(
@@ -94,6 +95,4 @@ def unwrap_backend_error(err: BaseException) -> BaseException:
 
 def storage_key(t: Any) -> Any:
     """A hashable identity of the storage under a (fake) tensor; views share it."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     return StorageWeakRef(t.untyped_storage())

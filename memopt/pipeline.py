@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from torch import fx
 
 from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_live_bytes
-from memopt.allocator import share_by_tags
+from memopt.allocator import search_budgets, share_by_tags
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
 from memopt.passes.partition import find_cut, forward_region, partition, read_concat_views
-from memopt.passes.recompute import mirror_cut, mirrorable, place_recomputation
+from memopt.passes.recompute import (mirror_cut, mirrorable, node_flops, place_recomputation,
+                                     storage_sizes)
 
 from .budget import Budget, format_bytes
 from .errors import BudgetError, PassError
@@ -117,8 +118,6 @@ _INFEASIBLE = 1 << 62  # scores at or above this: the plan missed the budget (+ 
 def _recomputed_nodes(joint: fx.GraphModule, num_fwd_outputs: int, names: frozenset[str]
                       ) -> tuple[tuple[RecomputedNode, ...], int]:
     """The recomputed ops, and the cost of one forward pass, by the same FLOP model."""
-    from memopt.passes.recompute import node_flops
-
     region = forward_region(joint, num_fwd_outputs)
     records, total = [], 0
     for node in joint.graph.nodes:
@@ -142,9 +141,6 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     """Chen et al. 2016, Alg. 3 with the Appendix A grid over B, each candidate scored
     by the exact simulator: the feasible plan (peak <= budget) with the least
     recomputed FLOPs, else the plan with the lowest peak."""
-    from memopt.allocator import search_budgets
-    from memopt.passes.recompute import node_flops, storage_sizes
-
     forward = forward_region(joint, num_fwd_outputs)
     region = [n for n in joint.graph.nodes if n.op == "call_function" and n in forward]
     allowed = {n.name for n in mirrorable(joint, num_fwd_outputs)}

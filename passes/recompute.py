@@ -32,9 +32,11 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
+from torch.utils.flop_counter import flop_registry
 
-from memopt._torch_compat import is_sym_node
+from memopt._torch_compat import is_sym_node, storage_key
 
 from .meta import fake_value, tensor_value
 from .partition import Cut, forward_region
@@ -134,9 +136,6 @@ def node_flops(node: fx.Node) -> int:
     """Cost of recomputing `node` (Chen Sec. 4.2: prefer dropping cheap ops): the
     FLOP formula PyTorch's FlopCounterMode uses for matmuls and convolutions, else
     one operation per output element."""
-    from torch.utils.flop_counter import flop_registry
-    import torch.utils._pytree as pytree
-
     out = tensor_value(node)
     fallback = int(out.numel()) if out is not None else 0
     formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
@@ -158,8 +157,6 @@ def node_flops(node: fx.Node) -> int:
 
 def storage_sizes(nodes: list[fx.Node]) -> list[int]:
     """Bytes each node's output adds (0 for views of an earlier node's storage)."""
-    from memopt._torch_compat import storage_key
-
     seen: set[object] = set()
     sizes = []
     for node in nodes:
