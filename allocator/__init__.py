@@ -6,7 +6,7 @@ layout. None of them imports torch.
 """
 
 from .liveness import Interval, PeakResult, live_bytes_profile, peak_live_bytes
-from .mirror import SegmentPlan, grid_budgets, plan_segments, search_budgets
+from .mirror import SegmentPlan, grid_budgets, plan_segments, search_budgets, split_candidates
 from .offsets import OffsetResult, assign_offsets, find_overlap
 from .sharing import SharingResult, no_sharing_bytes, share_by_tags
 
@@ -24,5 +24,6 @@ __all__ = [
     "peak_live_bytes",
     "plan_segments",
     "search_budgets",
+    "split_candidates",
     "share_by_tags",
 ]

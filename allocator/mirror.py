@@ -97,6 +97,39 @@ def plan_segments(
     return SegmentPlan(tuple(mirror), x, y, budget)
 
 
+def split_candidates(
+    sizes: Sequence[int],
+    droppable: Sequence[bool],
+    last_use: Sequence[int],
+    *,
+    tolerance: float = 0.25,
+) -> tuple[bool, ...]:
+    """Chen et al. 2016, Sec. 4.3: the candidate split points of Alg. 3, nodes whose
+    output alone separates the graph (no value computed before v is read after v).
+
+    `last_use[j]` is the index of the last node reading node j's value (j if none).
+    Kept values never break a segment (they are there anyway), and a tiny value (an
+    attention mask, a position table) hardly does, so v is a candidate when it is
+    droppable and the droppable bytes crossing it (values j < v with
+    last_use[j] > v) are at most `tolerance * sizes[v]`. On a chain every droppable
+    node is a candidate; on a residual network, the block outputs.
+    """
+    n = len(sizes)
+    if not (len(droppable) == len(last_use) == n):
+        raise ValueError(f"sizes, droppable and last_use must have one entry per node, got "
+                         f"{n}, {len(droppable)} and {len(last_use)}")
+    delta = [0] * (n + 1)  # crossing bytes by a difference array over positions
+    for j, (size, drop, end) in enumerate(zip(sizes, droppable, last_use)):
+        if drop and end > j + 1:
+            delta[j + 1] += size
+            delta[end] -= size
+    crossing, result = 0, []
+    for v in range(n):
+        crossing += delta[v]
+        result.append(bool(droppable[v]) and crossing <= tolerance * sizes[v])
+    return tuple(result)
+
+
 def _geometric(lo: float, hi: float, points: int) -> tuple[int, ...]:
     """`points` geometrically spaced ints on [lo, hi], sorted, deduplicated, each >= 1.
 

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from torch import fx
 
 from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_live_bytes
-from memopt.allocator import search_budgets, share_by_tags
+from memopt.allocator import search_budgets, share_by_tags, split_candidates
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
 from memopt.passes.partition import find_cut, forward_region, partition, read_concat_views
-from memopt.passes.recompute import (mirror_cut, mirrorable, node_flops, place_recomputation,
+from memopt.passes.meta import recomputed_from
+from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, node_flops,
                                      storage_sizes)
 
 from .budget import Budget, format_bytes
@@ -77,6 +78,7 @@ def _stage(name: str, done: list[str]) -> Iterator[None]:
 class _Built:
     """One candidate step: its graphs, their schedule and its simulated peak."""
 
+    graph: fx.GraphModule  # the joint graph partitioned (with twins: passes.twins)
     fw: fx.GraphModule
     bw: fx.GraphModule
     saved_names: frozenset[str]
@@ -90,13 +92,11 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: frozenset[str], 
            inplace: bool, primal_kinds: dict[str, str], done: list[str]) -> _Built:
     """Partition (recomputing `mirror`), place recomputation, rewrite in place, analyze."""
     with _stage("partition", done):
-        cut = mirror_cut(joint, num_fwd_outputs, mirror) if mirror else \
-            find_cut(joint, num_fwd_outputs)
+        if mirror:
+            joint = add_mirror_nodes(joint, num_fwd_outputs, mirror, _mutable_inputs(primal_kinds))
+        cut = find_cut(joint, num_fwd_outputs)
         fw, bw = partition(joint, num_fwd_outputs, cut)
-        recomputed = frozenset(n.name for n in bw.graph.nodes
-                               if n.op == "call_function" and n.name in mirror)
-        if recomputed:
-            place_recomputation(bw, recomputed)
+        recomputed = frozenset(n.name for n in bw.graph.nodes if recomputed_from(n))
         # the extraction drops saved values the backward never reads
         saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}
     rewrites: list[InplaceRecord] = []
@@ -109,44 +109,57 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: frozenset[str], 
         schedule = analyze_liveness(fw, bw, saved=saved_names, num_user_outputs=num_fwd_outputs,
                                     primal_kinds=primal_kinds)
     peak = _peak_bytes(schedule, allocation_granularity(_device_of(fw)))
-    return _Built(fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak)
+    return _Built(joint, fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak)
+
+
+def _mutable_inputs(primal_kinds: dict[str, str]) -> frozenset[str]:
+    """Primals the step may mutate (buffers: BatchNorm statistics, counters)."""
+    return frozenset(name for name, kind in primal_kinds.items() if kind == "buffer")
 
 
 _INFEASIBLE = 1 << 62  # scores at or above this: the plan missed the budget (+ its peak)
 
 
-def _recomputed_nodes(joint: fx.GraphModule, num_fwd_outputs: int, names: frozenset[str]
-                      ) -> tuple[tuple[RecomputedNode, ...], int]:
-    """The recomputed ops, and the cost of one forward pass, by the same FLOP model."""
-    region = forward_region(joint, num_fwd_outputs)
-    records, total = [], 0
-    for node in joint.graph.nodes:
-        if node not in region or node.op != "call_function":
-            continue
-        flops = node_flops(node)
-        total += flops
+def _forward_flops(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """The cost of one forward pass, by the FLOP model of the recomputed ops."""
+    return sum(node_flops(n) for n in forward_region(joint, num_fwd_outputs)
+               if n.op == "call_function")
+
+
+def _recomputed_nodes(built: _Built) -> tuple[RecomputedNode, ...]:
+    """One record per recomputed forward value, with the cost of its mirror nodes."""
+    by_name = {n.name: n for n in built.graph.graph.nodes}
+    flops: dict[str, int] = {}
+    for name in built.recomputed:
+        original = recomputed_from(by_name[name])
+        flops[original] = flops.get(original, 0) + node_flops(by_name[name])
+    records = []
+    for node in built.graph.graph.nodes:
         val = tensor_value(node)
-        if node.name in names and val is not None:
+        if node.name in flops and val is not None:
             module, module_type = user_module(node)
             records.append(RecomputedNode(
                 name=node.name, op=op_name(node), module=module, module_type=module_type,
                 shape=tuple(int(d) for d in val.shape), nbytes=val.untyped_storage().nbytes(),
-                flops=flops,
+                flops=flops[node.name],
             ))
-    return tuple(records), total
+    return tuple(records)
 
 
 def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: int,
-                   build) -> tuple[frozenset[str], tuple[tuple[int, int], ...]]:
+                   primal_kinds: dict[str, str], build
+                   ) -> tuple[frozenset[str], tuple[tuple[int, int], ...]]:
     """Chen et al. 2016, Alg. 3 with the Appendix A grid over B, each candidate scored
     by the exact simulator: the feasible plan (peak <= budget) with the least
     recomputed FLOPs, else the plan with the lowest peak."""
     forward = forward_region(joint, num_fwd_outputs)
     region = [n for n in joint.graph.nodes if n.op == "call_function" and n in forward]
-    allowed = {n.name for n in mirrorable(joint, num_fwd_outputs)}
+    allowed = {n.name for n in mirrorable(joint, num_fwd_outputs, _mutable_inputs(primal_kinds))}
     sizes = storage_sizes(region)
     droppable = [n.name in allowed for n in region]
-    flops = [node_flops(n) for n in region]
+    candidates = split_candidates(sizes, droppable, last_uses(region))
+    if not any(candidates):  # no value separates the graph: every droppable node may split
+        candidates = tuple(droppable)
     infeasible = _INFEASIBLE
 
     def score(segment_plan) -> int:
@@ -154,9 +167,9 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
         built = build(names)
         if built.peak_bytes > budget_bytes:
             return infeasible + built.peak_bytes
-        return sum(f for n, f in zip(region, flops) if n.name in built.recomputed)
+        return sum(r.flops for r in _recomputed_nodes(built))
 
-    best, tried = search_budgets(sizes, droppable, droppable=droppable, score=score)
+    best, tried = search_budgets(sizes, candidates, droppable=droppable, score=score)
     names = frozenset(n.name for n, m in zip(region, best.mirror) if m)
     return names, tried
 
@@ -192,17 +205,20 @@ def plan_joint(
     mirror: frozenset[str] = frozenset()
     tried: tuple[tuple[int, int], ...] = ()
     if options.mirror == "all":
-        mirror = frozenset(n.name for n in mirrorable(joint, num_fwd_outputs))
+        mirror = frozenset(n.name for n in mirrorable(joint, num_fwd_outputs,
+                                                      _mutable_inputs(primal_kinds)))
     elif options.mirror is not None:
         mirror = frozenset(options.mirror)
     elif budget_bytes is not None:
         built = build(frozenset())
         if built.peak_bytes > budget_bytes:
             with _stage("budget search", done):
-                mirror, tried = _choose_mirror(joint, num_fwd_outputs, budget_bytes, build)
+                mirror, tried = _choose_mirror(joint, num_fwd_outputs, budget_bytes,
+                                               primal_kinds, build)
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
                    primal_kinds=primal_kinds, done=done)
-    recomputed, forward_flops = _recomputed_nodes(joint, num_fwd_outputs, final.recomputed)
+    recomputed = _recomputed_nodes(final)
+    forward_flops = _forward_flops(joint, num_fwd_outputs)
     search = tuple(
         SearchCandidate(segment_budget_bytes=b, predicted_peak_bytes=s - _INFEASIBLE,
                         recompute_flops=None) if s >= _INFEASIBLE else

@@ -16,6 +16,9 @@ from torch import fx
 #: Name of the input node an in-place rewrite writes into (str). Set by passes.inplace.
 INPLACE_OF = "memopt.inplace_of"
 
+#: Name of the forward node a mirror node recomputes (str). Set by passes.recompute.
+RECOMPUTES = "memopt.recomputes"
+
 #: Keys written by PyTorch's tracers that memopt reads.
 VAL = "val"
 NN_MODULE_STACK = "nn_module_stack"
@@ -39,6 +42,17 @@ def inplace_source(node: fx.Node) -> str | None:
 
 def set_inplace_source(node: fx.Node, source: fx.Node) -> None:
     node.meta[INPLACE_OF] = source.name
+
+
+def recomputed_from(node: fx.Node) -> str | None:
+    """The forward node `node` recomputes, if it is a mirror node (Chen Alg. 2)."""
+    return node.meta.get(RECOMPUTES)
+
+
+def mark_mirror(node: fx.Node, original: fx.Node) -> None:
+    """Make `node` a backward-region mirror node recomputing `original`."""
+    node.meta[RECOMPUTES] = original.name
+    node.meta[PARTITIONER_TAG] = "is_backward"
 
 
 def is_forward_tagged(node: fx.Node) -> bool:
@@ -72,9 +86,11 @@ def user_module(node: fx.Node) -> tuple[str, str]:
 
 
 def op_name(node: fx.Node) -> str:
-    """A short readable name of the node's operator ("aten.addmm", "getitem")."""
+    """A short readable name of the node's operator: "aten.addmm", and for one output
+    of a multi-output op, the op and the index ("aten.native_layer_norm[0]")."""
     if node.target is operator.getitem:
-        return "getitem"
+        parent, index = node.args[0], node.args[1]
+        return f"{op_name(parent)}[{index}]" if isinstance(parent, fx.Node) else "getitem"
     if isinstance(node.target, torch._ops.OpOverload):
         return f"aten.{node.target._schema.name.split('::')[-1]}"
     return str(getattr(node.target, "__name__", node.target))

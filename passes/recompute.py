@@ -1,30 +1,31 @@
 """Recomputation: drop mirrored forward values and recompute them in backward.
 
 Chen et al. 2016, Alg. 2 ("memory optimized gradient graph construction") on
-AOTAutograd's joint graph, for mirror counts m(v) in {0, 1}:
+AOTAutograd's joint graph, for mirror counts m(v) in {0, 1}.
 
 Requires: the joint GraphModule (see passes.partition) and a set of forward node
-names to mirror (m(v) = 1). Run instead of `partition.find_cut` when a budget
-binds; run `place_recomputation` on the backward graph the extraction returns.
+names to mirror (m(v) = 1).
 
-Ensures: forward saves only what backward and the recomputed nodes read; each
-recomputed node runs in backward just before its first use (Alg. 2's traversal
+Ensures: a copy of the joint graph with a mirror node per needed mirrored value:
+backward reads the mirror node, which recomputes the value from kept forward values
+and other mirror nodes, and runs just before its first use (Alg. 2's traversal
 order), so a segment's recomputed values are alive only while that segment's
-gradients are computed. Never mirrored: random ops (a recomputed dropout would
-draw a new mask), mutating ops (BatchNorm statistics would update twice),
-multi-output ops and their getitems, graph inputs, and forward outputs (they
-stay alive anyway).
+gradients are computed. `partition.find_cut` on the copy saves only what backward
+and the mirror nodes read. Never re-run: random ops (a recomputed dropout would draw
+a new mask), mutating ops, and ops reading a buffer the step mutates (BatchNorm
+statistics); dropout and training-mode BatchNorm outputs are recomputed by pure
+twins instead (passes.twins). Never mirrored: graph inputs and forward outputs
+(they stay alive anyway).
 
 Algorithm:
     Step 1: `mirrorable`: the forward nodes that may be recomputed.
-    Step 2: `mirror_cut`: the mirrored nodes backward needs (the mirrored
-        ancestors of backward reads), then the saved set: every kept forward
-        value read by backward or by a recomputed node.
-    Step 3: extraction (passes.partition.partition) copies the needed mirrored
-        nodes into the backward graph.
-    Step 4: `place_recomputation`: reorder the backward graph: walk the original
-        backward nodes in order and emit each one's not-yet-emitted recomputed
-        ancestors just before it (Alg. 2: V' <- V' + topo(ancestors(g[v])) - V').
+    Step 2: the mirrored nodes backward needs: the mirrored ancestors of backward
+        reads (through the values each recomputation reads, `_sources`).
+    Step 3: one mirror node per needed node: a copy of the node (a multi-output op
+        copied once for all its getitems), or a twin; backward reads it.
+    Step 4: `place_recomputation`: walk the nodes in order and emit each one's
+        not-yet-emitted mirror ancestors just before it
+        (Alg. 2: V' <- V' + topo(ancestors(g[v])) - V').
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from torch.utils.flop_counter import flop_registry
 
 from memopt._torch_compat import is_sym_node, storage_key
 
-from .meta import fake_value, tensor_value
+from .meta import fake_value, mark_mirror, recomputed_from, tensor_value
 from .partition import Cut, forward_region
+from .twins import emit_twin, is_twinned, twin_sources, twinned_getitems
 
 
 def _forward_outputs(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
@@ -47,56 +49,120 @@ def _forward_outputs(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node
     return {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)}
 
 
-def mirrorable(joint: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
-    """Step 1: forward nodes, in topological order, that may be recomputed in backward."""
+def _pure(node: fx.Node, mutable_inputs: frozenset[str]) -> bool:
+    """Running `node` again gives the same value: no mutation, no random draw, and no
+    read of an input the step may mutate (a buffer: its new value is written back
+    after the forward, so a backward recomputation would read the wrong one)."""
+    op = node.target
+    if isinstance(op, torch._ops.OpOverload) and (
+        op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
+    ):
+        return False
+    return not any(a.op == "placeholder" and a.name in mutable_inputs
+                   for a in node.all_input_nodes)
+
+
+def mirrorable(joint: fx.GraphModule, num_fwd_outputs: int,
+               mutable_inputs: frozenset[str] = frozenset()) -> list[fx.Node]:
+    """Step 1: forward nodes, in topological order, that may be recomputed in backward.
+
+    A single-tensor node qualifies when it is `_pure`. One output of a multi-output
+    op qualifies when the op is pure (the op is then recomputed with it, see
+    `expand_mirror`) or when a pure twin computes it (passes.twins: dropout from its
+    saved mask, training-mode BatchNorm without its running statistics).
+    """
     region = forward_region(joint, num_fwd_outputs)
     outputs = _forward_outputs(joint, num_fwd_outputs)
+    twinned = set(twinned_getitems(joint))
     result = []
     for node in joint.graph.nodes:
         if node not in region or node.op != "call_function" or node in outputs:
             continue
-        op = node.target
-        if op is operator.getitem or tensor_value(node) is None:
-            continue  # tuples are kept whole; symbolic values travel separately
-        if isinstance(op, torch._ops.OpOverload) and (
-            op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
-        ):
-            continue
-        result.append(node)
+        if node.target is operator.getitem:
+            parent = node.args[0]
+            if node in twinned or (isinstance(parent, fx.Node) and parent.op == "call_function"
+                                   and _pure(parent, mutable_inputs)):
+                result.append(node)
+        elif tensor_value(node) is not None and _pure(node, mutable_inputs):
+            result.append(node)  # tuples: through their getitems; symbols travel separately
     return result
 
 
-def mirror_cut(joint: fx.GraphModule, num_fwd_outputs: int, mirrored: frozenset[str]) -> Cut:
-    """Step 2: the saved values when the nodes named in `mirrored` are recomputed."""
-    region = forward_region(joint, num_fwd_outputs)
-    allowed = {n.name for n in mirrorable(joint, num_fwd_outputs)}
-    mirror = {n for n in region if n.name in mirrored and n.name in allowed}
-    backward = [n for n in joint.graph.nodes
-                if n not in region and n.op not in ("output", "placeholder")]
+def _sources(node: fx.Node) -> list[fx.Node]:
+    """The forward values recomputing `node` reads (a getitem: its op's inputs)."""
+    if is_twinned(node):
+        return twin_sources(node)
+    if node.target is operator.getitem:
+        return node.args[0].all_input_nodes
+    return node.all_input_nodes
+
+
+def _copy(joint: fx.GraphModule) -> fx.GraphModule:
+    """The same graph, node names and metadata (shared FakeTensors), as a new module."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in joint.graph.nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    return fx.GraphModule(joint, graph)
+
+
+def add_mirror_nodes(joint: fx.GraphModule, num_fwd_outputs: int, mirrored: frozenset[str],
+                     mutable_inputs: frozenset[str] = frozenset()) -> fx.GraphModule:
+    """Steps 2-4: a copy of `joint` in which backward reads mirror nodes (Chen Alg. 2)
+    for the mirrorable nodes named in `mirrored`; `joint` itself is untouched.
+
+    Partition the result with `partition.find_cut`: the mirror nodes are backward
+    nodes, so forward saves only what backward and the mirror nodes read.
+    """
+    gm = _copy(joint)
+    region = forward_region(gm, num_fwd_outputs)
+    mirror = {n for n in mirrorable(gm, num_fwd_outputs, mutable_inputs) if n.name in mirrored}
+    backward = [n for n in gm.graph.nodes if n not in region and n.op not in ("output", "placeholder")]
+    # Step 2: the mirrored ancestors of backward reads.
     needed: set[fx.Node] = set()
     stack = [a for b in backward for a in b.all_input_nodes if a in mirror]
     while stack:
         node = stack.pop()
         if node not in needed:
             needed.add(node)
-            stack.extend(a for a in node.all_input_nodes if a in mirror)
-    readers = set(backward) | needed
-    saved, symbols = [], []
-    for node in joint.graph.nodes:
-        if node not in region or node in needed or node.op == "output":
-            continue
-        if not any(user in readers for user in node.users):
-            continue
-        if is_sym_node(node):
-            symbols.append(node.name)
-        elif not isinstance(fake_value(node), (tuple, list)):
-            saved.append(node.name)
-    return Cut(saved=tuple(saved), saved_symbols=tuple(symbols))
+            stack.extend(a for a in _sources(node) if a in mirror)
+    # Step 3: one mirror node per needed node, in forward order, reading mirror nodes
+    # where they exist; a getitem's op is mirrored once, a twin replaces a random or
+    # stateful op. They go before the output for now; Step 4 moves them.
+    clones: dict[fx.Node, fx.Node] = {}
+    ops: dict[fx.Node, fx.Node] = {}
+
+    def env(a: fx.Node) -> fx.Node:
+        return clones.get(a, a)
+
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    with gm.graph.inserting_before(output):
+        for node in [n for n in gm.graph.nodes if n in needed]:
+            if is_twinned(node):
+                clones[node] = emit_twin(gm.graph, node, env, ops)
+                continue
+            if node.target is operator.getitem:
+                op = node.args[0]
+                if op not in ops:
+                    ops[op] = gm.graph.node_copy(op, env)
+                    mark_mirror(ops[op], op)
+                clone = gm.graph.node_copy(node, lambda a: ops.get(a, a))
+            else:
+                clone = gm.graph.node_copy(node, env)
+            mark_mirror(clone, node)
+            clones[node] = clone
+    for node in backward:
+        for arg in node.all_input_nodes:
+            if arg in clones:
+                node.replace_input_with(arg, clones[arg])
+    # Step 4: each mirror node just before its first use.
+    place_recomputation(gm, frozenset(n.name for n in gm.graph.nodes if recomputed_from(n)))
+    return gm
 
 
-def place_recomputation(bw: fx.GraphModule, recomputed: frozenset[str]) -> int:
+def place_recomputation(gm: fx.GraphModule, recomputed: frozenset[str]) -> int:
     """Step 4: move each recomputed node just before its first use. Returns how many moved."""
-    graph = bw.graph
+    graph = gm.graph
     nodes = list(graph.nodes)
     emitted = {n for n in nodes if n.op == "placeholder"}
     order: list[fx.Node] = []
@@ -119,7 +185,7 @@ def place_recomputation(bw: fx.GraphModule, recomputed: frozenset[str]) -> int:
             continue
         emit(node)
     moved = sum(1 for n in order if n.name in recomputed)
-    cursor = [n for n in nodes if n.op == "placeholder"][-1]  # backward always has tangents
+    cursor = [n for n in nodes if n.op == "placeholder"][-1]  # a joint graph has tangents
     for node in order:
         cursor.append(node)
         cursor = node
@@ -128,7 +194,7 @@ def place_recomputation(bw: fx.GraphModule, recomputed: frozenset[str]) -> int:
         if not node.users:
             graph.erase_node(node)
     graph.lint()
-    bw.recompile()
+    gm.recompile()
     return moved
 
 
@@ -168,3 +234,21 @@ def storage_sizes(nodes: list[fx.Node]) -> list[int]:
         sizes.append(val.untyped_storage().nbytes() if key is not None and key not in seen else 0)
         seen.add(key)
     return sizes
+
+
+def last_uses(nodes: list[fx.Node]) -> list[int]:
+    """For each node of `nodes` (a topological order), the index of the last node in
+    `nodes` reading its storage, directly or through a view (its own index if none)."""
+    index = {node: i for i, node in enumerate(nodes)}
+    last = list(range(len(nodes)))
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        for user in node.users:
+            last[i] = max(last[i], index.get(user, i))
+        keys = {storage_key(t) for t in pytree.tree_leaves(fake_value(node))
+                if isinstance(t, torch.Tensor)}
+        for arg in node.all_input_nodes:  # a view or getitem keeps its source alive
+            src = tensor_value(arg)
+            if arg in index and (src is None or storage_key(src) in keys):
+                last[index[arg]] = max(last[index[arg]], last[i])
+    return last

@@ -194,7 +194,7 @@ class _FakeCompiled(nn.Module):
     def forward(self, *args, **kwargs):
         self.calls += 1
         if self.memopt_plan is None:
-            time.sleep(0.3)  # "compiling"
+            time.sleep(1.0)  # "compiling"
             self.memopt_plan = _FakePlan()
         return self.model(*args, **kwargs)
 
@@ -215,7 +215,7 @@ def test_memopt_mode_reads_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["budget"] == "1GB" and seen["options"] == {"knob": 2}
     assert seen["compiled"].calls == 2 + 1 + 1
     assert m.predicted_peak_bytes == 123_456
-    assert m.plan_seconds is not None and m.plan_seconds >= 0.25
+    assert m.plan_seconds is not None and m.plan_seconds >= 0.5  # 1 s sleep, minus step noise
     assert m.resident_bytes == _resident(mlp8("cpu"))
 
 

@@ -83,6 +83,7 @@ def test_plan_lists_what_is_recomputed_and_the_search() -> None:
     assert 0 < plan.recompute_flops <= plan.forward_flops
     assert plan.search and any(c.predicted_peak_bytes is None for c in plan.search)
     assert all(r.module for r in plan.recomputed)           # user module names
-    assert all("dropout" not in r.op for r in plan.recomputed)
+    # a dropout output may be recomputed (from its saved mask); the mask never is
+    assert all(r.op != "aten.native_dropout[1]" for r in plan.recomputed)
     assert "recomputed ops" in plan.summary()
     assert memopt.MemoryPlan.model_validate_json(plan.model_dump_json()) == plan
