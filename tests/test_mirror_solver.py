@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memopt.allocator import SegmentPlan, grid_budgets, plan_segments, search_budgets
+from memopt.allocator import (SegmentPlan, grid_budgets, plan_segments, search_budgets,
+                              split_candidates)
 
 REPO = Path(__file__).resolve().parents[1]
 T, F = True, False
@@ -193,6 +194,35 @@ def test_search_keeps_non_droppable_in_every_plan():
 
     search_budgets([4] * 8, [T] * 8, droppable=drop, score=score)
     assert seen and all(not p.mirror[1] and not p.mirror[5] for p in seen)
+
+
+# Split candidates (Sec. 4.3): values that alone separate the graph ---------------------
+
+
+def test_every_node_of_a_chain_is_a_split_candidate():
+    n = 6
+    assert split_candidates([4] * n, [T] * n, [i + 1 for i in range(n - 1)] + [n - 1]) == (T,) * n
+
+
+def test_residual_blocks_split_only_at_block_outputs():
+    # two blocks x -> b -> c -> add(x, c): nodes 0-3 and 3-6, then an output 7. The
+    # block input is read by the add, so it crosses b and c; the adds separate.
+    last_use = [3, 2, 3, 6, 5, 6, 7, 7]
+    assert split_candidates([4] * 8, [T] * 8, last_use) == (T, F, F, T, F, F, T, T)
+
+
+def test_kept_and_tiny_crossing_values_do_not_break_a_split():
+    # node 0 is read by node 4: it crosses 1..3 (big droppable: no candidates there)
+    assert split_candidates([8, 8, 8, 8, 8], [T] * 5, [4, 2, 3, 4, 4])[1:4] == (F, F, F)
+    # kept (non-droppable): no effect on the others
+    assert split_candidates([8, 8, 8, 8, 8], [F, T, T, T, T], [4, 2, 3, 4, 4]) == (F, T, T, T, T)
+    # tiny (a mask): within the tolerance
+    assert split_candidates([1, 8, 8, 8, 8], [T] * 5, [4, 2, 3, 4, 4]) == (T,) * 5
+
+
+def test_split_candidates_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="one entry per node"):
+        split_candidates([1, 2], [T], [0, 1])
 
 
 # Tier 2: properties over random chains -------------------------------------------------

@@ -87,3 +87,52 @@ def test_plan_lists_what_is_recomputed_and_the_search() -> None:
     assert all(r.op != "aten.native_dropout[1]" for r in plan.recomputed)
     assert "recomputed ops" in plan.summary()
     assert memopt.MemoryPlan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def _saved_ops(plan: memopt.MemoryPlan) -> set[str]:
+    return {s.op for s in plan.saved if s.nbytes}
+
+
+def test_dropout_output_is_recomputed_from_its_saved_mask() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.3), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 1))
+    plan = memopt.plan(model, torch.randn(64, 32), mirror="all")
+    recomputed = {r.op for r in plan.recomputed}
+    assert "aten.native_dropout[0]" in recomputed
+    assert "aten.native_dropout[1]" in _saved_ops(plan)          # the mask: kept
+    assert "aten.native_dropout[0]" not in _saved_ops(plan)
+    check_matches_eager(lambda: model, lambda: (torch.randn(64, 32),),
+                        compile_fn=lambda m: memopt.compile(m, mirror="all"), steps=2)
+
+
+def test_batchnorm_output_is_recomputed_without_touching_its_statistics() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3),
+                          nn.BatchNorm2d(4), nn.ReLU())
+    plan = memopt.plan(model, torch.randn(4, 3, 12, 12), mirror="all")
+    assert "aten._native_batch_norm_legit_functional[0]" in {r.op for r in plan.recomputed}
+    run = check_matches_eager(lambda: model, lambda: (torch.randn(4, 3, 12, 12),),
+                              compile_fn=lambda m: memopt.compile(m, mirror="all"), steps=3)
+    assert int(run.model[1].num_batches_tracked) == 3   # and running stats match eager's
+
+
+class _ScaledByCounter(nn.Module):
+    """Reads a buffer the step then mutates: a recomputation would read the new value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x) + self.scale)   # the add saves nothing; tanh its output
+        self.scale.add_(1.0)
+        return torch.tanh(y * 2).sum(-1)
+
+
+def test_nodes_reading_a_mutated_buffer_are_never_recomputed() -> None:
+    plan = memopt.plan(_ScaledByCounter(), torch.randn(4, 8), mirror="all")
+    assert plan.recomputed and all(r.op != "aten.add" for r in plan.recomputed)
+    check_matches_eager(_ScaledByCounter, lambda: (torch.randn(4, 8),),
+                        compile_fn=lambda m: memopt.compile(m, mirror="all"), steps=2)
