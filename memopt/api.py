@@ -136,7 +136,9 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             temporaries and parameter gradients of one forward+backward step.
         options: `inplace=False` turns the in-place pass off; `mirror="all"` (or a
             set of forward node names) recomputes those nodes in backward instead of
-            letting the budget search choose (an expert override, Chen Sec. 4.5).
+            letting the budget search choose (an expert override, Chen Sec. 4.5);
+            `headroom=0.03` is the fraction of the budget kept free for what the plan
+            does not model (library workspaces, fragmentation).
 
     Returns a module that trains in the user's loop and computes eager's gradients.
     Raises ValueError for a malformed budget, memopt.BudgetError (at the first

@@ -62,11 +62,15 @@ class MemoptBackend:
     """
 
     def __init__(self, budget: object = None, *, inplace: bool = True,
-                 mirror: object = None, plan_only: bool = False) -> None:
+                 mirror: object = None, headroom: float = Options.headroom,
+                 plan_only: bool = False) -> None:
         self.budget: Budget | None = parse_budget(budget)
         if mirror is not None and mirror != "all":
             mirror = frozenset(mirror)
-        self.options = Options(inplace=inplace, mirror=mirror)
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
+                or not 0 <= headroom < 1:
+            raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+        self.options = Options(inplace=inplace, mirror=mirror, headroom=float(headroom))
         self.plan_only = plan_only
         self.plans: list[MemoryPlan] = []
         self.last_plan: MemoryPlan | None = None

@@ -110,6 +110,7 @@ class MemoryPlan(BaseModel):
     forward_flops: int = 0             # one forward pass, by the same cost model
     recompute_flops: int = 0           # extra forward work the recomputation adds
     search: tuple[SearchCandidate, ...] = ()
+    headroom_bytes: int = 0            # of the budget, kept free: the peak fits budget - this
 
     @property
     def saved_bytes(self) -> int:
@@ -119,6 +120,8 @@ class MemoryPlan(BaseModel):
         """A readable report: the headline numbers, then the largest saved tensors."""
         b = format_bytes
         budget = b(self.budget_bytes) if self.budget_bytes is not None else "none"
+        if self.headroom_bytes:
+            budget += f", {b(self.headroom_bytes)} of it headroom"
         lines = [
             f"memopt plan ({self.device}): {self.num_forward_steps} forward + "
             f"{self.num_backward_steps} backward ops",

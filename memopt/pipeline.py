@@ -10,6 +10,7 @@ module only runs them in order and assembles the plan. Errors name the stage.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,10 @@ class Options:
     #: Forward node names to recompute in backward (m(v) = 1), or "all" for every
     #: mirrorable node; None: decided by the budget search. An expert override.
     mirror: frozenset[str] | str | None = None
+    #: Fraction of the budget kept free for what the plan does not model (library
+    #: workspaces such as convolution scratch space, allocator rounding beyond 512 B,
+    #: fragmentation): the plan's peak must fit in budget * (1 - headroom).
+    headroom: float = 0.03
 
 
 def allocation_granularity(device: str) -> int:
@@ -202,6 +207,7 @@ def plan_joint(
     with _stage("baseline", done):
         baseline_peak = build(frozenset(), inplace=False).peak_bytes
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
+    target = budget_bytes - math.ceil(budget_bytes * options.headroom) if budget_bytes else None
     mirror: frozenset[str] = frozenset()
     tried: tuple[tuple[int, int], ...] = ()
     if options.mirror == "all":
@@ -209,11 +215,11 @@ def plan_joint(
                                                       _mutable_inputs(primal_kinds)))
     elif options.mirror is not None:
         mirror = frozenset(options.mirror)
-    elif budget_bytes is not None:
+    elif target is not None:
         built = build(frozenset())
-        if built.peak_bytes > budget_bytes:
+        if built.peak_bytes > target:
             with _stage("budget search", done):
-                mirror, tried = _choose_mirror(joint, num_fwd_outputs, budget_bytes,
+                mirror, tried = _choose_mirror(joint, num_fwd_outputs, target,
                                                primal_kinds, build)
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
                    primal_kinds=primal_kinds, done=done)
@@ -233,6 +239,7 @@ def plan_joint(
         plan = plan.model_copy(update={
             "recomputed": recomputed, "forward_flops": forward_flops,
             "recompute_flops": sum(r.flops for r in recomputed), "search": search,
+            "headroom_bytes": budget_bytes - target if target is not None else 0,
             "saved": tuple(
                 r.model_copy(update={"reason": "kept: a segment boundary of the Alg. 3 plan, "
                                                "read by backward or by recomputation"})
@@ -246,12 +253,13 @@ def plan_joint(
         format_bytes(plan.arena_bytes), len(final.rewrites), len(plan.saved),
         len(final.recomputed), plan.plan_seconds,
     )
-    if plan.budget_bytes is not None and plan.predicted_peak_bytes > plan.budget_bytes:
+    if target is not None and plan.predicted_peak_bytes > target:
         raise BudgetError(
-            budget_bytes=plan.budget_bytes,
-            minimum_bytes=plan.predicted_peak_bytes,
+            budget_bytes=budget_bytes,
+            minimum_bytes=math.ceil(plan.predicted_peak_bytes / (1 - options.headroom)),
             baseline_bytes=plan.baseline_peak_bytes,
             budget=str(budget),
+            headroom=options.headroom,
         )
     return final.fw, final.bw, plan
 

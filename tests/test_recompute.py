@@ -7,6 +7,8 @@ Alg. 3 search; plus the budget semantics (BudgetError, monotonic peaks).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -136,3 +138,25 @@ def test_nodes_reading_a_mutated_buffer_are_never_recomputed() -> None:
     assert plan.recomputed and all(r.op != "aten.add" for r in plan.recomputed)
     check_matches_eager(_ScaledByCounter, lambda: (torch.randn(4, 8),),
                         compile_fn=lambda m: memopt.compile(m, mirror="all"), steps=2)
+
+
+def test_the_minimum_a_budget_error_names_is_accepted_and_keeps_the_headroom() -> None:
+    torch.manual_seed(0)
+    model, x = _deep_mlp(), _inputs()[0]
+    with pytest.raises(memopt.BudgetError) as info:
+        memopt.plan(model, x, budget=0.05)
+    minimum = info.value.minimum_bytes
+    assert "headroom" in str(info.value)
+    plan = memopt.plan(model, x, budget=minimum)
+    assert plan.budget_bytes == minimum and plan.headroom_bytes == math.ceil(minimum * 0.03)
+    assert plan.predicted_peak_bytes <= minimum - plan.headroom_bytes
+    with pytest.raises(memopt.BudgetError):
+        memopt.plan(model, x, budget=minimum - 4096)
+    # without headroom the same plan fits a smaller budget
+    assert memopt.plan(model, x, budget=plan.predicted_peak_bytes, headroom=0).recomputed
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, "3%", True])
+def test_headroom_must_be_a_fraction(bad) -> None:
+    with pytest.raises(ValueError, match="headroom"):
+        memopt.compile(nn.Linear(2, 2), budget="1GB", headroom=bad)
