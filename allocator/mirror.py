@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 
@@ -165,16 +166,21 @@ def search_budgets(
     candidates: Sequence[bool],
     *,
     droppable: Sequence[bool] | None = None,
-    score: Callable[[SegmentPlan], int],
+    score: Callable[[SegmentPlan], Any],
     points: int = 6,
     refine: bool = True,
-) -> tuple[SegmentPlan, tuple[tuple[int, int], ...]]:
+) -> tuple[SegmentPlan, tuple[tuple[int, Any], ...]]:
     """Chen et al. 2016, Appendix A: grid search over B, each plan scored exactly by `score`.
 
     `score` is the exact cost of a plan (e.g. the predicted peak bytes of its static
-    allocation); lower is better. Returns the best plan and every (B, score) tried,
-    sorted by B. Ties go to fewer mirrored nodes (less recomputation), then smaller B.
-    `score` is called once per distinct mirror tuple.
+    allocation, or a tuple); lower is better. Returns the best plan and every
+    (B, score) tried, sorted by B. Ties go to fewer mirrored nodes (less
+    recomputation), then smaller B. `score` is called once per distinct mirror tuple.
+
+    The budgets tried depend on `sizes`, `candidates` and `droppable` only, never on
+    the scores: a caller whose score encodes a memory budget (feasible plans by
+    FLOPs, the rest by peak) gets the same plans for every budget, so a smaller
+    budget never picks a plan with a higher peak.
 
     Steps (mirrored by `# Step k:` comments):
     1. Run Alg. 3 with B = 0; B0 = sqrt(x*y) from its x and y.
@@ -182,11 +188,10 @@ def search_budgets(
        `grid_budgets(x, y, points)` around it.
     3. With `refine` (our extension beyond the paper): also score the extremes B = 0
        (every candidate kept) and B = sum(sizes) (nothing kept but the non-droppable
-       nodes), then a finer geometric grid of `points` budgets between the tried
-       budgets on either side of the best grid budget.
+       nodes), and a grid four times as dense over [B0 / 4, 4 * B0].
     """
-    memo: dict[tuple[bool, ...], int] = {}
-    tried: dict[int, tuple[int, SegmentPlan]] = {}
+    memo: dict[tuple[bool, ...], Any] = {}
+    tried: dict[int, tuple[Any, SegmentPlan]] = {}
 
     def evaluate(budgets: Sequence[int]) -> None:
         for b in budgets:
@@ -196,21 +201,14 @@ def search_budgets(
                     memo[plan.mirror] = score(plan)
                 tried[b] = (memo[plan.mirror], plan)
 
-    def best_of(budgets: Sequence[int]) -> int:
-        return min(budgets, key=lambda b: (tried[b][0], tried[b][1].mirror.count(True), b))
-
     # Step 1: the first run with B = 0 sets the grid's center.
     first = plan_segments(sizes, candidates, 0, droppable=droppable)
     b0 = round(math.sqrt(first.inter_stage_bytes * first.max_stage_bytes))
     # Step 2: B0 and the grid around it.
-    grid = sorted({b0, *grid_budgets(first.inter_stage_bytes, first.max_stage_bytes, points)})
-    evaluate(grid)
+    evaluate(sorted({b0, *grid_budgets(first.inter_stage_bytes, first.max_stage_bytes, points)}))
     if refine:
-        # Step 3: the extremes, then a finer grid between the best grid budget's neighbors.
+        # Step 3: the extremes and a wider, denser grid.
         evaluate((0, sum(sizes)))
-        i = grid.index(best_of(grid))
-        lo = grid[i - 1] if i > 0 else grid[i] / math.sqrt(2)
-        hi = grid[i + 1] if i + 1 < len(grid) else grid[i] * math.sqrt(2)
-        evaluate(_geometric(lo, hi, points))
-    best = tried[best_of(list(tried))][1]
-    return best, tuple((b, tried[b][0]) for b in sorted(tried))
+        evaluate(_geometric(b0 / 4, b0 * 4, 4 * points))
+    best = min(tried, key=lambda b: (tried[b][0], tried[b][1].mirror.count(True), b))
+    return tried[best][1], tuple((b, tried[b][0]) for b in sorted(tried))

@@ -81,8 +81,9 @@ class SearchCandidate(BaseModel):
 
     model_config = _FROZEN
     segment_budget_bytes: int      # Alg. 3's B
-    predicted_peak_bytes: int | None  # None when the plan met the budget (score = FLOPs)
-    recompute_flops: int | None
+    predicted_peak_bytes: int      # the simulator's peak for the plan Alg. 3 made with B
+    recompute_flops: int           # the forward work it recomputes
+    fits: bool                     # peak within the budget (less the headroom)
 
 
 class MemoryPlan(BaseModel):

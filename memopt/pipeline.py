@@ -122,9 +122,6 @@ def _mutable_inputs(primal_kinds: dict[str, str]) -> frozenset[str]:
     return frozenset(name for name, kind in primal_kinds.items() if kind == "buffer")
 
 
-_INFEASIBLE = 1 << 62  # scores at or above this: the plan missed the budget (+ its peak)
-
-
 def _forward_flops(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
     """The cost of one forward pass, by the FLOP model of the recomputed ops."""
     return sum(node_flops(n) for n in forward_region(joint, num_fwd_outputs)
@@ -153,10 +150,11 @@ def _recomputed_nodes(built: _Built) -> tuple[RecomputedNode, ...]:
 
 def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: int,
                    primal_kinds: dict[str, str], build
-                   ) -> tuple[frozenset[str], tuple[tuple[int, int], ...]]:
+                   ) -> tuple[frozenset[str], tuple[SearchCandidate, ...]]:
     """Chen et al. 2016, Alg. 3 with the Appendix A grid over B, each candidate scored
     by the exact simulator: the feasible plan (peak <= budget) with the least
-    recomputed FLOPs, else the plan with the lowest peak."""
+    recomputed FLOPs, else the plan with the lowest peak. The plans tried do not
+    depend on the budget, so lowering the budget never raises the predicted peak."""
     forward = forward_region(joint, num_fwd_outputs)
     region = [n for n in joint.graph.nodes if n.op == "call_function" and n in forward]
     allowed = {n.name for n in mirrorable(joint, num_fwd_outputs, _mutable_inputs(primal_kinds))}
@@ -165,18 +163,27 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     candidates = split_candidates(sizes, droppable, last_uses(region))
     if not any(candidates):  # no value separates the graph: every droppable node may split
         candidates = tuple(droppable)
-    infeasible = _INFEASIBLE
 
-    def score(segment_plan) -> int:
-        names = frozenset(n.name for n, m in zip(region, segment_plan.mirror) if m)
-        built = build(names)
+    def score(segment_plan) -> tuple[bool, int, int]:
+        """(misses the budget, FLOPs or peak first, the other): lower is better."""
+        built = build(frozenset(n.name for n, m in zip(region, segment_plan.mirror) if m))
+        flops = sum(r.flops for r in _recomputed_nodes(built))
         if built.peak_bytes > budget_bytes:
-            return infeasible + built.peak_bytes
-        return sum(r.flops for r in _recomputed_nodes(built))
+            return True, built.peak_bytes, flops
+        return False, flops, built.peak_bytes
 
     best, tried = search_budgets(sizes, candidates, droppable=droppable, score=score)
     names = frozenset(n.name for n, m in zip(region, best.mirror) if m)
-    return names, tried
+    return names, tuple(
+        SearchCandidate(segment_budget_bytes=b, predicted_peak_bytes=peak_of(s)[0],
+                        recompute_flops=peak_of(s)[1], fits=not s[0])
+        for b, s in tried)
+
+
+def peak_of(score: tuple[bool, int, int]) -> tuple[int, int]:
+    """(peak, FLOPs) of a `_choose_mirror` score."""
+    misses, a, b = score
+    return (a, b) if misses else (b, a)
 
 
 def plan_joint(
@@ -209,7 +216,7 @@ def plan_joint(
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
     target = budget_bytes - math.ceil(budget_bytes * options.headroom) if budget_bytes else None
     mirror: frozenset[str] = frozenset()
-    tried: tuple[tuple[int, int], ...] = ()
+    search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":
         mirror = frozenset(n.name for n in mirrorable(joint, num_fwd_outputs,
                                                       _mutable_inputs(primal_kinds)))
@@ -219,18 +226,12 @@ def plan_joint(
         built = build(frozenset())
         if built.peak_bytes > target:
             with _stage("budget search", done):
-                mirror, tried = _choose_mirror(joint, num_fwd_outputs, target,
+                mirror, search = _choose_mirror(joint, num_fwd_outputs, target,
                                                primal_kinds, build)
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
                    primal_kinds=primal_kinds, done=done)
     recomputed = _recomputed_nodes(final)
     forward_flops = _forward_flops(joint, num_fwd_outputs)
-    search = tuple(
-        SearchCandidate(segment_budget_bytes=b, predicted_peak_bytes=s - _INFEASIBLE,
-                        recompute_flops=None) if s >= _INFEASIBLE else
-        SearchCandidate(segment_budget_bytes=b, predicted_peak_bytes=None, recompute_flops=s)
-        for b, s in tried
-    )
     device = _device_of(final.fw)
     gran = allocation_granularity(device)
     with _stage("allocator", done):

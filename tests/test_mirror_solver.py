@@ -184,6 +184,13 @@ def test_search_ties_go_to_fewer_mirrored_nodes():
     assert all(s == 0 for _, s in tried)
 
 
+def test_search_tries_the_same_budgets_whatever_the_scores():
+    sizes, cands = [3, 9, 1, 4, 4, 8, 2, 2, 7, 5, 1, 6, 3, 3, 9], [T] * 15
+    _, by_peak = search_budgets(sizes, cands, score=lambda p: p.max_stage_bytes)
+    _, by_kept = search_budgets(sizes, cands, score=lambda p: -p.num_kept)
+    assert [b for b, _ in by_peak] == [b for b, _ in by_kept]
+
+
 def test_search_keeps_non_droppable_in_every_plan():
     drop = [T, F, T, T, T, F, T, T]
     seen: list[SegmentPlan] = []
