@@ -62,8 +62,9 @@ KNOWN_BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3), 200: (
 #: Kinds that are not feature maps (Chen Sec. 5.1): parameters, buffers, the batch,
 #: parameter gradients.
 NOT_FEATURE_MAPS = frozenset({"parameter", "buffer", "input", "gradient"})
-#: Chen et al. 2016, Fig. 5 at 1000 layers (GB, read off the log-scale plot).
-CHEN_1000 = {"no optimization": "~48", "sublinear plan": "~7"}
+#: Chen et al. 2016 at 1000 layers (GB): no optimization read off Fig. 5's log-scale
+#: plot; sublinear "less than 7GB" (Sec. 5.2 text).
+CHEN_1000 = {"no optimization": "~48", "sublinear plan": "< 7"}
 GB = 10**9
 #: AOTAutograd compiles a generated Python wrapper whose nesting grows with the graph;
 #: at 1000 layers it passes CPython's default compiler recursion limit (1000).

@@ -73,13 +73,15 @@ class RecomputedNode(BaseModel):
     module_type: str
     shape: tuple[int, ...]
     nbytes: int
-    flops: int
+    flops: int                     # of all its recomputations
+    times: int = 1                 # m(v): 2 under Sec. 4.4's recursion
 
 
 class SearchCandidate(BaseModel):
     """One budget B the Alg. 3 search tried, and the simulator's verdict on its plan."""
 
     model_config = _FROZEN
+    level: int = 1                 # 1: m(v) <= 1; 2: inside level 1's segments (Sec. 4.4)
     segment_budget_bytes: int      # Alg. 3's B
     predicted_peak_bytes: int      # the simulator's peak for the plan Alg. 3 made with B
     recompute_flops: int           # the forward work it recomputes
@@ -143,6 +145,9 @@ class MemoryPlan(BaseModel):
                 f"  recomputed ops   {len(self.recomputed)} ({b(sum(r.nbytes for r in self.recomputed))} "
                 f"not kept), +{extra:.0%} of a forward pass; search tried {len(self.search)} budgets"
             )
+            twice = sum(1 for r in self.recomputed if r.times > 1)
+            if twice:
+                lines.append(f"  recomputed twice {twice} (Chen Sec. 4.4 recursion)")
         if self.saved:
             lines.append("")
             header = f"  {'saved tensor':<28} {'op':<26} {'module':<32} {'shape':<20} {'bytes':>10}  decision"

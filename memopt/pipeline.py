@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from torch import fx
 
 from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_live_bytes
-from memopt.allocator import search_budgets, share_by_tags, split_candidates
+from memopt.allocator import plan_segments, search_budgets, share_by_tags, split_candidates
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
 from memopt.passes.partition import find_cut, forward_region, partition, read_concat_views
-from memopt.passes.meta import recomputed_from
+from memopt.passes.meta import mirror_level, recomputed_from
 from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, node_flops,
                                      storage_sizes)
 
@@ -93,12 +93,22 @@ class _Built:
     peak_bytes: int
 
 
-def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: frozenset[str], *,
+@dataclass(frozen=True)
+class Mirror:
+    """Mirror counts (Chen Alg. 2): m(v) >= 1 for the nodes in `names`, m(v) = 2 for
+    those also in `twice` (Sec. 4.4's recursion), m(v) = 0 for every other node."""
+
+    names: frozenset[str] = frozenset()
+    twice: frozenset[str] = frozenset()
+
+
+def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
            inplace: bool, primal_kinds: dict[str, str], done: list[str]) -> _Built:
     """Partition (recomputing `mirror`), place recomputation, rewrite in place, analyze."""
     with _stage("partition", done):
-        if mirror:
-            joint = add_mirror_nodes(joint, num_fwd_outputs, mirror, _mutable_inputs(primal_kinds))
+        if mirror.names:
+            joint = add_mirror_nodes(joint, num_fwd_outputs, mirror.names,
+                                     _mutable_inputs(primal_kinds), twice=mirror.twice)
         cut = find_cut(joint, num_fwd_outputs)
         fw, bw = partition(joint, num_fwd_outputs, cut)
         recomputed = frozenset(n.name for n in bw.graph.nodes if recomputed_from(n))
@@ -129,12 +139,15 @@ def _forward_flops(joint: fx.GraphModule, num_fwd_outputs: int) -> int:
 
 
 def _recomputed_nodes(built: _Built) -> tuple[RecomputedNode, ...]:
-    """One record per recomputed forward value, with the cost of its mirror nodes."""
+    """One record per recomputed forward value: the cost of all its mirror nodes, and
+    how many times it is recomputed."""
     by_name = {n.name: n for n in built.graph.graph.nodes}
     flops: dict[str, int] = {}
+    levels: dict[str, set[str | None]] = {}
     for name in built.recomputed:
         original = recomputed_from(by_name[name])
         flops[original] = flops.get(original, 0) + node_flops(by_name[name])
+        levels.setdefault(original, set()).add(mirror_level(by_name[name]))
     records = []
     for node in built.graph.graph.nodes:
         val = tensor_value(node)
@@ -143,18 +156,23 @@ def _recomputed_nodes(built: _Built) -> tuple[RecomputedNode, ...]:
             records.append(RecomputedNode(
                 name=node.name, op=op_name(node), module=module, module_type=module_type,
                 shape=tuple(int(d) for d in val.shape), nbytes=val.untyped_storage().nbytes(),
-                flops=flops[node.name],
+                flops=flops[node.name], times=len(levels[node.name]),
             ))
     return tuple(records)
 
 
 def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: int,
                    primal_kinds: dict[str, str], build
-                   ) -> tuple[frozenset[str], tuple[SearchCandidate, ...]]:
+                   ) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
     """Chen et al. 2016, Alg. 3 with the Appendix A grid over B, each candidate scored
     by the exact simulator: the feasible plan (peak <= budget) with the least
-    recomputed FLOPs, else the plan with the lowest peak. The plans tried do not
-    depend on the budget, so lowering the budget never raises the predicted peak."""
+    recomputed FLOPs, else the plan with the lowest peak.
+
+    When no plan fits, Sec. 4.4's recursion: inside the segments of the lowest-peak
+    plan, Alg. 3 and the same grid again pick sub-segment boundaries (m(v) = 1) and
+    nodes recomputed twice (m(v) = 2). The plans tried at each level do not depend
+    on the budget, and the second level runs only when no first-level plan fits,
+    so lowering the budget never raises the predicted peak."""
     forward = forward_region(joint, num_fwd_outputs)
     region = [n for n in joint.graph.nodes if n.op == "call_function" and n in forward]
     allowed = {n.name for n in mirrorable(joint, num_fwd_outputs, _mutable_inputs(primal_kinds))}
@@ -164,20 +182,42 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     if not any(candidates):  # no value separates the graph: every droppable node may split
         candidates = tuple(droppable)
 
-    def score(segment_plan) -> tuple[bool, int, int]:
-        """(misses the budget, FLOPs or peak first, the other): lower is better."""
-        built = build(frozenset(n.name for n, m in zip(region, segment_plan.mirror) if m))
-        flops = sum(r.flops for r in _recomputed_nodes(built))
-        if built.peak_bytes > budget_bytes:
-            return True, built.peak_bytes, flops
-        return False, flops, built.peak_bytes
+    def named(mask: tuple[bool, ...]) -> frozenset[str]:
+        return frozenset(n.name for n, m in zip(region, mask) if m)
 
-    best, tried = search_budgets(sizes, candidates, droppable=droppable, score=score)
-    names = frozenset(n.name for n, m in zip(region, best.mirror) if m)
-    return names, tuple(
-        SearchCandidate(segment_budget_bytes=b, predicted_peak_bytes=peak_of(s)[0],
+    def scorer(mirror_of):
+        def score(segment_plan) -> tuple[bool, int, int]:
+            """(misses the budget, FLOPs or peak first, the other): lower is better."""
+            built = build(mirror_of(segment_plan.mirror))
+            flops = sum(r.flops for r in _recomputed_nodes(built))
+            if built.peak_bytes > budget_bytes:
+                return True, built.peak_bytes, flops
+            return False, flops, built.peak_bytes
+        return score
+
+    # Level 1: m(v) in {0, 1}.
+    plans: dict[tuple[int, int], tuple[tuple[bool, int, int], Mirror]] = {}
+    best, tried = search_budgets(sizes, candidates, droppable=droppable,
+                                 score=scorer(lambda mask: Mirror(named(mask))))
+    for b, s in tried:
+        plans[(1, b)] = (s, Mirror(named(plan_segments(sizes, candidates, b,
+                                                       droppable=droppable).mirror)))
+    if all(s[0] for s, _ in plans.values()):
+        # Level 2 (Sec. 4.4): recurse inside the lowest-peak plan's segments.
+        lowest = min(plans.values(), key=lambda v: peak_of(v[0]))[1]
+        inside = [n.name in lowest.names for n in region]
+        _, tried2 = search_budgets(
+            sizes, candidates, droppable=inside,
+            score=scorer(lambda mask: Mirror(lowest.names, named(mask))))
+        for b, s in tried2:
+            twice = named(plan_segments(sizes, candidates, b, droppable=inside).mirror)
+            plans[(2, b)] = (s, Mirror(lowest.names, twice))
+    key = min(plans, key=lambda k: (plans[k][0], len(plans[k][1].twice),
+                                    len(plans[k][1].names), k))
+    return plans[key][1], tuple(
+        SearchCandidate(level=level, segment_budget_bytes=b, predicted_peak_bytes=peak_of(s)[0],
                         recompute_flops=peak_of(s)[1], fits=not s[0])
-        for b, s in tried)
+        for (level, b), (s, _) in sorted(plans.items()))
 
 
 def peak_of(score: tuple[bool, int, int]) -> tuple[int, int]:
@@ -207,23 +247,23 @@ def plan_joint(
     with _stage("minimum dependencies", done):
         read_concat_views(joint, num_fwd_outputs, find_cut(joint, num_fwd_outputs))
 
-    def build(mirror: frozenset[str], inplace: bool = options.inplace) -> _Built:
+    def build(mirror: Mirror, inplace: bool = options.inplace) -> _Built:
         return _build(joint, num_fwd_outputs, mirror, inplace=inplace,
                       primal_kinds=primal_kinds, done=[])
 
     with _stage("baseline", done):
-        baseline_peak = build(frozenset(), inplace=False).peak_bytes
+        baseline_peak = build(Mirror(), inplace=False).peak_bytes
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
     target = budget_bytes - math.ceil(budget_bytes * options.headroom) if budget_bytes else None
-    mirror: frozenset[str] = frozenset()
+    mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":
-        mirror = frozenset(n.name for n in mirrorable(joint, num_fwd_outputs,
-                                                      _mutable_inputs(primal_kinds)))
+        mirror = Mirror(frozenset(n.name for n in mirrorable(joint, num_fwd_outputs,
+                                                             _mutable_inputs(primal_kinds))))
     elif options.mirror is not None:
-        mirror = frozenset(options.mirror)
+        mirror = Mirror(frozenset(options.mirror))
     elif target is not None:
-        built = build(frozenset())
+        built = build(Mirror())
         if built.peak_bytes > target:
             with _stage("budget search", done):
                 mirror, search = _choose_mirror(joint, num_fwd_outputs, target,

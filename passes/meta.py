@@ -18,6 +18,8 @@ INPLACE_OF = "memopt.inplace_of"
 
 #: Name of the forward node a mirror node recomputes (str). Set by passes.recompute.
 RECOMPUTES = "memopt.recomputes"
+#: Which recomputation of that node it is (str, see `mirror_level`). Set with RECOMPUTES.
+MIRROR_LEVEL = "memopt.mirror_level"
 
 #: Keys written by PyTorch's tracers that memopt reads.
 VAL = "val"
@@ -49,9 +51,16 @@ def recomputed_from(node: fx.Node) -> str | None:
     return node.meta.get(RECOMPUTES)
 
 
-def mark_mirror(node: fx.Node, original: fx.Node) -> None:
+def mirror_level(node: fx.Node) -> str | None:
+    """Which recomputation of its forward node a mirror node is ("S": the only one;
+    "A", "B": the first and second of a node recomputed twice, Chen Sec. 4.4)."""
+    return node.meta.get(MIRROR_LEVEL)
+
+
+def mark_mirror(node: fx.Node, original: fx.Node, level: str = "S") -> None:
     """Make `node` a backward-region mirror node recomputing `original`."""
     node.meta[RECOMPUTES] = original.name
+    node.meta[MIRROR_LEVEL] = level
     node.meta[PARTITIONER_TAG] = "is_backward"
 
 

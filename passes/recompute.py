@@ -107,10 +107,15 @@ def _copy(joint: fx.GraphModule) -> fx.GraphModule:
 
 
 def add_mirror_nodes(joint: fx.GraphModule, num_fwd_outputs: int, mirrored: frozenset[str],
-                     mutable_inputs: frozenset[str] = frozenset()) -> fx.GraphModule:
+                     mutable_inputs: frozenset[str] = frozenset(),
+                     twice: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Steps 2-4: a copy of `joint` in which backward reads mirror nodes (Chen Alg. 2)
     for the mirrorable nodes named in `mirrored`; `joint` itself is untouched.
 
+    m(v) = 1 for the names in `mirrored` only; m(v) = 2 for those also in `twice`
+    (Chen Sec. 4.4, the recursion): such a node gets two mirror nodes, "A" feeding
+    the recomputation of the m(v) = 1 nodes (the sub-segment boundaries) and "B"
+    feeding backward, so only one sub-segment's values are alive at a time.
     Partition the result with `partition.find_cut`: the mirror nodes are backward
     nodes, so forward saves only what backward and the mirror nodes read.
     """
@@ -118,43 +123,53 @@ def add_mirror_nodes(joint: fx.GraphModule, num_fwd_outputs: int, mirrored: froz
     region = forward_region(gm, num_fwd_outputs)
     mirror = {n for n in mirrorable(gm, num_fwd_outputs, mutable_inputs) if n.name in mirrored}
     backward = [n for n in gm.graph.nodes if n not in region and n.op not in ("output", "placeholder")]
-    # Step 2: the mirrored ancestors of backward reads.
-    needed: set[fx.Node] = set()
-    stack = [a for b in backward for a in b.all_input_nodes if a in mirror]
+
+    def level(reader: str, node: fx.Node) -> str:
+        """Which mirror node of `node` a reader at `reader`'s level reads."""
+        if node.name not in twice:
+            return "S"
+        return "B" if reader in ("B", "bw") else "A"
+
+    # Step 2: the mirrored ancestors of backward reads, per level.
+    needed: set[tuple[fx.Node, str]] = set()
+    stack = [(a, level("bw", a)) for b in backward for a in b.all_input_nodes if a in mirror]
     while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(a for a in _sources(node) if a in mirror)
-    # Step 3: one mirror node per needed node, in forward order, reading mirror nodes
-    # where they exist; a getitem's op is mirrored once, a twin replaces a random or
-    # stateful op. They go before the output for now; Step 4 moves them.
-    clones: dict[fx.Node, fx.Node] = {}
-    ops: dict[fx.Node, fx.Node] = {}
-
-    def env(a: fx.Node) -> fx.Node:
-        return clones.get(a, a)
-
+        node, lvl = stack.pop()
+        if (node, lvl) not in needed:
+            needed.add((node, lvl))
+            stack.extend((a, level(lvl, a)) for a in _sources(node) if a in mirror)
+    # Step 3: one mirror node per needed (node, level), in forward order, reading mirror
+    # nodes where they exist; a getitem's op is mirrored once per level, a twin
+    # replaces a random or stateful op. They go before the output; Step 4 moves them.
+    clones: dict[tuple[fx.Node, str], fx.Node] = {}
+    ops: dict[str, dict[fx.Node, fx.Node]] = {"A": {}, "S": {}, "B": {}}
     output = next(iter(gm.graph.find_nodes(op="output")))
     with gm.graph.inserting_before(output):
-        for node in [n for n in gm.graph.nodes if n in needed]:
-            if is_twinned(node):
-                clones[node] = emit_twin(gm.graph, node, env, ops)
-                continue
-            if node.target is operator.getitem:
-                op = node.args[0]
-                if op not in ops:
-                    ops[op] = gm.graph.node_copy(op, env)
-                    mark_mirror(ops[op], op)
-                clone = gm.graph.node_copy(node, lambda a: ops.get(a, a))
-            else:
-                clone = gm.graph.node_copy(node, env)
-            mark_mirror(clone, node)
-            clones[node] = clone
+        for node in [n for n in gm.graph.nodes if n in mirror]:
+            for lvl in ("A", "S", "B"):
+                if (node, lvl) not in needed:
+                    continue
+
+                def env(a: fx.Node, lvl: str = lvl) -> fx.Node:
+                    return clones[(a, level(lvl, a))] if a in mirror else a
+
+                if is_twinned(node):
+                    clones[(node, lvl)] = emit_twin(gm.graph, node, env, ops[lvl], lvl)
+                    continue
+                if node.target is operator.getitem:
+                    op = node.args[0]
+                    if op not in ops[lvl]:
+                        ops[lvl][op] = gm.graph.node_copy(op, env)
+                        mark_mirror(ops[lvl][op], op, lvl)
+                    clone = gm.graph.node_copy(node, lambda a, o=ops[lvl]: o.get(a, a))
+                else:
+                    clone = gm.graph.node_copy(node, env)
+                mark_mirror(clone, node, lvl)
+                clones[(node, lvl)] = clone
     for node in backward:
         for arg in node.all_input_nodes:
-            if arg in clones:
-                node.replace_input_with(arg, clones[arg])
+            if arg in mirror:
+                node.replace_input_with(arg, clones[(arg, level("bw", arg))])
     # Step 4: each mirror node just before its first use.
     place_recomputation(gm, frozenset(n.name for n in gm.graph.nodes if recomputed_from(n)))
     return gm

@@ -69,33 +69,35 @@ def twin_sources(item: fx.Node) -> list[fx.Node]:
     return [a for a in op.args[:3] if isinstance(a, fx.Node)]
 
 
-def _traced(graph: fx.Graph, target: Callable, args: tuple, original: fx.Node) -> fx.Node:
+def _traced(graph: fx.Graph, target: Callable, args: tuple, original: fx.Node,
+            level: str) -> fx.Node:
     """A mirror node of `original` calling `target`, its value traced on FakeTensors."""
     node = graph.call_function(target, args)
     values = pytree.tree_map(lambda a: fake_value(a) if isinstance(a, fx.Node) else a, args)
     mode = next(v.fake_mode for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor))
     with mode:
         node.meta["val"] = target(*values)
-    mark_mirror(node, original)
+    mark_mirror(node, original, level)
     if NN_MODULE_STACK in original.meta:
         node.meta[NN_MODULE_STACK] = original.meta[NN_MODULE_STACK]
     return node
 
 
 def emit_twin(graph: fx.Graph, item: fx.Node, env: Callable[[fx.Node], fx.Node],
-              shared: dict[fx.Node, fx.Node]) -> fx.Node:
+              shared: dict[fx.Node, fx.Node], level: str = "S") -> fx.Node:
     """Add the twin of `item` to `graph` (at its insertion point); return its value.
 
     `env` maps each of `twin_sources(item)` to the node to read; `shared` caches
-    one BatchNorm twin per op, so its outputs come from one call."""
+    one BatchNorm twin per op, so its outputs come from one call; `level` marks the
+    nodes (see meta.mirror_level)."""
     op = item.args[0]
     if op.target is _DROPOUT:
         x, mask = (env(a) for a in twin_sources(item))
-        kept = _traced(graph, _aten.mul.Tensor, (x, mask), item)
-        return _traced(graph, _aten.mul.Tensor, (kept, 1.0 / (1.0 - op.args[1])), item)
+        kept = _traced(graph, _aten.mul.Tensor, (x, mask), item, level)
+        return _traced(graph, _aten.mul.Tensor, (kept, 1.0 / (1.0 - op.args[1])), item, level)
     if op not in shared:
         x, w, b, _mean, _var, training, momentum, eps = op.args
         args = (env(x), env(w) if w is not None else None, env(b) if b is not None else None,
                 training, momentum, eps)
-        shared[op] = _traced(graph, _aten._native_batch_norm_legit.no_stats, args, op)
-    return _traced(graph, operator.getitem, (shared[op], item.args[1]), item)
+        shared[op] = _traced(graph, _aten._native_batch_norm_legit.no_stats, args, op, level)
+    return _traced(graph, operator.getitem, (shared[op], item.args[1]), item, level)

@@ -184,3 +184,26 @@ def test_the_minimum_a_budget_error_names_is_accepted_and_keeps_the_headroom() -
 def test_headroom_must_be_a_fraction(bad) -> None:
     with pytest.raises(ValueError, match="headroom"):
         memopt.compile(nn.Linear(2, 2), budget="1GB", headroom=bad)
+
+
+def _tanh_chain() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(32):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def test_recursion_recomputes_twice_below_the_single_level_minimum() -> None:
+    """Chen Sec. 4.4: m(v) = 2 inside the segments reaches below every m(v) <= 1 plan,
+    with eager's gradients."""
+    torch.manual_seed(0)
+    model, x = _tanh_chain(), torch.randn(2048, 16)
+    with pytest.raises(memopt.BudgetError) as info:
+        memopt.plan(model, x, budget=0.01)
+    plan = memopt.plan(model, x, budget=info.value.minimum_bytes)
+    single = min(c.predicted_peak_bytes for c in plan.search if c.level == 1)
+    assert plan.predicted_peak_bytes < single
+    assert any(r.times == 2 for r in plan.recomputed) and any(c.level == 2 for c in plan.search)
+    assert plan.recompute_flops == sum(r.flops for r in plan.recomputed)
+    check_matches_eager(_tanh_chain, lambda: (torch.randn(2048, 16),),
+                        budget=info.value.minimum_bytes, steps=2)
