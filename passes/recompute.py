@@ -37,11 +37,11 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from memopt._torch_compat import is_sym_node, storage_key
+from memopt._torch_compat import storage_key
 
 from .meta import fake_value, mark_mirror, recomputed_from, tensor_value
-from .partition import Cut, forward_region
-from .twins import emit_twin, is_twinned, twin_sources, twinned_getitems
+from .partition import forward_region
+from .twins import emit_twin, is_twinned, twin_sources
 
 
 def _forward_outputs(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
@@ -68,19 +68,18 @@ def mirrorable(joint: fx.GraphModule, num_fwd_outputs: int,
 
     A single-tensor node qualifies when it is `_pure`. One output of a multi-output
     op qualifies when the op is pure (the op is then recomputed with it, see
-    `expand_mirror`) or when a pure twin computes it (passes.twins: dropout from its
+    `add_mirror_nodes`) or when a pure twin computes it (passes.twins: dropout from its
     saved mask, training-mode BatchNorm without its running statistics).
     """
     region = forward_region(joint, num_fwd_outputs)
     outputs = _forward_outputs(joint, num_fwd_outputs)
-    twinned = set(twinned_getitems(joint))
     result = []
     for node in joint.graph.nodes:
         if node not in region or node.op != "call_function" or node in outputs:
             continue
         if node.target is operator.getitem:
             parent = node.args[0]
-            if node in twinned or (isinstance(parent, fx.Node) and parent.op == "call_function"
+            if is_twinned(node) or (isinstance(parent, fx.Node) and parent.op == "call_function"
                                    and _pure(parent, mutable_inputs)):
                 result.append(node)
         elif tensor_value(node) is not None and _pure(node, mutable_inputs):

@@ -15,7 +15,7 @@ run twice as they are:
   `_native_batch_norm_legit.no_stats(x, w, b, True, ...)`: no buffer read, no
   statistics update (they stay the forward's, applied once).
 
-`twinned_getitems` names the outputs a twin can compute, `twin_sources` what a
+`is_twinned` names the outputs a twin can compute, `twin_sources` what a
 twin reads, and `emit_twin` adds the twin's nodes to a graph (used by
 passes.recompute when it builds mirror nodes).
 """
@@ -49,11 +49,6 @@ def is_twinned(node: fx.Node) -> bool:
     """`node` is an output of a random or stateful op that a pure twin recomputes."""
     return (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
             and _has_twin(node.args[0], node.args[1]))
-
-
-def twinned_getitems(joint: fx.GraphModule) -> list[fx.Node]:
-    """The getitems whose value a pure twin can recompute, in graph order."""
-    return [n for n in joint.graph.nodes if is_twinned(n)]
 
 
 def _mask_of(dropout: fx.Node) -> fx.Node:
