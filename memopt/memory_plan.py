@@ -81,7 +81,8 @@ class SearchCandidate(BaseModel):
     """One budget B the Alg. 3 search tried, and the simulator's verdict on its plan."""
 
     model_config = _FROZEN
-    level: int = 1                 # 1: m(v) <= 1; 2: inside level 1's segments (Sec. 4.4)
+    level: int = 1                 # 1: Alg. 3, m(v) <= 1; 2: inside level 1's segments
+                                   # (Sec. 4.4); 0: Sec. 4.2, every cheap op dropped (B unused)
     segment_budget_bytes: int      # Alg. 3's B
     predicted_peak_bytes: int      # the simulator's peak for the plan Alg. 3 made with B
     recompute_flops: int           # the forward work it recomputes

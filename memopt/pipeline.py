@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from torch import fx
 
 from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_live_bytes
-from memopt.allocator import plan_segments, search_budgets, share_by_tags, split_candidates
+from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_by_tags,
+                              split_candidates)
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
@@ -168,7 +169,9 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     by the exact simulator: the feasible plan (peak <= budget) with the least
     recomputed FLOPs, else the plan with the lowest peak.
 
-    When no plan fits, Sec. 4.4's recursion: inside the segments of the lowest-peak
+    Beside Alg. 3's plans, Sec. 4.2's: every cheap op dropped, every costly one kept
+    (little recomputation, for budgets just under the peak). When no plan fits,
+    Sec. 4.4's recursion: inside the segments of the lowest-peak
     plan, Alg. 3 and the same grid again pick sub-segment boundaries (m(v) = 1) and
     nodes recomputed twice (m(v) = 2). The plans tried at each level do not depend
     on the budget, and the second level runs only when no first-level plan fits,
@@ -202,6 +205,11 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     for b, s in tried:
         plans[(1, b)] = (s, Mirror(named(plan_segments(sizes, candidates, b,
                                                        droppable=droppable).mirror)))
+    # Level 0 (Sec. 4.2): drop every cheap op, keep every costly one (matmul, conv).
+    cheap = tuple(d and not _costly(n) for n, d in zip(region, droppable))
+    if any(cheap) and named(cheap) not in {m.names for _, m in plans.values()}:
+        plans[(0, 0)] = (scorer(lambda mask: Mirror(named(mask)))(
+            SegmentPlan(cheap, 0, 0, 0)), Mirror(named(cheap)))
     if all(s[0] for s, _ in plans.values()):
         # Level 2 (Sec. 4.4): recurse inside the lowest-peak plan's segments.
         lowest = min(plans.values(), key=lambda v: peak_of(v[0]))[1]
@@ -218,6 +226,12 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
         SearchCandidate(level=level, segment_budget_bytes=b, predicted_peak_bytes=peak_of(s)[0],
                         recompute_flops=peak_of(s)[1], fits=not s[0])
         for (level, b), (s, _) in sorted(plans.items()))
+
+
+def _costly(node: fx.Node) -> bool:
+    """More than a few operations per output element (a matmul or a convolution)."""
+    val = tensor_value(node)
+    return val is not None and node_flops(node) > 8 * max(1, val.numel())
 
 
 def peak_of(score: tuple[bool, int, int]) -> tuple[int, int]:

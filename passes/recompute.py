@@ -216,20 +216,18 @@ def node_flops(node: fx.Node) -> int:
     FLOP formula PyTorch's FlopCounterMode uses for matmuls and convolutions, else
     one operation per output element."""
     out = tensor_value(node)
-    fallback = int(out.numel()) if out is not None else 0
+    inputs = [v for v in map(tensor_value, node.all_input_nodes) if v is not None]
+    if out is None or any(storage_key(v) == storage_key(out) for v in inputs):
+        return 0  # a view (or a tuple's getitem): no arithmetic
+    fallback = int(out.numel())
     formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if formula is None or out is None:
+    if formula is None:
         return fallback
-
-    def shape(a: object) -> object:
-        if isinstance(a, fx.Node):
-            val = tensor_value(a)
-            return val.shape if val is not None else fake_value(a)
-        return a
-
+    # the registry's formulas take values (FakeTensors will do) and the output as out_val
+    args, kwargs = pytree.tree_map(
+        lambda a: fake_value(a) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
     try:
-        args, kwargs = pytree.tree_map(shape, (node.args, node.kwargs))
-        return int(formula(*args, **kwargs, out_shape=out.shape))
+        return int(formula(*args, **kwargs, out_val=out))
     except Exception:  # a formula that wants more than shapes: count elements
         return fallback
 

@@ -207,3 +207,12 @@ def test_recursion_recomputes_twice_below_the_single_level_minimum() -> None:
     assert plan.recompute_flops == sum(r.flops for r in plan.recomputed)
     check_matches_eager(_tanh_chain, lambda: (torch.randn(2048, 16),),
                         budget=info.value.minimum_bytes, steps=2)
+
+
+def test_recompute_cost_counts_matmul_flops_and_no_flops_for_views() -> None:
+    plan = memopt.plan(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+                       torch.randn(4, 8), mirror="all")
+    cost = {r.op: r.flops for r in plan.recomputed}
+    assert cost["aten.addmm"] == 2 * 4 * 8 * 16      # FlopCounterMode's formula
+    assert cost["aten.gelu"] == 4 * 16               # one per output element
+    assert cost.get("aten.t", 0) == 0                # a view
