@@ -52,6 +52,12 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict) -> Any:
                 f"{recompile_limit()} of them. Pad inputs to a few bucket sizes, or raise "
                 f"that limit if every shape really needs its own plan."
             ) from err
+        if isinstance(inner, RecursionError):
+            raise CaptureError(
+                "PyTorch hit Python's recursion limit while compiling this model's training "
+                f"step ({inner}); very deep models (e.g. ResNets of ~1000 layers) need "
+                "sys.setrecursionlimit(20000) or more before memopt.compile / memopt.plan"
+            ) from err
         if type(err).__module__.startswith("torch._dynamo"):
             raise CaptureError(_capture_message(err)) from err
         raise

@@ -88,6 +88,10 @@ class MemoptBackend:
                                       budget=self.budget, options=self.options)
             planned.append(plan)
             self.plans.append(plan)
+            if self.plan_only:  # stop before AOTAutograd builds its runtime wrappers
+                from .api import _PlanOnly
+
+                raise _PlanOnly(plan)
             return fw, bw
 
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
@@ -101,10 +105,6 @@ class MemoptBackend:
             return compiled  # an inference graph (no gradients needed): nothing to plan
 
         plan = planned[-1]
-        if self.plan_only:
-            from .api import _PlanOnly
-
-            raise _PlanOnly(plan)
 
         def run(*args: Any) -> Any:
             self.last_plan = plan

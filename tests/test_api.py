@@ -598,3 +598,14 @@ def test_too_many_shapes_gives_a_clear_error(monkeypatch) -> None:
     with pytest.raises(memopt.CaptureError, match="recompile_limit"):
         for n in range(1, 5):
             compiled(torch.randn(n, 4)).sum().backward()
+
+
+def test_recursion_limit_in_compilation_names_the_fix(monkeypatch) -> None:
+    import memopt.backend
+
+    def deep(*_a, **_k):
+        raise RecursionError("maximum recursion depth exceeded during compilation")
+
+    monkeypatch.setattr(memopt.backend, "plan_joint", deep)
+    with pytest.raises(memopt.CaptureError, match="setrecursionlimit"):
+        memopt.plan(nn.Linear(4, 4), torch.randn(2, 4))
