@@ -101,12 +101,18 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
         configs = [(f"memopt {f:.0%}", "memopt", int(f * eager.peak_bytes)) for f in FRACTIONS]
         configs.append(("memopt minimum", "memopt", lowest))
         configs += [(peer, peer, None) for peer in PEERS.get(model, ())]
+        configs += [(peer, "memopt at", peer) for peer in PEERS.get(model, ())]
         # torch.compile's knob is a fraction of the activation memory, not of the peak
         configs += [(f"inductor activation_memory_budget={f}", f"inductor:{f}", None)
                     for f in FRACTIONS]
         rows.append([model, "eager", "-", "-", format_bytes(eager.peak_bytes), "1.00x", "-",
                      "1.00x", "-"])
+        peaks: dict[str, int] = {}
         for label, mode, budget in configs:
+            if mode == "memopt at":  # memopt with a peer's measured peak as its budget
+                label, mode, budget = f"memopt at {budget}'s peak", "memopt", peaks.get(budget)
+                if budget is None:
+                    continue
             try:
                 m = measure_step(spec, mode=mode, budget=budget, device=device,
                                  timed_steps=timed_steps, isolate=True)
@@ -115,6 +121,7 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
                 rows.append([model, label, format_bytes(budget) if budget else "-",
                              reason, "-", "-", "-", "-", "-"])
                 continue
+            peaks[label] = m.peak_bytes
             fits = "-" if budget is None else ("yes" if m.peak_bytes <= budget else "**no**")
             rows.append([
                 model, label, format_bytes(budget) if budget else "-",
