@@ -143,7 +143,7 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
         options: `inplace=False` turns the in-place pass off; `mirror="all"` (or a
             set of forward node names) recomputes those nodes in backward instead of
             letting the budget search choose (an expert override, Chen Sec. 4.5);
-            `headroom=0.03` is the fraction of the budget kept free for what the plan
+            `headroom=0.06` is the fraction of the budget kept free for what the plan
             does not model (library workspaces, fragmentation).
 
     Returns a module that trains in the user's loop and computes eager's gradients.

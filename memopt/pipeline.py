@@ -49,8 +49,10 @@ class Options:
     mirror: frozenset[str] | str | None = None
     #: Fraction of the budget kept free for what the plan does not model (library
     #: workspaces such as convolution scratch space, allocator rounding beyond 512 B,
-    #: fragmentation): the plan's peak must fit in budget * (1 - headroom).
-    headroom: float = 0.03
+    #: fragmentation): the plan's peak must fit in budget * (1 - headroom). Calibrated
+    #: on CPU: the largest measured excess over the prediction was 5.3% (ResNet-50,
+    #: BatchNorm recomputed, convolutions kept); 3% let a 305 MiB budget measure 309.
+    headroom: float = 0.06
 
 
 def allocation_granularity(device: str) -> int:

@@ -172,7 +172,7 @@ def test_the_minimum_a_budget_error_names_is_accepted_and_keeps_the_headroom() -
     minimum = info.value.minimum_bytes
     assert "headroom" in str(info.value)
     plan = memopt.plan(model, x, budget=minimum)
-    assert plan.budget_bytes == minimum and plan.headroom_bytes == math.ceil(minimum * 0.03)
+    assert plan.budget_bytes == minimum and plan.headroom_bytes == math.ceil(minimum * 0.06)
     assert plan.predicted_peak_bytes <= minimum - plan.headroom_bytes
     with pytest.raises(memopt.BudgetError):
         memopt.plan(model, x, budget=minimum - 4096)
