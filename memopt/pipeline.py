@@ -173,9 +173,9 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
 
     Beside Alg. 3's plans, Sec. 4.2's: every cheap op dropped, every costly one kept
     (little recomputation, for budgets just under the peak). When no plan fits,
-    Sec. 4.4's recursion: inside the segments of the lowest-peak
-    plan, Alg. 3 and the same grid again pick sub-segment boundaries (m(v) = 1) and
-    nodes recomputed twice (m(v) = 2). The plans tried at each level do not depend
+    Sec. 4.4's recursion: inside the segments of the lowest-peak plan, Alg. 3 and the
+    same grid again pick sub-segment boundaries (m(v) = 1) and nodes recomputed
+    twice (m(v) = 2). The plans tried at each level do not depend
     on the budget, and the second level runs only when no first-level plan fits,
     so lowering the budget never raises the predicted peak."""
     forward = forward_region(joint, num_fwd_outputs)
@@ -202,8 +202,8 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
 
     # Level 1: m(v) in {0, 1}.
     plans: dict[tuple[int, int], tuple[tuple[bool, int, int], Mirror]] = {}
-    best, tried = search_budgets(sizes, candidates, droppable=droppable,
-                                 score=scorer(lambda mask: Mirror(named(mask))))
+    _, tried = search_budgets(sizes, candidates, droppable=droppable,
+                              score=scorer(lambda mask: Mirror(named(mask))))
     for b, s in tried:
         plans[(1, b)] = (s, Mirror(named(plan_segments(sizes, candidates, b,
                                                        droppable=droppable).mirror)))
