@@ -49,7 +49,8 @@ class Options:
     mirror: frozenset[str] | str | None = None
     #: Fraction of the budget kept free for what the plan does not model (library
     #: workspaces such as convolution scratch space, allocator rounding beyond 512 B,
-    #: fragmentation): the plan's peak must fit in budget * (1 - headroom). Calibrated
+    #: fragmentation): the plan's peak must fit in budget * (1 - headroom), for byte
+    #: budgets (a fraction is of memopt's own predicted baseline). Calibrated
     #: on CPU: the largest measured excess over the prediction was 5.3% (ResNet-50,
     #: BatchNorm recomputed, convolutions kept); 3% let a 305 MiB budget measure 309.
     headroom: float = 0.06
@@ -270,7 +271,10 @@ def plan_joint(
     with _stage("baseline", done):
         baseline_peak = build(Mirror(), inplace=False).peak_bytes
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
-    target = budget_bytes - math.ceil(budget_bytes * options.headroom) if budget_bytes else None
+    # Headroom guards byte budgets against what the plan does not model; a fraction is
+    # of memopt's own predicted baseline, which leaves that out too (1.0 always fits).
+    headroom = options.headroom if budget is not None and budget.nbytes is not None else 0.0
+    target = budget_bytes - math.ceil(budget_bytes * headroom) if budget_bytes else None
     mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":
@@ -313,10 +317,10 @@ def plan_joint(
     if target is not None and plan.predicted_peak_bytes > target:
         raise BudgetError(
             budget_bytes=budget_bytes,
-            minimum_bytes=math.ceil(plan.predicted_peak_bytes / (1 - options.headroom)),
+            minimum_bytes=math.ceil(plan.predicted_peak_bytes / (1 - headroom)),
             baseline_bytes=plan.baseline_peak_bytes,
             budget=str(budget),
-            headroom=options.headroom,
+            headroom=headroom,
         )
     return final.fw, final.bw, plan
 

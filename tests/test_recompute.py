@@ -168,7 +168,7 @@ def test_the_minimum_a_budget_error_names_is_accepted_and_keeps_the_headroom() -
     torch.manual_seed(0)
     model, x = _deep_mlp(), _inputs()[0]
     with pytest.raises(memopt.BudgetError) as info:
-        memopt.plan(model, x, budget=0.05)
+        memopt.plan(model, x, budget=1024)  # bytes: the headroom applies
     minimum = info.value.minimum_bytes
     assert "headroom" in str(info.value)
     plan = memopt.plan(model, x, budget=minimum)
@@ -199,7 +199,7 @@ def test_recursion_recomputes_twice_below_the_single_level_minimum() -> None:
     torch.manual_seed(0)
     model, x = _tanh_chain(), torch.randn(2048, 16)
     with pytest.raises(memopt.BudgetError) as info:
-        memopt.plan(model, x, budget=0.01)
+        memopt.plan(model, x, budget=1024)
     plan = memopt.plan(model, x, budget=info.value.minimum_bytes)
     single = min(c.predicted_peak_bytes for c in plan.search if c.level == 1)
     assert plan.predicted_peak_bytes < single
