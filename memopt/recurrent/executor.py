@@ -1,0 +1,294 @@
+"""Run a chain under a Gruslys policy: forward storing only what the policy keeps,
+backward by recomputation in the policy's order (Gruslys et al. 2016, Sec. 3).
+
+A chain is ``step(params, state, x) -> (y, new_state)`` applied to the inputs
+``xs[0..t-1]`` from ``state`` (a tuple of tensors). ``forward_phase`` runs the
+policy's actions up to its first backward: every step once, which produces every
+output; it keeps the stored hidden states, the stored internal states (a step run
+under autograd and held) and the last step's graph (the core). ``backward_phase``
+runs the rest: each ``backward`` action backpropagates one step, from its stored
+internal state or by recomputing it from a stored hidden state, carrying the
+gradient of the hidden state from step to step and summing parameter gradients.
+
+Random ops inside a step (dropout) draw the same numbers when recomputed: the RNG
+state before each step's first run is kept and restored around every rerun, and
+the caller's RNG state is left as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from memopt.allocator.chain import Policy
+
+Tensors = tuple[torch.Tensor, ...]
+Step = Callable[[Tensors, Tensors, torch.Tensor], tuple[torch.Tensor, Tensors]]
+
+
+@dataclass
+class ChainStats:
+    """What one execution did, for tests and reports."""
+
+    forward_steps: int = 0          # steps run (first pass + recomputation): C(t, m)
+    peak_units: int = 0             # the most of the policy's memory units in use
+    peak_stored_bytes: int = 0      # the most bytes held in stored states (h_0 excluded)
+
+
+@dataclass
+class _Internal:
+    """A step run under autograd and kept: its leaf inputs and outputs."""
+
+    state_in: Tensors
+    x_in: torch.Tensor
+    params_in: Tensors
+    y: torch.Tensor
+    state_out: Tensors
+
+
+@dataclass
+class ChainRun:
+    """One chain execution between its forward and backward phases."""
+
+    step: Step
+    policy: Policy
+    params: Tensors
+    xs: Sequence[torch.Tensor]
+    state0: Tensors
+    preserve_rng: bool
+    x_grad: bool = False            # whether the inputs need gradients
+    stats: ChainStats = field(default_factory=ChainStats)
+    hidden: dict[int, Tensors] = field(default_factory=dict)
+    internal: dict[int, _Internal] = field(default_factory=dict)
+    rng: dict[int, object] = field(default_factory=dict)
+    cursor: int = 0                 # the next action of the schedule
+    current: tuple[int, Tensors] | None = None
+    core: int | None = None         # the last step, whose graph the forward phase keeps
+    units: int = 0
+    stored_bytes: int = 0
+
+    # -- state ---------------------------------------------------------------
+
+    def available(self, pos: int) -> Tensors:
+        """Hidden state ``pos``: the input, a stored hidden state, a stored internal
+        state's output, or what the previous advance produced."""
+        if pos == 0:
+            return self.state0
+        if pos in self.hidden:
+            return self.hidden[pos]
+        if pos - 1 in self.internal:
+            return tuple(s.detach() for s in self.internal[pos - 1].state_out)
+        if self.current is not None and self.current[0] == pos:
+            return self.current[1]
+        raise RuntimeError(f"memopt chain executor: hidden state {pos} is not available "
+                           f"(policy {self.policy.describe()}); this is a memopt bug")
+
+    def _run(self, i: int, state: Tensors, *, grad: bool, first: bool
+             ) -> tuple[torch.Tensor, Tensors, _Internal | None]:
+        """Run step i once (under autograd when ``grad``), replaying its RNG state."""
+        self.stats.forward_steps += 1
+        if self.preserve_rng:
+            if first:
+                self.rng[i] = _get_rng(self.xs[i].device)
+            else:
+                _set_rng(self.xs[i].device, self.rng[i])
+        if not grad:
+            with torch.no_grad():
+                y, out = self.step(self.params, state, self.xs[i])
+            return y, tuple(out), None
+        state_in = tuple(s.detach().requires_grad_(s.is_floating_point()) for s in state)
+        x = self.xs[i].detach().requires_grad_(self.x_grad)
+        params = tuple(p.detach().requires_grad_(p.requires_grad) for p in self.params)
+        with torch.enable_grad():
+            y, out = self.step(params, state_in, x)
+        out = tuple(out)
+        return y, out, _Internal(state_in, x, params, y, out)
+
+    def _account(self, units: int, nbytes: int) -> None:
+        self.units += units
+        self.stored_bytes += nbytes
+        self.stats.peak_units = max(self.stats.peak_units, self.units)
+        self.stats.peak_stored_bytes = max(self.stats.peak_stored_bytes, self.stored_bytes)
+
+    # -- phases --------------------------------------------------------------
+
+    def forward_phase(self) -> tuple[list[torch.Tensor], Tensors]:
+        """Every step once, storing what the policy keeps; returns the outputs (no
+        graph) and the final state. Stops at the first backward action, whose step
+        (the chain's last) stays as the core's graph."""
+        t = self.policy.t
+        ys: list[torch.Tensor | None] = [None] * t
+        self.units = 0 if self.policy.strategy == "ism" else 1
+        self._account(0, 0)
+        schedule = self.policy.schedule
+        while True:
+            op, i, j = schedule[self.cursor]
+            if op == "backward":
+                if i not in self.internal:  # the core: the last step, kept for backward
+                    y, out, node = self._run(i, self.available(i), grad=True, first=True)
+                    self.internal[i] = node
+                    self.core = i
+                y = self.internal[i].y
+                ys[i] = y.detach()
+                final = tuple(s.detach() for s in self.internal[i].state_out)
+                return ys, final  # the cursor stays at this backward
+            self._act(op, i, j, ys)
+            self.cursor += 1
+
+    def backward_phase(self, grad_ys: Sequence[torch.Tensor | None], grad_final: Tensors
+                       ) -> tuple[Tensors, list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """The rest of the schedule; returns the gradients of the initial state, of
+        each step's input and of the parameters."""
+        grad_h: list[torch.Tensor | None] = list(grad_final)
+        grad_xs: list[torch.Tensor | None] = [None] * self.policy.t
+        grad_params: list[torch.Tensor | None] = [None] * len(self.params)
+        schedule = self.policy.schedule
+        with _fork_rng(self.xs[0].device, self.preserve_rng):
+            while self.cursor < len(schedule):
+                op, i, j = schedule[self.cursor]
+                if op == "backward":
+                    grad_h = self._backward(i, grad_ys[i], grad_h, grad_xs, grad_params)
+                else:
+                    self._act(op, i, j, None)
+                self.cursor += 1
+        return tuple(grad_h), grad_xs, grad_params
+
+    def _act(self, op: str, i: int, j: int, ys: list | None) -> None:
+        """One non-backward action. ``ys`` is given in the forward phase (first runs)."""
+        if op == "advance":
+            state = self.available(i)
+            for k in range(i, j):
+                y, state, _ = self._run(k, state, grad=False, first=ys is not None)
+                if ys is not None:
+                    ys[k] = y
+            self.current = (j, state)
+        elif op == "store_hidden":
+            self.hidden[i] = self.available(i)
+            self._account(1, _nbytes(self.hidden[i]))
+        elif op == "free":
+            self._account(-1, -_nbytes(self.hidden.pop(i)))
+        elif op == "store_internal":
+            y, _, node = self._run(i, self.available(i), grad=True, first=ys is not None)
+            if ys is not None:
+                ys[i] = y.detach()
+            self.internal[i] = node
+            self._account(self.policy.internal_units.get(i, 1), _graph_bytes(node))
+        else:
+            raise ValueError(f"unknown chain action {op!r}")
+
+    def _backward(self, i: int, grad_y: torch.Tensor | None, grad_h: list,
+                  grad_xs: list, grad_params: list) -> list:
+        node = self.internal.pop(i, None)
+        stored = node is not None and self.core != i
+        if node is None:  # recompute step i in the core
+            _, _, node = self._run(i, self.available(i), grad=True, first=False)
+            self._account(1 if self.policy.strategy == "ism" else 0, 0)
+        outputs, grads = [], []
+        for out, g in zip((node.y, *node.state_out), (grad_y, *grad_h)):
+            if g is not None and out.requires_grad:
+                outputs.append(out)
+                grads.append(g)
+        inputs = (*node.state_in, node.x_in, *node.params_in)
+        wants = [k for k, v in enumerate(inputs) if v.requires_grad]
+        got = torch.autograd.grad(outputs, [inputs[k] for k in wants], grads,
+                                  allow_unused=True) if outputs and wants else []
+        result: list[torch.Tensor | None] = [None] * len(inputs)
+        for k, g in zip(wants, got):
+            result[k] = g
+        n_state = len(node.state_in)
+        grad_xs[i] = result[n_state]
+        for k, g in enumerate(result[n_state + 1:]):
+            if g is not None:
+                grad_params[k] = g if grad_params[k] is None else grad_params[k] + g
+        if stored:
+            self._account(-self.policy.internal_units.get(i, 1), -_graph_bytes(node))
+        elif self.policy.strategy == "ism":
+            self._account(-1, 0)
+        return result[:n_state]
+
+
+def _nbytes(state: Tensors) -> int:
+    return sum(s.untyped_storage().nbytes() for s in state)
+
+
+def _graph_bytes(node: _Internal) -> int:
+    """Bytes a kept step holds beyond its inputs: its outputs (its saved tensors are
+    not reachable from Python; the outputs stand for them in the stats)."""
+    return _nbytes((node.y, *node.state_out))
+
+
+def _get_rng(device: torch.device) -> object:
+    cpu = torch.get_rng_state()
+    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu, None)
+
+
+def _set_rng(device: torch.device, state: object) -> None:
+    cpu, dev = state
+    torch.set_rng_state(cpu)
+    if dev is not None:
+        torch.cuda.set_rng_state(dev, device)
+
+
+class _fork_rng:
+    """Leave the caller's RNG state as it was after the recomputations."""
+
+    def __init__(self, device: torch.device, active: bool) -> None:
+        self.device, self.active = device, active
+
+    def __enter__(self) -> None:
+        if self.active:
+            self.saved = _get_rng(self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            _set_rng(self.device, self.saved)
+
+
+class _ChainFunction(torch.autograd.Function):
+    """Eager autograd wrapper: inputs are (state..., xs..., params...)."""
+
+    @staticmethod
+    def forward(ctx, step, policy, n_state, n_xs, preserve_rng, stats, *flat):
+        state0 = tuple(t.detach() for t in flat[:n_state])
+        xs = [t.detach() for t in flat[n_state:n_state + n_xs]]
+        params = tuple(flat[n_state + n_xs:])
+        x_grad = any(t.requires_grad for t in flat[n_state:n_state + n_xs])
+        run = ChainRun(step, policy, params, xs, state0, preserve_rng, x_grad,
+                       stats=stats if stats is not None else ChainStats())
+        ys, final = run.forward_phase()
+        ctx.run = run
+        ctx.n = (n_state, n_xs, len(params))
+        return (*ys, *final)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n_state, n_xs, n_params = ctx.n
+        run: ChainRun = ctx.run
+        t = run.policy.t
+        grad_state, grad_xs, grad_params = run.backward_phase(grads[:t], grads[t:])
+        ctx.run = None
+        return (None,) * 6 + (*grad_state, *grad_xs, *grad_params)
+
+
+def run_chain(step: Step, state: Sequence[torch.Tensor], xs: Sequence[torch.Tensor],
+              policy: Policy, *, params: Sequence[torch.Tensor] = (),
+              preserve_rng: bool = True, stats: ChainStats | None = None
+              ) -> tuple[list[torch.Tensor], Tensors]:
+    """Run ``step`` over ``xs`` from ``state`` under ``policy``; differentiable.
+
+    ``step(params, state, x) -> (y, new_state)`` must use the ``params`` it is given
+    (they are re-bound to fresh leaves when a step is recomputed). Returns the list of
+    outputs and the final state. Gradients flow to ``state``, ``xs`` and ``params``
+    and equal full BPTT's; memory holds only what the policy stores. ``stats``
+    (a ChainStats) is filled in as the chain runs.
+    """
+    state, xs, params = tuple(state), list(xs), tuple(params)
+    if len(xs) != policy.t:
+        raise ValueError(f"the policy is for {policy.t} steps, got {len(xs)} inputs")
+    if not state:
+        raise ValueError("run_chain needs a state: a non-empty tuple of tensors")
+    out = _ChainFunction.apply(step, policy, len(state), len(xs), preserve_rng, stats,
+                               *state, *xs, *params)
+    return list(out[:policy.t]), tuple(out[policy.t:])
