@@ -96,3 +96,20 @@ def unwrap_backend_error(err: BaseException) -> BaseException:
 def storage_key(t: Any) -> Any:
     """A hashable identity of the storage under a (fake) tensor; views share it."""
     return StorageWeakRef(t.untyped_storage())
+
+
+def autograd_inside_op():
+    """A context in which autograd records again, inside a custom operator's
+    implementation (which runs with the autograd dispatch keys excluded and grad
+    mode off): the chain executor runs and backpropagates steps there."""
+    from contextlib import ExitStack  # noqa: PLC0415
+
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
+        exclude = exclude.remove(getattr(keys, name))
+    stack = ExitStack()
+    stack.enter_context(torch._C._ForceDispatchKeyGuard(
+        torch._C._dispatch_tls_local_include_set(), exclude))
+    stack.enter_context(torch.enable_grad())
+    return stack

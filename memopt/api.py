@@ -20,6 +20,7 @@ from ._torch_compat import FailOnRecompileLimitHit, recompile_limit, unwrap_back
 from .backend import MemoptBackend
 from .errors import CaptureError, MemoptError
 from .memory_plan import MemoryPlan
+from .recurrent.modules import substitute_rnns
 
 #: Sharing these dicts makes the compiled module hold the very same parameter
 #: and buffer objects (and state_dict keys) as the user's model.
@@ -95,7 +96,11 @@ class CompiledModule(nn.Module):
             object.__setattr__(self, name, getattr(model, name))
         object.__setattr__(self, "_memopt_model", model)
         object.__setattr__(self, "_memopt_backend", backend)
-        compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=True)
+        # nn.LSTM / nn.GRU / nn.RNN run as recurrent chains (memopt.recurrent): the traced
+        # module tree is a shallow copy with those wrapped; the model is not modified.
+        traced, pairs = substitute_rnns(model)
+        object.__setattr__(self, "_memopt_pairs", pairs)
+        compiled = torch.compile(traced, backend=backend, dynamic=False, fullgraph=True)
         object.__setattr__(self, "_memopt_compiled", compiled)
         self.training = model.training
 
@@ -114,6 +119,8 @@ class CompiledModule(nn.Module):
         return self._memopt_model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        for original, copy in self._memopt_pairs:  # train()/eval() on the user's model
+            copy.training = original.training
         return _run_captured(self._memopt_compiled, args, kwargs)
 
     def train(self, mode: bool = True) -> "CompiledModule":
@@ -167,7 +174,8 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
     if isinstance(model, CompiledModule):
         model = model.original_module
     backend = MemoptBackend(budget, plan_only=True, **options)
-    compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=True)
+    traced, _ = substitute_rnns(model)
+    compiled = torch.compile(traced, backend=backend, dynamic=False, fullgraph=True)
     try:
         _run_captured(compiled, example_inputs, example_kwargs or {})
     except _PlanOnly as ready:

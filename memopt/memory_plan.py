@@ -89,6 +89,28 @@ class SearchCandidate(BaseModel):
     fits: bool                     # peak within the budget (less the headroom)
 
 
+class ChainRecord(BaseModel):
+    """A recurrent chain (nn.LSTM / nn.GRU / nn.RNN, or a marked cell loop) and the
+    Gruslys et al. 2016 policy memopt chose for it."""
+
+    model_config = _FROZEN
+    module: str
+    module_type: str
+    steps: int                     # T: time steps of the sequence
+    chunk: int                     # time steps per chunk (one call of the step)
+    t: int                         # chunks: the chain's length
+    m: int                         # hidden-state slots (BPTT-HSM's m, h_0 included)
+    strategy: str                  # "hsm" (Sec. 3.1)
+    cost: int                      # C(t, m): chunk forwards, the first pass included
+    recompute_steps: int           # time steps run again in backward
+    recompute_flops: int
+    hidden_bytes: int              # one hidden state
+    internal_bytes: int            # one chunk's internal state (its backward graph)
+    held_bytes: int                # kept from forward to backward
+    workspace_bytes: int           # allocated by the backward op while it runs
+    reason: str
+
+
 class MemoryPlan(BaseModel):
     """The plan of one captured training graph (forward + backward)."""
 
@@ -115,6 +137,7 @@ class MemoryPlan(BaseModel):
     recompute_flops: int = 0           # extra forward work the recomputation adds
     search: tuple[SearchCandidate, ...] = ()
     headroom_bytes: int = 0            # of the budget, kept free: the peak fits budget - this
+    chains: tuple[ChainRecord, ...] = ()  # recurrent chains and their policies
 
     @property
     def saved_bytes(self) -> int:
@@ -149,6 +172,12 @@ class MemoryPlan(BaseModel):
             twice = sum(1 for r in self.recomputed if r.times > 1)
             if twice:
                 lines.append(f"  recomputed twice {twice} (Chen Sec. 4.4 recursion)")
+        for c in self.chains:
+            lines.append(
+                f"  chain {c.module} ({c.module_type}): T={c.steps} as t={c.t} chunks of "
+                f"{c.chunk}, BPTT-{c.strategy.upper()} m={c.m}, C(t,m)={c.cost} chunk "
+                f"forwards ({c.recompute_steps} steps recomputed), holds {b(c.held_bytes)} "
+                f"+ {b(c.workspace_bytes)} in backward; {c.reason}")
         if self.saved:
             lines.append("")
             header = f"  {'saved tensor':<28} {'op':<26} {'module':<32} {'shape':<20} {'bytes':>10}  decision"

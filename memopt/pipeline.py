@@ -21,6 +21,7 @@ from torch import fx
 from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_live_bytes
 from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_by_tags,
                               split_candidates)
+from memopt.passes import chains as chain_pass
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
@@ -31,8 +32,8 @@ from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, no
 
 from .budget import Budget, format_bytes
 from .errors import BudgetError, PassError
-from .memory_plan import (InplaceRecord, MemoryPlan, RecomputedNode, SavedTensor, SearchCandidate,
-                          SharingGroup, StorageRecord)
+from .memory_plan import (ChainRecord, InplaceRecord, MemoryPlan, RecomputedNode, SavedTensor,
+                          SearchCandidate, SharingGroup, StorageRecord)
 
 log = logging.getLogger("memopt")
 
@@ -231,6 +232,75 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
         for (level, b), (s, _) in sorted(plans.items()))
 
 
+@dataclass(frozen=True)
+class _ChainChoice:
+    site: chain_pass.ChainSite
+    config: chain_pass.ChainConfig
+    reason: str
+
+
+def _choose_chains(joint: fx.GraphModule, num_fwd_outputs: int, target: int | None,
+                   primal_kinds: dict[str, str], build,
+                   configs: dict[str, list[chain_pass.ChainConfig]]) -> list[_ChainChoice]:
+    """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
+    Chen's planner sees the rest of the graph.
+
+    Step 1: every chain starts as one chunk (t = 1: no recomputation, eager's memory).
+    Step 2: with no budget, or when that fits, done.
+    Step 3: else price every (chunk length, m) of each chain by the exact simulator on
+        one build (only the chain's held and workspace bytes change between
+        configurations), other chains fixed; take the configuration that fits with the
+        fewest recomputed steps (then the fewest chunks), else the lowest peak, and
+        leave the rest of the budget to the Chen planner.
+    """
+    sites = chain_pass.find_chains(joint)
+    if not sites:
+        return []
+    chosen = {s.fwd: configs[s.fwd][0] for s in sites}  # t = 1
+    for s in sites:
+        chain_pass.apply([joint], s, chosen[s.fwd])
+    reasons = {s.fwd: "no budget: one chunk, nothing recomputed" for s in sites}
+    if target is None:
+        return [_ChainChoice(s, chosen[s.fwd], reasons[s.fwd]) for s in sites]
+    built = build(Mirror())
+    gran = allocation_granularity(_device_of(built.fw))
+
+    def peak(site, config) -> int:
+        chain_pass.apply([built.fw, built.bw], site, config)
+        schedule = analyze_liveness(built.fw, built.bw, saved=built.saved_names,
+                                    num_user_outputs=num_fwd_outputs, primal_kinds=primal_kinds)
+        return _peak_bytes(schedule, gran)
+
+    if built.peak_bytes <= target:
+        reasons = {s.fwd: "the budget fits with one chunk: nothing recomputed" for s in sites}
+    else:
+        for s in sites:
+            priced = [(peak(s, c), c) for c in configs[s.fwd]]
+            fitting = [(p, c) for p, c in priced if p <= target]
+            if fitting:
+                p, best = min(fitting, key=lambda pc: (pc[1].recompute_steps, pc[1].t, pc[0]))
+                reasons[s.fwd] = (f"fewest recomputed steps of the {len(fitting)} of "
+                                  f"{len(priced)} policies that fit")
+            else:
+                p, best = min(priced, key=lambda pc: (pc[0], pc[1].recompute_steps))
+                reasons[s.fwd] = (f"lowest peak of {len(priced)} policies (none fits alone; "
+                                  f"the Chen planner recomputes the rest)")
+            chosen[s.fwd] = best
+            chain_pass.apply([joint, built.fw, built.bw], s, best)
+    return [_ChainChoice(s, chosen[s.fwd], reasons[s.fwd]) for s in sites]
+
+
+def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
+    return tuple(ChainRecord(
+        module=c.site.name, module_type=c.site.module_type, steps=c.site.steps,
+        chunk=c.config.chunk, t=c.config.t, m=c.config.m, strategy=c.config.policy.strategy,
+        cost=c.config.policy.cost, recompute_steps=c.config.recompute_steps,
+        recompute_flops=c.config.recompute_steps * c.site.step_flops,
+        hidden_bytes=c.site.hidden_bytes, internal_bytes=c.config.internal_bytes,
+        held_bytes=c.config.held_bytes, workspace_bytes=c.config.workspace_bytes,
+        reason=c.reason) for c in choices)
+
+
 def _costly(node: fx.Node) -> bool:
     """More than a few operations per output element (a matmul or a convolution)."""
     val = tensor_value(node)
@@ -268,6 +338,11 @@ def plan_joint(
         return _build(joint, num_fwd_outputs, mirror, inplace=inplace,
                       primal_kinds=primal_kinds, done=[])
 
+    with _stage("recurrent chains", done):  # every chain as one chunk, for the baseline
+        chain_configs = {site.fwd: chain_pass.configurations(joint, site)
+                         for site in chain_pass.find_chains(joint)}
+        for site in chain_pass.find_chains(joint):
+            chain_pass.apply([joint], site, chain_configs[site.fwd][0])
     with _stage("baseline", done):
         baseline_peak = build(Mirror(), inplace=False).peak_bytes
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
@@ -275,6 +350,9 @@ def plan_joint(
     # of memopt's own predicted baseline, which leaves that out too (1.0 always fits).
     headroom = options.headroom if budget is not None and budget.nbytes is not None else 0.0
     target = budget_bytes - math.ceil(budget_bytes * headroom) if budget_bytes else None
+    with _stage("recurrent chains", done):
+        chains = _choose_chains(joint, num_fwd_outputs, target, primal_kinds, build,
+                                chain_configs)
     mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":
@@ -291,7 +369,9 @@ def plan_joint(
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
                    primal_kinds=primal_kinds, done=done)
     recomputed = _recomputed_nodes(final)
-    forward_flops = _forward_flops(joint, num_fwd_outputs)
+    chain_records = _chain_records(chains)
+    forward_flops = _forward_flops(joint, num_fwd_outputs) + sum(
+        c.site.steps * c.site.step_flops for c in chains)
     device = _device_of(final.fw)
     gran = allocation_granularity(device)
     with _stage("allocator", done):
@@ -299,7 +379,9 @@ def plan_joint(
                          baseline_peak, budget, device, gran, time.perf_counter() - t0)
         plan = plan.model_copy(update={
             "recomputed": recomputed, "forward_flops": forward_flops,
-            "recompute_flops": sum(r.flops for r in recomputed), "search": search,
+            "recompute_flops": sum(r.flops for r in recomputed) + sum(
+                c.recompute_flops for c in chain_records),
+            "search": search, "chains": chain_records,
             "headroom_bytes": budget_bytes - target if target is not None else 0,
             "saved": tuple(
                 r.model_copy(update={"reason": "kept: a segment boundary of the Alg. 3 plan, "

@@ -32,7 +32,7 @@ from torch import fx
 
 from memopt._torch_compat import is_tangent, storage_key
 
-from .meta import fake_value, inplace_source
+from .meta import fake_value, held_bytes, inplace_source, workspace_bytes
 
 #: Storage kinds, in the order a plan lists them.
 KINDS = ("parameter", "buffer", "input", "activation", "saved", "output", "tangent",
@@ -138,6 +138,9 @@ def analyze_liveness(
             else:
                 keys = [stores.add(t, key) for t, key in
                         zip(tensors, _backward_keys(node, tensors, node_keys, node_raw))]
+            for index, nbytes in held_bytes(node).items():  # an opaque op's stored state
+                if index < len(keys):
+                    stores.nbytes[stores.find(keys[index])] = nbytes
             src = inplace_source(node)
             if src is not None and keys and (prefix, src) in node_keys:
                 stores.union(keys[0], node_keys[(prefix, src)][0])
@@ -175,6 +178,10 @@ def analyze_liveness(
                 for arg in node.all_input_nodes:
                     for key in keys_of(prefix, arg):
                         touch(key, step)
+                if workspace_bytes(node):  # freed before the next step
+                    ws = ("workspace", prefix, node.name)
+                    stores.parent[ws], stores.nbytes[ws] = ws, workspace_bytes(node)
+                    touch(ws, step, f"{prefix}.{node.name}.workspace")
                 keys = keys_of(prefix, node)
                 multi = isinstance(fake_value(node), (tuple, list))
                 for i, key in enumerate(keys):

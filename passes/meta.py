@@ -21,6 +21,14 @@ RECOMPUTES = "memopt.recomputes"
 #: Which recomputation of that node it is (str, see `mirror_level`). Set with RECOMPUTES.
 MIRROR_LEVEL = "memopt.mirror_level"
 
+#: Bytes an opaque op keeps behind one of its outputs ({output index: bytes}), beyond
+#: the tensor itself: a recurrent chain's stored states behind its handle. Set by
+#: passes.chains; liveness charges them to that output's storage.
+HELD_BYTES = "memopt.held_bytes"
+#: Bytes an opaque op allocates and frees while it runs (int): a chain's recomputation
+#: slots in backward. Set by passes.chains; liveness adds them at the op's step.
+WORKSPACE_BYTES = "memopt.workspace_bytes"
+
 #: Keys written by PyTorch's tracers that memopt reads.
 VAL = "val"
 NN_MODULE_STACK = "nn_module_stack"
@@ -36,6 +44,14 @@ def tensor_value(node: fx.Node) -> torch.Tensor | None:
     """The node's value if it is a single tensor, else None."""
     val = node.meta.get(VAL)
     return val if isinstance(val, torch.Tensor) else None
+
+
+def held_bytes(node: fx.Node) -> dict[int, int]:
+    return node.meta.get(HELD_BYTES, {})
+
+
+def workspace_bytes(node: fx.Node) -> int:
+    return node.meta.get(WORKSPACE_BYTES, 0)
 
 
 def inplace_source(node: fx.Node) -> str | None:

@@ -56,6 +56,7 @@ def _pure(node: fx.Node, mutable_inputs: frozenset[str]) -> bool:
     op = node.target
     if isinstance(op, torch._ops.OpOverload) and (
         op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
+        or op.namespace == "memopt"  # a recurrent chain: state behind its handle
     ):
         return False
     return not any(a.op == "placeholder" and a.name in mutable_inputs

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from memopt._torch_compat import autograd_inside_op
 from memopt.allocator.chain import Policy
 
 Tensors = tuple[torch.Tensor, ...]
@@ -59,6 +60,7 @@ class ChainRun:
     state0: Tensors
     preserve_rng: bool
     x_grad: bool = False            # whether the inputs need gradients
+    param_grad: tuple[bool, ...] = ()  # which parameters need gradients (default: all)
     stats: ChainStats = field(default_factory=ChainStats)
     hidden: dict[int, Tensors] = field(default_factory=dict)
     internal: dict[int, _Internal] = field(default_factory=dict)
@@ -66,10 +68,18 @@ class ChainRun:
     cursor: int = 0                 # the next action of the schedule
     current: tuple[int, Tensors] | None = None
     core: int | None = None         # the last step, whose graph the forward phase keeps
+    #: on_output(i, y): receives each step's output in the forward phase (default: a list)
+    on_output: Callable[[int, torch.Tensor], None] | None = None
+    #: on_grad_x(i, g): receives each step's input gradient in backward (default: a list)
+    on_grad_x: Callable[[int, torch.Tensor | None], None] | None = None
     units: int = 0
     stored_bytes: int = 0
 
     # -- state ---------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        if len(self.param_grad) != len(self.params):
+            self.param_grad = tuple(p.is_floating_point() for p in self.params)
 
     def available(self, pos: int) -> Tensors:
         """Hidden state ``pos``: the input, a stored hidden state, a stored internal
@@ -99,9 +109,10 @@ class ChainRun:
                 y, out = self.step(self.params, state, self.xs[i])
             return y, tuple(out), None
         state_in = tuple(s.detach().requires_grad_(s.is_floating_point()) for s in state)
-        x = self.xs[i].detach().requires_grad_(self.x_grad)
-        params = tuple(p.detach().requires_grad_(p.requires_grad) for p in self.params)
-        with torch.enable_grad():
+        # requires grad even when unneeded: whether it is needed is known in backward
+        x = self.xs[i].detach().requires_grad_(self.xs[i].is_floating_point())
+        params = tuple(p.detach().requires_grad_(g) for p, g in zip(self.params, self.param_grad))
+        with autograd_inside_op():
             y, out = self.step(params, state_in, x)
         out = tuple(out)
         return y, out, _Internal(state_in, x, params, y, out)
@@ -116,7 +127,7 @@ class ChainRun:
 
     def forward_phase(self) -> tuple[list[torch.Tensor], Tensors]:
         """Every step once, storing what the policy keeps; returns the outputs (no
-        graph) and the final state. Stops at the first backward action, whose step
+        graph; None entries when ``on_output`` takes them) and the final state. Stops at the first backward action, whose step
         (the chain's last) stays as the core's graph."""
         t = self.policy.t
         ys: list[torch.Tensor | None] = [None] * t
@@ -130,8 +141,7 @@ class ChainRun:
                     y, out, node = self._run(i, self.available(i), grad=True, first=True)
                     self.internal[i] = node
                     self.core = i
-                y = self.internal[i].y
-                ys[i] = y.detach()
+                self._emit(ys, i, self.internal[i].y.detach())
                 final = tuple(s.detach() for s in self.internal[i].state_out)
                 return ys, final  # the cursor stays at this backward
             self._act(op, i, j, ys)
@@ -155,6 +165,12 @@ class ChainRun:
                 self.cursor += 1
         return tuple(grad_h), grad_xs, grad_params
 
+    def _emit(self, ys: list, i: int, y: torch.Tensor) -> None:
+        if self.on_output is not None:
+            self.on_output(i, y)
+        else:
+            ys[i] = y
+
     def _act(self, op: str, i: int, j: int, ys: list | None) -> None:
         """One non-backward action. ``ys`` is given in the forward phase (first runs)."""
         if op == "advance":
@@ -162,7 +178,7 @@ class ChainRun:
             for k in range(i, j):
                 y, state, _ = self._run(k, state, grad=False, first=ys is not None)
                 if ys is not None:
-                    ys[k] = y
+                    self._emit(ys, k, y)
             self.current = (j, state)
         elif op == "store_hidden":
             self.hidden[i] = self.available(i)
@@ -172,7 +188,7 @@ class ChainRun:
         elif op == "store_internal":
             y, _, node = self._run(i, self.available(i), grad=True, first=ys is not None)
             if ys is not None:
-                ys[i] = y.detach()
+                self._emit(ys, i, y.detach())
             self.internal[i] = node
             self._account(self.policy.internal_units.get(i, 1), _graph_bytes(node))
         else:
@@ -191,14 +207,20 @@ class ChainRun:
                 outputs.append(out)
                 grads.append(g)
         inputs = (*node.state_in, node.x_in, *node.params_in)
-        wants = [k for k, v in enumerate(inputs) if v.requires_grad]
-        got = torch.autograd.grad(outputs, [inputs[k] for k in wants], grads,
-                                  allow_unused=True) if outputs and wants else []
+        x_index = len(node.state_in)
+        wants = [k for k, v in enumerate(inputs)
+                 if v.requires_grad and (k != x_index or self.x_grad)]
+        with autograd_inside_op():
+            got = torch.autograd.grad(outputs, [inputs[k] for k in wants], grads,
+                                      allow_unused=True) if outputs and wants else []
         result: list[torch.Tensor | None] = [None] * len(inputs)
         for k, g in zip(wants, got):
             result[k] = g
         n_state = len(node.state_in)
-        grad_xs[i] = result[n_state]
+        if self.on_grad_x is not None:
+            self.on_grad_x(i, result[n_state])
+        else:
+            grad_xs[i] = result[n_state]
         for k, g in enumerate(result[n_state + 1:]):
             if g is not None:
                 grad_params[k] = g if grad_params[k] is None else grad_params[k] + g
@@ -256,7 +278,7 @@ class _ChainFunction(torch.autograd.Function):
         params = tuple(flat[n_state + n_xs:])
         x_grad = any(t.requires_grad for t in flat[n_state:n_state + n_xs])
         run = ChainRun(step, policy, params, xs, state0, preserve_rng, x_grad,
-                       stats=stats if stats is not None else ChainStats())
+                       tuple(p.requires_grad for p in params), stats=stats if stats is not None else ChainStats())
         ys, final = run.forward_phase()
         ctx.run = run
         ctx.n = (n_state, n_xs, len(params))

@@ -1,0 +1,174 @@
+"""Modules that run as chains inside memopt.compile.
+
+- ``ChainedRNN`` wraps an ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (same parameters, same
+  call signature and results): the sequence is split into chunks, each one call of
+  the fused RNN kernel (cuDNN on CUDA), the chunks forming the chain. memopt.compile
+  puts one in place of every such module it finds, in a shallow copy of the model's
+  module tree (the user's model is not modified).
+- ``Recurrent`` marks a user's cell loop: ``Recurrent(cell)(xs, state)`` runs
+  ``state = cell(xs[i], state)`` for every i and returns the stacked outputs (the
+  first state tensor of each step) and the final state, as one chain.
+
+Outside memopt.compile both run eagerly as a single chunk (plain BPTT).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from memopt.errors import CaptureError
+
+from . import ops
+
+_RNN_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
+
+
+def _rnn_step(rnn: nn.RNNBase):
+    """step(params, state, x_chunk) for one chunk: one call of the fused kernel."""
+    from torch import _VF  # noqa: PLC0415 (semi-private; what nn.LSTM.forward calls)
+
+    def step(params, state, x):
+        args = (list(params), rnn.bias, rnn.num_layers, float(rnn.dropout), rnn.training,
+                rnn.bidirectional, rnn.batch_first)
+        if isinstance(rnn, nn.LSTM):
+            out, h, c = _VF.lstm(x, list(state), *args)
+            return out, (h, c)
+        if isinstance(rnn, nn.GRU):
+            out, h = _VF.gru(x, state[0], *args)
+        elif rnn.nonlinearity == "tanh":
+            out, h = _VF.rnn_tanh(x, state[0], *args)
+        else:
+            out, h = _VF.rnn_relu(x, state[0], *args)
+        return out, (h,)
+
+    return step
+
+
+class ChainedRNN(nn.Module):
+    """An nn.LSTM / nn.GRU / nn.RNN run as a chain of chunks (see module docstring)."""
+
+    def __init__(self, rnn: nn.RNNBase, name: str = "") -> None:
+        super().__init__()
+        if not isinstance(rnn, _RNN_TYPES):
+            raise TypeError(f"ChainedRNN wraps nn.LSTM, nn.GRU or nn.RNN, got {type(rnn).__name__}")
+        # Dynamo refuses to trace through an nn.RNNBase, even an attribute access: keep
+        # the module out of the traced tree; its parameters are registered here too.
+        object.__setattr__(self, "rnn", rnn)
+        self.weight_names = list(rnn._flat_weights_names)
+        for n in self.weight_names:
+            self.register_parameter(n, getattr(rnn, n))
+        self.lstm = isinstance(rnn, nn.LSTM)
+        self.batch_first, self.layers = rnn.batch_first, rnn.num_layers * (
+            2 if rnn.bidirectional else 1)
+        self.h_size, self.c_size = rnn.proj_size or rnn.hidden_size, rnn.hidden_size
+        out_size = (rnn.proj_size or rnn.hidden_size) * (2 if rnn.bidirectional else 1)
+        time_dim = 1 if rnn.batch_first else 0
+
+        def output_like(state: tuple[Tensor, ...], xs: Tensor) -> Tensor:
+            return xs.new_empty((*xs.shape[:-1], out_size))
+
+        self.chain_id = ops.register(ops.ChainSpec(
+            name=name or type(rnn).__name__, module_type=type(rnn).__name__,
+            step=_rnn_step(rnn), time_dim=time_dim, output_like=output_like,
+            preserve_rng=rnn.dropout > 0, unsplittable=rnn.bidirectional,
+        ))
+
+    def forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
+        if isinstance(input, PackedSequence):
+            raise CaptureError("memopt runs nn.LSTM/nn.GRU/nn.RNN as chains of padded "
+                               "tensors; PackedSequence inputs are not supported yet")
+        lstm, batch_first = self.lstm, self.batch_first
+        batched = input.dim() == 3
+        if not batched:
+            input = input.unsqueeze(1 if not batch_first else 0)
+            if hx is not None:
+                hx = tuple(h.unsqueeze(1) for h in hx) if lstm else hx.unsqueeze(1)
+        batch = input.shape[0 if batch_first else 1]
+        if hx is None:
+            h0 = input.new_zeros(self.layers, batch, self.h_size)
+            state = [h0, input.new_zeros(self.layers, batch, self.c_size)] if lstm else [h0]
+        else:
+            state = list(hx) if lstm else [hx]
+        params = [getattr(self, n) for n in self.weight_names]
+        time = input.shape[1 if batch_first else 0]
+        keep = torch.is_grad_enabled()
+        out = torch.ops.memopt.chain_fwd(self.chain_id, time, 1, "hsm", keep, state, input,
+                                         params)
+        y, final = out[0], out[1:-1]
+        if not batched:
+            y = y.squeeze(1 if not batch_first else 0)
+            final = [f.squeeze(1) for f in final]
+        return y, (final[0], final[1]) if lstm else final[0]
+
+
+class Recurrent(nn.Module):
+    """A user's cell loop as one chain: ``ys, state = Recurrent(cell)(xs, state)``.
+
+    ``cell(x, state) -> new_state`` where state is a tensor or a tuple of tensors
+    (nn.LSTMCell, nn.GRUCell, nn.RNNCell, or your own); ``xs`` has time along dim 0.
+    Returns the stacked first state tensor of every step, and the final state.
+    """
+
+    def __init__(self, cell: nn.Module, name: str = "") -> None:
+        super().__init__()
+        self.cell = cell
+        names = [n for n, _ in cell.named_parameters()]
+
+        def step(params, state, x):
+            values = dict(zip(names, params))
+            ys = []
+            for k in range(x.shape[0]):
+                arg = state if len(state) > 1 else state[0]
+                new = torch.func.functional_call(cell, values, (x[k], arg))
+                state = tuple(new) if isinstance(new, (tuple, list)) else (new,)
+                ys.append(state[0])
+            return torch.stack(ys), state
+
+        def output_like(state: tuple[Tensor, ...], xs: Tensor) -> Tensor:
+            return state[0].new_empty((xs.shape[0], *state[0].shape))
+
+        self.chain_id = ops.register(ops.ChainSpec(
+            name=name or type(cell).__name__, module_type=type(cell).__name__, step=step,
+            time_dim=0, output_like=output_like, preserve_rng=True))
+
+    def forward(self, xs: Tensor, state: Any) -> tuple[Tensor, Any]:
+        tupled = isinstance(state, (tuple, list))
+        state = list(state) if tupled else [state]
+        params = list(self.cell.parameters())
+        out = torch.ops.memopt.chain_fwd(self.chain_id, xs.shape[0], 1, "hsm",
+                                         torch.is_grad_enabled(), state, xs, params)
+        final = out[1:-1]
+        return out[0], tuple(final) if tupled else final[0]
+
+
+def substitute_rnns(model: nn.Module) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
+    """A shallow copy of ``model``'s module tree with every nn.LSTM / nn.GRU / nn.RNN
+    wrapped in a ChainedRNN (parameters, buffers and other modules shared); the
+    model itself when it has none. Also the (original, copy) pairs whose ``training``
+    flags the caller keeps in sync."""
+    pairs: list[tuple[nn.Module, nn.Module]] = []
+
+    def has_rnn(m: nn.Module) -> bool:
+        return any(isinstance(s, _RNN_TYPES) for s in m.modules())
+
+    def rebuild(m: nn.Module, path: str) -> nn.Module:
+        if isinstance(m, _RNN_TYPES):
+            wrapped = ChainedRNN(m, path or type(m).__name__)
+            pairs.append((m, wrapped))
+            return wrapped
+        if not has_rnn(m):
+            return m
+        clone = copy.copy(m)
+        clone._modules = {k: rebuild(v, f"{path}.{k}" if path else k) if v is not None else None
+                          for k, v in m._modules.items()}
+        pairs.append((m, clone))
+        return clone
+
+    if not has_rnn(model):
+        return model, []
+    return rebuild(model, ""), pairs

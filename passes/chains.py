@@ -1,0 +1,237 @@
+"""Recurrent chains in the joint graph: find them, price their policies, apply one.
+
+A chain is a ``memopt::chain_fwd`` node (an nn.LSTM / nn.GRU / nn.RNN or a marked
+cell loop, see memopt.recurrent.modules) and the ``memopt::chain_bwd`` node(s)
+reading its handle. Its policy has two knobs the planner chooses after capture:
+the chunk length L (t = ceil(T / L) chunks form the chain; each chunk is one call
+of the step) and m, the hidden-state slots of Gruslys et al. 2016's BPTT-HSM
+(Sec. 3.1). Nothing else in the graph changes with them, only what the chain
+holds between its forward and backward ops and what its backward op allocates.
+
+Requires: FakeTensors on the joint graph. Ensures: ``apply`` rewrites the two
+ops' integer arguments and records the bytes (passes.meta.HELD_BYTES on the
+forward op's handle, WORKSPACE_BYTES on the backward op) that liveness charges.
+
+Memory model of one configuration (H: the state's bytes, I: one chunk's internal
+state, i.e. what autograd saves for it plus its outputs, measured by running the
+chunk on FakeTensors under saved-tensor hooks):
+    held      = H x (hidden states stored when the forward phase ends) + I (the
+                last chunk's graph, kept for backward: the core)
+    workspace = H x (most hidden states stored in backward - those at the end of
+                the forward phase) + 2H (the gradient carried between chunks)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from memopt._torch_compat import storage_key
+from memopt.allocator.chain import Policy, solve
+
+from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value
+
+#: Positions of the ops' arguments (memopt.recurrent.ops schemas).
+_CHAIN, _CHUNK, _M, _STRATEGY = 0, 1, 2, 3
+_FWD_STATE, _FWD_XS, _FWD_PARAMS = 5, 6, 7
+_BWD_HANDLE = 5
+
+
+def _ops():
+    from memopt.recurrent import ops  # noqa: PLC0415 (registers the operators)
+
+    return ops, torch.ops.memopt.chain_fwd.default, torch.ops.memopt.chain_bwd.default
+
+
+@dataclass(frozen=True)
+class ChainSite:
+    """One chain of the joint graph."""
+
+    fwd: str                   # the chain_fwd node's name
+    bwds: tuple[str, ...]      # the chain_bwd nodes reading its handle
+    chain: int                 # the registered step's id
+    name: str                  # the user's module path
+    module_type: str
+    steps: int                 # T: time steps of the sequence
+    hidden_bytes: int          # H: the state carried between steps
+    step_flops: int            # forward FLOPs of one time step (0 when not countable)
+    unsplittable: bool
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """One (chunk length, m) choice for a chain, with its policy and bytes."""
+
+    chunk: int
+    t: int
+    m: int
+    policy: Policy
+    internal_bytes: int
+    held_bytes: int
+    workspace_bytes: int
+
+    @property
+    def recompute_steps(self) -> int:
+        """Time steps run again in backward (chunks recomputed x chunk length)."""
+        return self.policy.recompute * self.chunk
+
+
+def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
+    """Every chain_fwd node and its backward nodes (none in an inference graph)."""
+    ops, fwd_op, bwd_op = _ops()
+    nodes = list(joint.graph.nodes)
+    sites = []
+    for node in nodes:
+        if node.target is not fwd_op:
+            continue
+        handles = {u for u in node.users if u.args[1] == len(fake_value(node)) - 1}
+        bwds = tuple(n.name for n in nodes if n.target is bwd_op and n.args[_BWD_HANDLE] in handles)
+        spec = ops.spec_of(node.args[_CHAIN])
+        xs = fake_value(node.args[_FWD_XS])
+        state = [fake_value(s) for s in node.args[_FWD_STATE]]
+        steps = int(xs.shape[spec.time_dim])
+        sites.append(ChainSite(
+            fwd=node.name, bwds=bwds, chain=node.args[_CHAIN], name=spec.name,
+            module_type=spec.module_type, steps=steps,
+            hidden_bytes=sum(s.untyped_storage().nbytes() for s in state),
+            step_flops=_step_flops(node, spec), unsplittable=spec.unsplittable,
+        ))
+    return sites
+
+
+def _inputs(node: fx.Node, chunk: int, spec):
+    xs = fake_value(node.args[_FWD_XS])
+    state = tuple(fake_value(s) for s in node.args[_FWD_STATE])
+    params = tuple(fake_value(p) for p in node.args[_FWD_PARAMS])
+    return state, xs.narrow(spec.time_dim, 0, min(chunk, xs.shape[spec.time_dim])), params
+
+
+def _fake_mode(node: fx.Node):
+    from torch._guards import detect_fake_mode  # noqa: PLC0415
+
+    return detect_fake_mode([fake_value(node.args[_FWD_XS])])
+
+
+def _step_flops(node: fx.Node, spec) -> int:
+    """Forward FLOPs of one time step, counted on FakeTensors."""
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
+
+    state, x, params = _inputs(node, 1, spec)
+    try:
+        with _fake_mode(node), torch.no_grad(), FlopCounterMode(display=False) as counter:
+            spec.step(params, state, x)
+        return int(counter.get_total_flops())
+    except Exception:  # an op without a FLOP formula or meta kernel: unknown cost
+        return 0
+
+
+def internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int) -> int:
+    """Bytes one chunk of ``chunk`` steps keeps for its backward, linear in the chunk
+    length: measured at 1 and 2 steps (tracing a long chunk on FakeTensors is slow:
+    the fused RNN op decomposes into per-step ops there)."""
+    one = _measured_internal_bytes(joint, site, 1)
+    if chunk == 1 or site.steps == 1:
+        return one
+    two = _measured_internal_bytes(joint, site, 2)
+    return one + (chunk - 1) * max(0, two - one)
+
+
+def _measured_internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int) -> int:
+    """What autograd saves for a chunk of ``chunk`` steps (parameters and inputs
+    excluded: they stay resident anyway) and its outputs, run on FakeTensors."""
+    ops, _, _ = _ops()
+    node = next(n for n in joint.graph.nodes if n.name == site.fwd)
+    spec = ops.spec_of(site.chain)
+    state, x, params = _inputs(node, chunk, spec)
+    with _fake_mode(node):
+        leaves = tuple(s.detach().requires_grad_(s.is_floating_point()) for s in state)
+        x = x.detach().requires_grad_(x.is_floating_point())
+        params = tuple(p.detach().requires_grad_(p.is_floating_point()) for p in params)
+        resident = {storage_key(t) for t in (x, *params)}
+        seen: dict[object, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = storage_key(t)
+            if key not in resident:
+                seen[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, out = spec.step(params, leaves, x)
+        for t in (y, *out):
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _stored_hidden(policy: Policy) -> tuple[int, int]:
+    """(hidden states stored when the forward phase ends, most stored at once)."""
+    live = peak = 0
+    at_backward = None
+    for op, _, _ in policy.schedule:
+        if op == "store_hidden":
+            live += 1
+        elif op == "free":
+            live -= 1
+        elif op == "backward" and at_backward is None:
+            at_backward = live
+        peak = max(peak, live)
+    return at_backward or 0, peak
+
+
+def _m_values(t: int) -> list[int]:
+    """m = 1, 2, 3, 4, 6, 8, 11, 16, ... up to t (HSM's cost stops falling there)."""
+    values, m = {1, t}, 1.0
+    while m < t:
+        values.add(int(m))
+        m *= math.sqrt(2)
+    return sorted(v for v in values if 1 <= v <= t)
+
+
+def configurations(joint: fx.GraphModule, site: ChainSite) -> list[ChainConfig]:
+    """The policies the planner considers: t = 1 (one chunk, no recomputation: eager)
+    and, unless the chain cannot be split, t = 2, 4, 8, ... chunks up to T, each with
+    m on a geometric grid. Ordered from most to least memory-hungry in spirit; the
+    planner prices each."""
+    H = site.hidden_bytes
+    one = internal_bytes(joint, site, 1)
+    per_step = internal_bytes(joint, site, 2) - one if site.steps > 1 else 0
+    ts = [1] if site.unsplittable else sorted({1} | {
+        math.ceil(site.steps / math.ceil(site.steps / (1 << k)))
+        for k in range(1, max(1, site.steps).bit_length() + 1) if (1 << k) <= site.steps})
+    configs = []
+    for t in ts:
+        chunk = math.ceil(site.steps / t)
+        t = math.ceil(site.steps / chunk)
+        internal = one + (chunk - 1) * max(0, per_step)
+        for m in _m_values(t):
+            policy = solve(t, m, "hsm")
+            at_fwd, peak = _stored_hidden(policy)
+            configs.append(ChainConfig(
+                chunk=chunk, t=t, m=m, policy=policy, internal_bytes=internal,
+                held_bytes=H * at_fwd + internal,
+                workspace_bytes=H * (peak - at_fwd) + 2 * H,
+            ))
+    return configs
+
+
+def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) -> None:
+    """Rewrite the site's ops in ``graphs`` (the joint graph, or a partition's forward
+    and backward) to run ``config``, and record its bytes for liveness."""
+    _, fwd_op, bwd_op = _ops()
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.target is fwd_op and node.name == site.fwd:
+                _set_policy_args(node, config)
+                node.meta[HELD_BYTES] = {len(fake_value(node)) - 1: config.held_bytes}
+            elif node.target is bwd_op and node.name in site.bwds:
+                _set_policy_args(node, config)
+                node.meta[WORKSPACE_BYTES] = config.workspace_bytes
+
+
+def _set_policy_args(node: fx.Node, config: ChainConfig) -> None:
+    args = list(node.args)
+    args[_CHUNK], args[_M], args[_STRATEGY] = config.chunk, config.m, "hsm"
+    node.args = tuple(args)
