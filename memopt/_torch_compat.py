@@ -113,3 +113,19 @@ def autograd_inside_op():
         torch._C._dispatch_tls_local_include_set(), exclude))
     stack.enter_context(torch.enable_grad())
     return stack
+
+
+def real_tensors():
+    """A context in which new tensors are real and ops run their real kernels, even
+    inside AOTAutograd's partitioning (a FakeTensorMode, and the Python dispatcher,
+    which would decompose a fused RNN op): planning measures a chain step's saved
+    bytes on real inputs."""
+    from contextlib import ExitStack  # noqa: PLC0415
+
+    from torch._dispatch.python import no_python_dispatcher  # noqa: PLC0415
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # noqa: PLC0415
+
+    stack = ExitStack()
+    stack.enter_context(unset_fake_temporarily())
+    stack.enter_context(no_python_dispatcher())
+    return stack

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memopt._torch_compat import storage_key
+from memopt._torch_compat import autograd_inside_op, real_tensors, storage_key
 from memopt.allocator.chain import Policy, solve
 
 from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value
@@ -141,29 +141,55 @@ def internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int) -> int:
 
 def _measured_internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int) -> int:
     """What autograd saves for a chunk of ``chunk`` steps (parameters and inputs
-    excluded: they stay resident anyway) and its outputs, run on FakeTensors."""
+    excluded: they stay resident anyway) and its outputs. Measured on real tensors of
+    the real shapes on the real device (zeros), read from the autograd graph: the fused RNN
+    kernels save workspaces (cuDNN's reserve, oneDNN's) that their FakeTensor
+    decompositions do not show."""
     ops, _, _ = _ops()
     node = next(n for n in joint.graph.nodes if n.name == site.fwd)
     spec = ops.spec_of(site.chain)
-    state, x, params = _inputs(node, chunk, spec)
-    with _fake_mode(node):
-        leaves = tuple(s.detach().requires_grad_(s.is_floating_point()) for s in state)
-        x = x.detach().requires_grad_(x.is_floating_point())
-        params = tuple(p.detach().requires_grad_(p.is_floating_point()) for p in params)
+    fake_state, fake_x, fake_params = _inputs(node, chunk, spec)
+    with real_tensors():
+        def real(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(t.shape, dtype=t.dtype, device=t.device).requires_grad_(
+                t.is_floating_point())
+
+        state = tuple(real(s) for s in fake_state)
+        x, params = real(fake_x), tuple(real(p) for p in fake_params)
+        with autograd_inside_op():
+            y, out = spec.step(params, state, x)
+        if y.grad_fn is None:
+            raise RuntimeError("memopt could not record autograd for a chain step while "
+                               "planning; this is a memopt bug")
         resident = {storage_key(t) for t in (x, *params)}
-        seen: dict[object, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = storage_key(t)
-            if key not in resident:
-                seen[key] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y, out = spec.step(params, leaves, x)
-        for t in (y, *out):
-            seen[storage_key(t)] = t.untyped_storage().nbytes()
+        seen = {storage_key(t): t.untyped_storage().nbytes() for t in (y, *out)}
+        for t in _saved_by_graph((y, *out)):
+            if storage_key(t) not in resident:
+                seen[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+def _saved_by_graph(outputs) -> list[torch.Tensor]:
+    """Every tensor the autograd graph behind ``outputs`` saved, read from its nodes'
+    ``_saved_*`` attributes (saved-tensor hooks are off while AOTAutograd partitions)."""
+    found, todo, visited = [], [o.grad_fn for o in outputs if o.grad_fn is not None], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in visited:
+            continue
+        visited.add(fn)
+        for attr in dir(fn):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(fn, attr)
+            except RuntimeError:  # already freed
+                continue
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, torch.Tensor):
+                    found.append(v)
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
 
 
 def _stored_hidden(policy: Policy) -> tuple[int, int]:
