@@ -99,6 +99,7 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
         return [y, *final, torch.zeros((), dtype=torch.int64)]
     run, out = _start(chain, chunk, m, strategy, state, xs, params)
     _, final = run.forward_phase()
+    run.on_output = None  # it holds the output: the handle must not keep it alive
     key = next(_HANDLES)
     handle = torch.tensor(key, dtype=torch.int64)
     _STASH[key] = run
