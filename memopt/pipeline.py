@@ -338,11 +338,12 @@ def plan_joint(
         return _build(joint, num_fwd_outputs, mirror, inplace=inplace,
                       primal_kinds=primal_kinds, done=[])
 
-    with _stage("recurrent chains", done):  # every chain as one chunk, for the baseline
-        chain_configs = {site.fwd: chain_pass.configurations(joint, site)
-                         for site in chain_pass.find_chains(joint)}
-        for site in chain_pass.find_chains(joint):
-            chain_pass.apply([joint], site, chain_configs[site.fwd][0])
+    chain_configs: dict[str, list[chain_pass.ChainConfig]] = {}
+    if chain_pass.find_chains(joint):
+        with _stage("recurrent chains", done):  # every chain as one chunk, for the baseline
+            for site in chain_pass.find_chains(joint):
+                chain_configs[site.fwd] = chain_pass.configurations(joint, site)
+                chain_pass.apply([joint], site, chain_configs[site.fwd][0])
     with _stage("baseline", done):
         baseline_peak = build(Mirror(), inplace=False).peak_bytes
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
@@ -350,9 +351,11 @@ def plan_joint(
     # of memopt's own predicted baseline, which leaves that out too (1.0 always fits).
     headroom = options.headroom if budget is not None and budget.nbytes is not None else 0.0
     target = budget_bytes - math.ceil(budget_bytes * headroom) if budget_bytes else None
-    with _stage("recurrent chains", done):
-        chains = _choose_chains(joint, num_fwd_outputs, target, primal_kinds, build,
-                                chain_configs)
+    chains: list[_ChainChoice] = []
+    if chain_configs:
+        with _stage("recurrent chain policies", done):
+            chains = _choose_chains(joint, num_fwd_outputs, target, primal_kinds, build,
+                                    chain_configs)
     mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":
