@@ -217,10 +217,10 @@ def _m_values(t: int) -> list[int]:
 
 
 def configurations(joint: fx.GraphModule, site: ChainSite) -> list[ChainConfig]:
-    """The policies the planner considers: t = 1 (one chunk, no recomputation: eager)
-    and, unless the chain cannot be split, t = 2, 4, 8, ... chunks up to T, each with
-    m on a geometric grid. Ordered from most to least memory-hungry in spirit; the
-    planner prices each."""
+    """The policies the planner considers, t = 1 first (one chunk, nothing recomputed:
+    eager's memory), then, unless the chain cannot be split (a bidirectional RNN),
+    t = 2, 4, 8, ... chunks up to T, each with m on a geometric grid up to t. The
+    planner prices each on the simulator."""
     H = site.hidden_bytes
     one = internal_bytes(joint, site, 1)
     per_step = internal_bytes(joint, site, 2) - one if site.steps > 1 else 0
