@@ -10,7 +10,9 @@ starts with every parameter gradient set to ``None`` (as after
 ``optimizer.zero_grad(set_to_none=True)``). The model's outputs stay alive
 through backward, as in the usual loop ``out = model(x); loss = loss_fn(out);
 loss.backward()`` (HF models return logits beside the loss), which is also
-what memopt's plan assumes.
+what memopt's plan assumes. A workload may bring its own step instead
+(``Workload.step``: a hand-written chunked BPTT that calls backward once per
+chunk, measured the same way).
 
 The measured peak is the maximum, over forward, loss and backward, of all
 tensor memory live at once:
@@ -127,6 +129,9 @@ class Measurement:
     device: str
     recompute_flops_ratio: float | None = None
     """memopt's recomputed FLOPs over one forward pass (its plan's cost model)."""
+    chains: list | None = None
+    """``compiled.memopt_plan.chains``, each chain as a JSON-able dict; None if the plan
+    lists none (or is not a memopt plan)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -179,6 +184,11 @@ class Workload:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     loss: Callable[[Any], torch.Tensor] = default_loss
+    step: Callable[[Callable[..., Any], Workload], None] | None = None
+    """A training step of the workload's own, ``step(module, workload)``, in place of
+    ``loss(module(*args, **kwargs)).backward()`` (e.g. a hand-written chunked BPTT that
+    calls backward several times). It must leave the parameter gradients as one step's
+    and keep no tensor of the step alive after it returns. None: the standard step."""
 
 
 # --------------------------------------------------------------------------
@@ -299,6 +309,10 @@ def _params_to_none(modules: Sequence[Any], wl: Workload) -> None:
 
 
 def _step(module: Callable[..., Any], wl: Workload) -> None:
+    own_step = getattr(wl, "step", None)
+    if own_step is not None:
+        own_step(module, wl)
+        return
     out = module(*wl.args, **wl.kwargs)
     loss = wl.loss(out)
     loss.backward()  # `out` stays alive through backward, as in a usual training loop
@@ -403,6 +417,7 @@ def _measure_here(
     flops_ratio = None
     if plan is not None and getattr(plan, "forward_flops", 0):
         flops_ratio = plan.recompute_flops / plan.forward_flops
+    chains = [_jsonable(c) for c in getattr(plan, "chains", None) or ()] or None
 
     # Step 2: a clean start: no gradients, no garbage.
     _params_to_none(modules, wl)
@@ -442,7 +457,20 @@ def _measure_here(
         plan_seconds=plan_seconds,
         device=str(dev),
         recompute_flops_ratio=flops_ratio,
+        chains=chains,
     )
+
+
+def _jsonable(record: Any) -> dict:
+    """The scalar fields of a plan record (pydantic model or dataclass) as a JSON-able dict;
+    sequences (a chain's whole schedule) are left out to keep the result line short."""
+    if hasattr(record, "model_dump"):
+        data = record.model_dump(mode="json")
+    elif dataclasses.is_dataclass(record) and not isinstance(record, type):
+        data = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    else:
+        return {"repr": repr(record)}
+    return {k: v for k, v in data.items() if v is None or isinstance(v, (bool, int, float, str))}
 
 
 # --------------------------------------------------------------------------

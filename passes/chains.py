@@ -12,13 +12,16 @@ Requires: FakeTensors on the joint graph. Ensures: ``apply`` rewrites the two
 ops' integer arguments and records the bytes (passes.meta.HELD_BYTES on the
 forward op's handle, WORKSPACE_BYTES on the backward op) that liveness charges.
 
-Memory model of one configuration (H: the state's bytes, I: one chunk's internal
-state, i.e. what autograd saves for it plus its outputs, measured by running the
-chunk on FakeTensors under saved-tensor hooks):
+Memory model of one configuration (H: the state's bytes; I: one chunk's internal
+state, what autograd saves for it, its output sequence excluded, measured on real
+tensors; P: the step's parameters):
     held      = H x (hidden states stored when the forward phase ends) + I (the
-                last chunk's graph, kept for backward: the core)
+                last chunk's graph, kept for backward: the core) + the last chunk's
+                output when the chain is split (the chain's output is a copy)
     workspace = H x (most hidden states stored in backward - those at the end of
                 the forward phase) + 2H (the gradient carried between chunks)
+                + 2P (a chunk's parameter gradients and their running sum)
+                + I (the temporaries of one chunk's backward)
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class ChainSite:
     steps: int                 # T: time steps of the sequence
     hidden_bytes: int          # H: the state carried between steps
     step_flops: int            # forward FLOPs of one time step (0 when not countable)
+    output_bytes_per_step: int
+    param_bytes: int           # the step's parameters (their gradients are summed per chunk)
     unsplittable: bool
 
 
@@ -98,6 +103,9 @@ def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
             module_type=spec.module_type, steps=steps,
             hidden_bytes=sum(s.untyped_storage().nbytes() for s in state),
             step_flops=_step_flops(node, spec), unsplittable=spec.unsplittable,
+            output_bytes_per_step=fake_value(node)[0].untyped_storage().nbytes() // max(1, steps),
+            param_bytes=sum(fake_value(p).untyped_storage().nbytes()
+                            for p in node.args[_FWD_PARAMS]),
         ))
     return sites
 
@@ -161,8 +169,9 @@ def _measured_internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int)
         if y.grad_fn is None:
             raise RuntimeError("memopt could not record autograd for a chain step while "
                                "planning; this is a memopt bug")
-        resident = {storage_key(t) for t in (x, *params)}
-        seen = {storage_key(t): t.untyped_storage().nbytes() for t in (y, *out)}
+        # the output sequence is the chain's output (counted by liveness), not its state
+        resident = {storage_key(t) for t in (x, y, *params)}
+        seen = {storage_key(t): t.untyped_storage().nbytes() for t in out}
         for t in _saved_by_graph((y, *out)):
             if storage_key(t) not in resident:
                 seen[storage_key(t)] = t.untyped_storage().nbytes()
@@ -231,14 +240,17 @@ def configurations(joint: fx.GraphModule, site: ChainSite) -> list[ChainConfig]:
     for t in ts:
         chunk = math.ceil(site.steps / t)
         t = math.ceil(site.steps / chunk)
-        internal = one + (chunk - 1) * max(0, per_step)
+        # a split chain keeps its last chunk's output inside the core, beside the copy
+        # in the chain's output (one chunk: the output is the core's own)
+        internal = one + (chunk - 1) * max(0, per_step) + (
+            site.output_bytes_per_step * chunk if t > 1 else 0)
         for m in _m_values(t):
             policy = solve(t, m, "hsm")
             at_fwd, peak = _stored_hidden(policy)
             configs.append(ChainConfig(
                 chunk=chunk, t=t, m=m, policy=policy, internal_bytes=internal,
                 held_bytes=H * at_fwd + internal,
-                workspace_bytes=H * (peak - at_fwd) + 2 * H,
+                workspace_bytes=H * (peak - at_fwd) + 2 * H + 2 * site.param_bytes + internal,
             ))
     return configs
 

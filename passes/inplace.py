@@ -41,6 +41,8 @@ Algorithm:
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +137,14 @@ def _is_whole_dense(t: torch.Tensor) -> bool:
     )
 
 
+def _opaque_output(node: fx.Node) -> bool:
+    """An output of one of memopt's own opaque ops (a recurrent chain): it may alias
+    state the op keeps for its backward, so it is never written in place."""
+    parent = node.args[0] if node.target is operator.getitem and node.args else node
+    op = getattr(parent, "target", None)
+    return isinstance(op, torch._ops.OpOverload) and op.namespace == "memopt"
+
+
 def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> InplaceResult:
     """Rewrite ops to their in-place variants where the input storage dies there.
 
@@ -156,7 +166,7 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
         for arg in node.all_input_nodes:
             if arg in key_of:
                 last_read[key_of[arg]] = max(last_read.get(key_of[arg], -1), order[node])
-        if node.op == "placeholder" or node.name in protected:
+        if node.op == "placeholder" or node.name in protected or _opaque_output(node):
             if node in key_of:
                 pinned.add(key_of[node])
         if node.op == "output":

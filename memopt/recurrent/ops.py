@@ -69,7 +69,7 @@ def _policy(t: int, m: int, strategy: str):
 
 
 def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], xs: Tensor,
-           params: list[Tensor]) -> tuple[ChainRun, Tensor]:
+           params: list[Tensor]) -> tuple[ChainRun, list[Tensor]]:
     spec = _SPECS[chain]
     chunks = list(xs.split(max(1, chunk), dim=spec.time_dim))
     stats = ChainStats()
@@ -77,14 +77,18 @@ def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], x
     run = ChainRun(spec.step, _policy(len(chunks), m, strategy), tuple(params), chunks,
                    tuple(s.detach() for s in state), spec.preserve_rng, x_grad=True,
                    stats=stats)
-    out = spec.output_like(tuple(state), xs)
     offsets = list(itertools.accumulate([0] + [c.shape[spec.time_dim] for c in chunks]))
+    # One chunk: the output is the step's own (kept for backward anyway), not a copy.
+    box: list[Tensor] = [] if len(chunks) == 1 else [spec.output_like(tuple(state), xs)]
 
     def emit(i: int, y: Tensor) -> None:
-        out.narrow(spec.time_dim, offsets[i], offsets[i + 1] - offsets[i]).copy_(y)
+        if len(chunks) == 1:
+            box.append(y)
+        else:
+            box[0].narrow(spec.time_dim, offsets[i], offsets[i + 1] - offsets[i]).copy_(y)
 
     run.on_output = emit
-    return run, out
+    return run, box
 
 
 @torch.library.custom_op("memopt::chain_fwd", mutates_args=())
@@ -97,8 +101,9 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
         with torch.no_grad():
             y, final = spec.step(tuple(params), tuple(state), xs)
         return [y, *final, torch.zeros((), dtype=torch.int64)]
-    run, out = _start(chain, chunk, m, strategy, state, xs, params)
+    run, box = _start(chain, chunk, m, strategy, state, xs, params)
     _, final = run.forward_phase()
+    out = box[0]
     run.on_output = None  # it holds the output: the handle must not keep it alive
     key = next(_HANDLES)
     handle = torch.tensor(key, dtype=torch.int64)
