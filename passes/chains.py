@@ -21,7 +21,8 @@ tensors; P: the step's parameters):
     workspace = H x (most hidden states stored in backward - those at the end of
                 the forward phase) + 2H (the gradient carried between chunks)
                 + 2P (a chunk's parameter gradients and their running sum)
-                + I (the temporaries of one chunk's backward)
+                + I when split (a recomputed chunk's backward temporaries; one chunk
+                backpropagates the graph eager would, whose temporaries are not modelled)
 """
 
 from __future__ import annotations
@@ -250,7 +251,8 @@ def configurations(joint: fx.GraphModule, site: ChainSite) -> list[ChainConfig]:
             configs.append(ChainConfig(
                 chunk=chunk, t=t, m=m, policy=policy, internal_bytes=internal,
                 held_bytes=H * at_fwd + internal,
-                workspace_bytes=H * (peak - at_fwd) + 2 * H + 2 * site.param_bytes + internal,
+                workspace_bytes=H * (peak - at_fwd) + 2 * H + 2 * site.param_bytes
+                + (internal if t > 1 else 0),
             ))
     return configs
 
