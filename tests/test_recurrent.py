@@ -204,7 +204,7 @@ def test_compile_chains_rnn_under_a_budget(rnn):
     chunk, so the tolerance is fp32 summation-order, rtol 1e-4)."""
     torch.manual_seed(0)
     model = LanguageModel(rnn())
-    tokens, targets = torch.randint(0, 50, (96, 4)), torch.randint(0, 50, (96, 4))
+    tokens, targets = torch.randint(0, 50, (128, 32)), torch.randint(0, 50, (128, 32))
     ref_loss, ref = _grads(model, tokens, targets)
     free = memopt.compile(model)
     loss, got = _grads(free, tokens, targets)
@@ -237,7 +237,7 @@ def test_compiled_rnn_trains_and_evaluates():
     compiled = memopt.compile(model, budget=0.92)
     opt_a = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(twin.parameters(), lr=0.1)
-    tokens, targets = torch.randint(0, 50, (64, 3)), torch.randint(0, 50, (64, 3))
+    tokens, targets = torch.randint(0, 50, (128, 32)), torch.randint(0, 50, (128, 32))
     for _ in range(3):
         for m, opt in ((compiled, opt_a), (twin, opt_b)):
             opt.zero_grad()
