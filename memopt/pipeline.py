@@ -239,7 +239,8 @@ class _ChainChoice:
     reason: str
 
 
-def _choose_chains(joint: fx.GraphModule, num_fwd_outputs: int, target: int | None,
+def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
+                   num_fwd_outputs: int, target: int | None,
                    primal_kinds: dict[str, str], build,
                    configs: dict[str, list[chain_pass.ChainConfig]]) -> list[_ChainChoice]:
     """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
@@ -253,9 +254,6 @@ def _choose_chains(joint: fx.GraphModule, num_fwd_outputs: int, target: int | No
         fewest recomputed steps (then the fewest chunks), else the lowest peak, and
         leave the rest of the budget to the Chen planner.
     """
-    sites = chain_pass.find_chains(joint)
-    if not sites:
-        return []
     chosen = {s.fwd: configs[s.fwd][0] for s in sites}  # t = 1
     for s in sites:
         chain_pass.apply([joint], s, chosen[s.fwd])
@@ -339,9 +337,10 @@ def plan_joint(
                       primal_kinds=primal_kinds, done=[])
 
     chain_configs: dict[str, list[chain_pass.ChainConfig]] = {}
-    if chain_pass.find_chains(joint):
+    sites = chain_pass.find_chains(joint)
+    if sites:
         with _stage("recurrent chains", done):  # every chain as one chunk, for the baseline
-            for site in chain_pass.find_chains(joint):
+            for site in sites:
                 chain_configs[site.fwd] = chain_pass.configurations(joint, site)
                 chain_pass.apply([joint], site, chain_configs[site.fwd][0])
     with _stage("baseline", done):
@@ -354,8 +353,8 @@ def plan_joint(
     chains: list[_ChainChoice] = []
     if chain_configs:
         with _stage("recurrent chain policies", done):
-            chains = _choose_chains(joint, num_fwd_outputs, target, primal_kinds, build,
-                                    chain_configs)
+            chains = _choose_chains(sites, joint, num_fwd_outputs, target, primal_kinds,
+                                    build, chain_configs)
     mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":
