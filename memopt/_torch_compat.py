@@ -129,3 +129,13 @@ def real_tensors():
     stack.enter_context(unset_fake_temporarily())
     stack.enter_context(no_python_dispatcher())
     return stack
+
+
+def cpu_allocation_events(prof: Any) -> list[tuple[int, int]]:
+    """(time in ns, bytes) of every allocation (> 0) and free (< 0) PyTorch's CPU
+    allocator made while ``prof`` (a ``torch.profiler.profile(profile_memory=True)``)
+    recorded, in time order. The events are public in the profiler's trace, but the
+    list of them is reached through its private ``kineto_results``."""
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+    return sorted(events, key=lambda ev: ev[0])

@@ -242,50 +242,70 @@ class _ChainChoice:
 def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                    num_fwd_outputs: int, target: int | None,
                    primal_kinds: dict[str, str], build,
-                   configs: dict[str, list[chain_pass.ChainConfig]]) -> list[_ChainChoice]:
+                   internal: dict[str, chain_pass.ChunkBytes]) -> list[_ChainChoice]:
     """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
     Chen's planner sees the rest of the graph.
 
     Step 1: every chain starts as one chunk (t = 1: no recomputation, eager's memory).
     Step 2: with no budget, or when that fits, done.
-    Step 3: else price every (chunk length, m) of each chain by the exact simulator on
-        one build (only the chain's held and workspace bytes change between
-        configurations), other chains fixed; take the configuration that fits with the
-        fewest recomputed steps (then the fewest chunks), else the lowest peak, and
-        leave the rest of the budget to the Chen planner.
+    Step 3: else price every (chunk length, m) of each chain's grid
+        (chain_pass.configurations) by the exact simulator on one build (only the
+        chain's held and workspace bytes change between configurations), other chains
+        fixed.
+    Step 4: between the longest grid chunk that fits with every boundary kept (m = t)
+        and the next longer grid chunk, bisect for the longest chunk that fits
+        (chain_pass.longest_fitting_chunk): its T - L recomputed steps can beat the grid.
+    Step 5: take the configuration that fits with the fewest recomputed steps (then
+        the fewest chunks), else the lowest peak, and leave the rest of the budget to
+        the Chen planner.
     """
-    chosen = {s.fwd: configs[s.fwd][0] for s in sites}  # t = 1
+    one_chunk = {s.fwd: chain_pass.configure(s, internal[s.fwd], s.steps, 1) for s in sites}
     for s in sites:
-        chain_pass.apply([joint], s, chosen[s.fwd])
-    reasons = {s.fwd: "no budget: one chunk, nothing recomputed" for s in sites}
+        chain_pass.apply([joint], s, one_chunk[s.fwd])
     if target is None:
-        return [_ChainChoice(s, chosen[s.fwd], reasons[s.fwd]) for s in sites]
+        return [_ChainChoice(s, one_chunk[s.fwd], "no budget: one chunk, nothing recomputed")
+                for s in sites]
     built = build(Mirror())
-    gran = allocation_granularity(_device_of(built.fw))
-
-    def peak(site, config) -> int:
-        chain_pass.apply([built.fw, built.bw], site, config)
-        schedule = analyze_liveness(built.fw, built.bw, saved=built.saved_names,
-                                    num_user_outputs=num_fwd_outputs, primal_kinds=primal_kinds)
-        return _peak_bytes(schedule, gran)
-
     if built.peak_bytes <= target:
-        reasons = {s.fwd: "the budget fits with one chunk: nothing recomputed" for s in sites}
-    else:
-        for s in sites:
-            priced = [(peak(s, c), c) for c in configs[s.fwd]]
-            fitting = [(p, c) for p, c in priced if p <= target]
-            if fitting:
-                p, best = min(fitting, key=lambda pc: (pc[1].recompute_steps, pc[1].t, pc[0]))
-                reasons[s.fwd] = (f"fewest recomputed steps of the {len(fitting)} of "
-                                  f"{len(priced)} policies that fit")
-            else:
-                p, best = min(priced, key=lambda pc: (pc[0], pc[1].recompute_steps))
-                reasons[s.fwd] = (f"lowest peak of {len(priced)} policies (none fits alone; "
-                                  f"the Chen planner recomputes the rest)")
-            chosen[s.fwd] = best
-            chain_pass.apply([joint, built.fw, built.bw], s, best)
-    return [_ChainChoice(s, chosen[s.fwd], reasons[s.fwd]) for s in sites]
+        return [_ChainChoice(s, one_chunk[s.fwd],
+                             "the budget fits with one chunk: nothing recomputed") for s in sites]
+    gran = allocation_granularity(_device_of(built.fw))
+    choices = []
+    for s in sites:
+        peaks: dict[tuple[int, int], int] = {}
+
+        def peak(config: chain_pass.ChainConfig, site=s, peaks=peaks) -> int:
+            key = (config.chunk, config.m)
+            if key not in peaks:
+                chain_pass.apply([built.fw, built.bw], site, config)
+                schedule = analyze_liveness(built.fw, built.bw, saved=built.saved_names,
+                                            num_user_outputs=num_fwd_outputs,
+                                            primal_kinds=primal_kinds)
+                peaks[key] = _peak_bytes(schedule, gran)
+            return peaks[key]
+
+        grid = chain_pass.configurations(s, internal[s.fwd])
+        priced = [(peak(c), c) for c in grid]
+        fitting = [(p, c) for p, c in priced if p <= target]
+        full = [c.chunk for _, c in fitting if c.m == c.t and c.t > 1]
+        if full:
+            lo = max(full)
+            hi = min((c.chunk for c in grid if c.chunk > lo), default=lo + 1)
+            refined = chain_pass.longest_fitting_chunk(
+                s, internal[s.fwd], lambda c: peak(c) <= target, lo, hi)
+            if refined is not None:
+                fitting.append((peak(refined), refined))
+        if fitting:
+            p, best = min(fitting, key=lambda pc: (pc[1].recompute_steps, pc[1].t, pc[0]))
+            reason = (f"fewest recomputed steps of the {len(fitting)} of {len(peaks)} "
+                      f"policies priced that fit")
+        else:
+            p, best = min(priced, key=lambda pc: (pc[0], pc[1].recompute_steps))
+            reason = (f"lowest peak of {len(priced)} policies (none fits alone; the Chen "
+                      f"planner recomputes the rest)")
+        chain_pass.apply([joint, built.fw, built.bw], s, best)
+        choices.append(_ChainChoice(s, best, reason))
+    return choices
 
 
 def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
@@ -336,13 +356,14 @@ def plan_joint(
         return _build(joint, num_fwd_outputs, mirror, inplace=inplace,
                       primal_kinds=primal_kinds, done=[])
 
-    chain_configs: dict[str, list[chain_pass.ChainConfig]] = {}
+    internal: dict[str, chain_pass.ChunkBytes] = {}
     sites = chain_pass.find_chains(joint)
     if sites:
         with _stage("recurrent chains", done):  # every chain as one chunk, for the baseline
             for site in sites:
-                chain_configs[site.fwd] = chain_pass.configurations(joint, site)
-                chain_pass.apply([joint], site, chain_configs[site.fwd][0])
+                internal[site.fwd] = chain_pass.chunk_bytes(joint, site)
+                chain_pass.apply([joint], site,
+                                 chain_pass.configure(site, internal[site.fwd], site.steps, 1))
     with _stage("baseline", done):
         baseline_peak = build(Mirror(), inplace=False).peak_bytes
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
@@ -351,10 +372,10 @@ def plan_joint(
     headroom = options.headroom if budget is not None and budget.nbytes is not None else 0.0
     target = budget_bytes - math.ceil(budget_bytes * headroom) if budget_bytes else None
     chains: list[_ChainChoice] = []
-    if chain_configs:
+    if sites:
         with _stage("recurrent chain policies", done):
             chains = _choose_chains(sites, joint, num_fwd_outputs, target, primal_kinds,
-                                    build, chain_configs)
+                                    build, internal)
     mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":

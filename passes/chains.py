@@ -4,9 +4,13 @@ A chain is a ``memopt::chain_fwd`` node (an nn.LSTM / nn.GRU / nn.RNN or a marke
 cell loop, see memopt.recurrent.modules) and the ``memopt::chain_bwd`` node(s)
 reading its handle. Its policy has two knobs the planner chooses after capture:
 the chunk length L (t = ceil(T / L) chunks form the chain; each chunk is one call
-of the step) and m, the hidden-state slots of Gruslys et al. 2016's BPTT-HSM
-(Sec. 3.1). Nothing else in the graph changes with them, only what the chain
-holds between its forward and backward ops and what its backward op allocates.
+of the step; the first chunk takes the remainder, so the last one, the core that is
+never recomputed, is full) and m, the hidden-state slots of Gruslys et al. 2016's
+BPTT-HSM (Sec. 3.1). Nothing else in the graph changes with them, only what the
+chain holds between its forward and backward ops and what its backward op allocates.
+The planner (memopt.pipeline) prices a grid of (L, m) (``configurations``), then
+bisects L where every chunk boundary is kept (``longest_fitting_chunk``): there the
+recomputed steps are exactly T - L, so the longest chunk that fits is the cheapest.
 
 Requires: FakeTensors on the joint graph. Ensures: ``apply`` rewrites the two
 ops' integer arguments and records the bytes (passes.meta.HELD_BYTES on the
@@ -35,6 +39,7 @@ from torch import fx
 
 from memopt._torch_compat import autograd_inside_op, real_tensors, storage_key
 from memopt.allocator.chain import Policy, solve
+from memopt.recurrent.ops import chunk_sizes
 
 from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value
 
@@ -78,11 +83,7 @@ class ChainConfig:
     internal_bytes: int
     held_bytes: int
     workspace_bytes: int
-
-    @property
-    def recompute_steps(self) -> int:
-        """Time steps run again in backward (chunks recomputed x chunk length)."""
-        return self.policy.recompute * self.chunk
+    recompute_steps: int       # time steps run again in backward, over all chunks
 
 
 def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
@@ -137,15 +138,26 @@ def _step_flops(node: fx.Node, spec) -> int:
         return 0
 
 
-def internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int) -> int:
-    """Bytes one chunk of ``chunk`` steps keeps for its backward, linear in the chunk
-    length: measured at 1 and 2 steps (tracing a long chunk on FakeTensors is slow:
-    the fused RNN op decomposes into per-step ops there)."""
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one chunk keeps for its backward (its internal state I, Gruslys et al. 2016,
+    Sec. 3.2), linear in its length: ``first`` for a one-step chunk, ``per_step`` for
+    each further step. Measured once per chain (``chunk_bytes``)."""
+
+    first: int
+    per_step: int
+
+    def __call__(self, chunk: int) -> int:
+        return self.first + (chunk - 1) * self.per_step
+
+
+def chunk_bytes(joint: fx.GraphModule, site: ChainSite) -> ChunkBytes:
+    """Measured at 1 and 2 steps (tracing a long chunk on FakeTensors is slow: the
+    fused RNN op decomposes into per-step ops there)."""
     one = _measured_internal_bytes(joint, site, 1)
-    if chunk == 1 or site.steps == 1:
-        return one
-    two = _measured_internal_bytes(joint, site, 2)
-    return one + (chunk - 1) * max(0, two - one)
+    if site.steps == 1:
+        return ChunkBytes(one, 0)
+    return ChunkBytes(one, max(0, _measured_internal_bytes(joint, site, 2) - one))
 
 
 def _measured_internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int) -> int:
@@ -202,6 +214,27 @@ def _saved_by_graph(outputs) -> list[torch.Tensor]:
     return found
 
 
+def _runs(policy: Policy) -> list[int]:
+    """How many times the policy runs each chain step forward (first pass included):
+    each ``advance`` and ``store_internal`` runs its steps, and a ``backward`` of a
+    step with no stored internal state runs it once more (Gruslys et al. 2016, Sec. 3.1)."""
+    runs = [0] * policy.t
+    stored: set[int] = set()
+    for op, i, j in policy.schedule:
+        if op == "advance":
+            for k in range(i, j):
+                runs[k] += 1
+        elif op == "store_internal":
+            runs[i] += 1
+            stored.add(i)
+        elif op == "backward":
+            if i in stored:
+                stored.discard(i)
+            else:
+                runs[i] += 1
+    return runs
+
+
 def _stored_hidden(policy: Policy) -> tuple[int, int]:
     """(hidden states stored when the forward phase ends, most stored at once)."""
     live = peak = 0
@@ -226,35 +259,58 @@ def _m_values(t: int) -> list[int]:
     return sorted(v for v in values if 1 <= v <= t)
 
 
-def configurations(joint: fx.GraphModule, site: ChainSite) -> list[ChainConfig]:
-    """The policies the planner considers, t = 1 first (one chunk, nothing recomputed:
-    eager's memory), then, unless the chain cannot be split (a bidirectional RNN),
-    t = 2, 4, 8, ... chunks up to T, each with m on a geometric grid up to t. The
-    planner prices each on the simulator."""
+def configure(site: ChainSite, internal: ChunkBytes, chunk: int, m: int) -> ChainConfig:
+    """The BPTT-HSM policy for chunks of ``chunk`` steps in ``m`` hidden-state slots (m is
+    capped at the chunk count t, where HSM's cost stops falling), with its bytes (see
+    the module docstring's memory model)."""
+    chunk = max(1, min(chunk, site.steps))
+    t = math.ceil(site.steps / chunk)
+    m = max(1, min(m, t))
     H = site.hidden_bytes
-    one = internal_bytes(joint, site, 1)
-    per_step = internal_bytes(joint, site, 2) - one if site.steps > 1 else 0
-    ts = [1] if site.unsplittable else sorted({1} | {
-        math.ceil(site.steps / math.ceil(site.steps / (1 << k)))
-        for k in range(1, max(1, site.steps).bit_length() + 1) if (1 << k) <= site.steps})
-    configs = []
-    for t in ts:
-        chunk = math.ceil(site.steps / t)
-        t = math.ceil(site.steps / chunk)
-        # a split chain keeps its last chunk's output inside the core, beside the copy
-        # in the chain's output (one chunk: the output is the core's own)
-        internal = one + (chunk - 1) * max(0, per_step) + (
-            site.output_bytes_per_step * chunk if t > 1 else 0)
-        for m in _m_values(t):
-            policy = solve(t, m, "hsm")
-            at_fwd, peak = _stored_hidden(policy)
-            configs.append(ChainConfig(
-                chunk=chunk, t=t, m=m, policy=policy, internal_bytes=internal,
-                held_bytes=H * at_fwd + internal,
-                workspace_bytes=H * (peak - at_fwd) + 2 * H + 2 * site.param_bytes
-                + (internal if t > 1 else 0),
-            ))
-    return configs
+    # a split chain keeps its last chunk's output inside the core, beside the copy in
+    # the chain's output (one chunk: the output is the core's own)
+    kept = internal(chunk) + (site.output_bytes_per_step * chunk if t > 1 else 0)
+    policy = solve(t, m, "hsm")
+    at_fwd, peak = _stored_hidden(policy)
+    sizes = chunk_sizes(site.steps, chunk)
+    return ChainConfig(
+        chunk=chunk, t=t, m=m, policy=policy, internal_bytes=kept,
+        recompute_steps=sum((n - 1) * size for n, size in zip(_runs(policy), sizes)),
+        held_bytes=H * at_fwd + kept,
+        workspace_bytes=H * (peak - at_fwd) + 2 * H + 2 * site.param_bytes
+        + (kept if t > 1 else 0),
+    )
+
+
+def configurations(site: ChainSite, internal: ChunkBytes) -> list[ChainConfig]:
+    """The policies the planner prices first, t = 1 first (one chunk, nothing
+    recomputed: eager's memory), then, unless the chain cannot be split (a
+    bidirectional RNN), t = 2, 3, ..., 8 and 16, 32, ... chunks up to T, each with m on
+    a geometric grid up to t. ``longest_fitting_chunk`` then refines between them."""
+    if site.unsplittable:
+        return [configure(site, internal, site.steps, 1)]
+    chunks = sorted({math.ceil(site.steps / t) for t in range(1, min(8, site.steps) + 1)} | {
+        math.ceil(site.steps / (1 << k)) for k in range(4, site.steps.bit_length())},
+        reverse=True)
+    return [configure(site, internal, chunk, m) for chunk in chunks
+            for m in _m_values(math.ceil(site.steps / chunk))]
+
+
+def longest_fitting_chunk(site: ChainSite, internal: ChunkBytes, fits, lo: int, hi: int
+                          ) -> ChainConfig | None:
+    """With every chunk-boundary state kept (m = t: each chunk recomputed once, T - L
+    steps in all for chunks of L), the longest chunk L in [lo, hi) whose policy
+    ``fits(config)``, by bisection: a longer chunk holds more, so fitting is monotone
+    in L. ``lo`` must fit; None if nothing in (lo, hi) does."""
+    best = None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        config = configure(site, internal, mid, site.steps)
+        if fits(config):
+            lo, best = mid, config
+        else:
+            hi = mid
+    return best
 
 
 def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) -> None:

@@ -61,6 +61,24 @@ def big_intermediate(device: str) -> Workload:
     return Workload(model=BigIntermediate().to(device), args=(torch.randn(8, 128),))
 
 
+class UntouchedScratch(nn.Module):
+    """Forward allocates a 64 MiB buffer and writes only its first element (as a
+    kernel workspace written in part): 64 MiB allocated, one page touched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(128, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.empty(BIG_BYTES // 4, device=x.device)
+        return self.lin(x).sum() + scratch[:1].zero_().sum()
+
+
+def untouched_scratch(device: str) -> Workload:
+    torch.manual_seed(0)
+    return Workload(model=UntouchedScratch().to(device), args=(torch.randn(8, 128),))
+
+
 def mlp8(device: str) -> Workload:
     """8 x (Linear(256, 256) + GELU), batch 512: every buffer is >= 256 KiB."""
     torch.manual_seed(0)
@@ -94,13 +112,14 @@ def _resident(wl: Workload) -> int:
 _CHILDREN = {
     "big": dict(timed_steps=0, timeout=120),
     "mlp8": dict(timed_steps=1, timeout=120),
+    "untouched": dict(timed_steps=0, timeout=120),
     "broken": dict(timeout=120),
     "sleepy": dict(timeout=6),
 }
 
 
 def _run_child(name: str) -> tuple[Measurement | Exception, float]:
-    builder = {"big": "big_intermediate"}.get(name, name)
+    builder = {"big": "big_intermediate", "untouched": "untouched_scratch"}.get(name, name)
     start = time.monotonic()
     try:
         result: Measurement | Exception = measure_step(
@@ -130,6 +149,7 @@ def test_known_intermediate_is_measured_within_10_percent(children) -> None:
     assert m.resident_bytes == resident
     expected = BIG_BYTES + resident
     assert abs(m.peak_bytes - expected) <= 0.10 * expected, (m.peak_bytes, expected)
+    assert abs(m.allocated_peak_bytes - expected) <= 0.10 * expected, m
     assert m.device == "cpu"
     assert m.predicted_peak_bytes is None and m.plan_seconds is None
     assert m.step_seconds > 0
@@ -143,6 +163,15 @@ def test_mlp_peak_exceeds_resident_plus_gradients(children) -> None:
     # the saved activations (16 x 512 KiB) come on top.
     grad_bytes = sum(p.numel() * p.element_size() for p in wl.model.parameters())
     assert m.peak_bytes > m.resident_bytes + grad_bytes + 4 * MIB, m
+
+
+def test_allocated_bytes_count_a_buffer_the_step_never_touches(children) -> None:
+    """RSS sees one page of the 64 MiB scratch buffer; the allocator handed out all of
+    it, and so would a CUDA allocator: allocated_peak_bytes counts it."""
+    m = _measurement(children, "untouched")
+    assert m.peak_bytes < m.resident_bytes + BIG_BYTES // 2, m
+    assert BIG_BYTES + m.resident_bytes <= m.allocated_peak_bytes <= 1.1 * (
+        BIG_BYTES + m.resident_bytes), m
 
 
 def test_failing_child_raises_runtime_error_with_its_stderr(children) -> None:
@@ -213,7 +242,8 @@ def test_memopt_mode_reads_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
         isolate=False, path=[HERE], warmup=2, timed_steps=1,
     )  # fmt: skip
     assert seen["budget"] == "1GB" and seen["options"] == {"knob": 2}
-    assert seen["compiled"].calls == 2 + 1 + 1
+    # warm-up, the measured step, the allocation-counting step (CPU), the timed step
+    assert seen["compiled"].calls == 2 + 1 + 1 + 1
     assert m.predicted_peak_bytes == 123_456
     assert m.plan_seconds is not None and m.plan_seconds >= 0.5  # 1 s sleep, minus step noise
     assert m.resident_bytes == _resident(mlp8("cpu"))

@@ -68,10 +68,20 @@ def _policy(t: int, m: int, strategy: str):
     return solve(t, max(1, min(m, t)), strategy)
 
 
+def chunk_sizes(steps: int, chunk: int) -> list[int]:
+    """The lengths of the chain's chunks: ``chunk`` steps each but the FIRST, which takes
+    the remainder. The last chunk (the core, Gruslys et al. 2016 Sec. 3.1) is never
+    recomputed, so a full last chunk leaves the fewest steps to recompute: T - chunk
+    when every chunk boundary is kept."""
+    chunk = max(1, min(chunk, steps))
+    first = steps - (steps - 1) // chunk * chunk
+    return [first] + [chunk] * ((steps - first) // chunk) if steps else []
+
+
 def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], xs: Tensor,
            params: list[Tensor]) -> tuple[ChainRun, list[Tensor]]:
     spec = _SPECS[chain]
-    chunks = list(xs.split(max(1, chunk), dim=spec.time_dim))
+    chunks = list(xs.split(chunk_sizes(xs.shape[spec.time_dim], chunk), dim=spec.time_dim))
     stats = ChainStats()
     LAST_STATS[chain] = stats
     run = ChainRun(spec.step, _policy(len(chunks), m, strategy), tuple(params), chunks,
@@ -139,7 +149,7 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
                 grad_x.narrow(spec.time_dim, offsets[i], offsets[i + 1] - offsets[i]).copy_(g)
 
         run.on_grad_x = put
-    g_chunks = list(grad_ys.split(max(1, chunk), dim=spec.time_dim))
+    g_chunks = list(grad_ys.split([c.shape[spec.time_dim] for c in run.xs], dim=spec.time_dim))
     g_state, _, g_params = run.backward_phase(g_chunks, tuple(grad_state))
     grads = [g if g is not None else torch.zeros_like(s) for g, s in zip(g_state, state)]
     grads += [g if g is not None else torch.zeros_like(p) for g, p in zip(g_params, params)]
