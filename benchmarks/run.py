@@ -7,8 +7,10 @@
 Every number comes from a fresh process per measurement (memopt.measure): the
 peak memory of one training step (parameters, buffers, inputs, activations,
 temporaries and gradients; see memopt/budget.py), memopt's predicted peak, and
-the step time as a ratio to eager measured in the same run. On CPU, absolute
-times on a shared 2-core machine mean little; ratios are what to read.
+the step time as a ratio to eager measured in the same run. The peak compared is
+the allocated one (``Measurement.budget_peak_bytes``: what a budget counts, and
+what a CUDA allocator charges); on CPU the RSS peak is shown beside it. On CPU,
+absolute times on a shared 2-core machine mean little; ratios are what to read.
 """
 
 from __future__ import annotations
@@ -34,21 +36,29 @@ class Row:
     def cells(self) -> list[str]:
         e, m = self.eager, self.memopt
         pred = m.predicted_peak_bytes or 0
-        err = (pred - m.peak_bytes) / m.peak_bytes * 100 if m.peak_bytes else float("nan")
+        peak = m.budget_peak_bytes
+        err = (pred - peak) / peak * 100 if peak else float("nan")
         return [
             self.model,
-            format_bytes(e.peak_bytes),
+            format_bytes(e.budget_peak_bytes),
             format_bytes(pred),
-            format_bytes(m.peak_bytes),
-            f"{m.peak_bytes / e.peak_bytes:.2f}x",
+            format_bytes(peak),
+            f"{peak / e.budget_peak_bytes:.2f}x",
             f"{err:+.1f}%",
+            _rss(e), _rss(m),
             f"{m.step_seconds / e.step_seconds:.2f}x",
             f"{m.plan_seconds:.1f} s" if m.plan_seconds is not None else "-",
         ]
 
 
 HEADER = ["model", "eager peak", "memopt predicted", "memopt measured", "measured / eager",
-          "predicted vs measured", "time / eager", "plan time"]
+          "predicted vs measured", "eager RSS peak (CPU)", "memopt RSS peak (CPU)",
+          "time / eager", "plan time"]
+
+
+def _rss(m: Measurement) -> str:
+    """The RSS peak on CPU ("-" on CUDA, where it is the allocated peak)."""
+    return format_bytes(m.peak_bytes) if m.device == "cpu" else "-"
 
 
 def markdown(rows: list[list[str]], header: list[str]) -> str:
@@ -98,15 +108,16 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
         eager = measure_step(spec, mode="eager", device=device, timed_steps=timed_steps,
                              isolate=True)
         lowest = minimum_budget(model, device)
-        configs = [(f"memopt {f:.0%}", "memopt", int(f * eager.peak_bytes)) for f in FRACTIONS]
+        configs = [(f"memopt {f:.0%}", "memopt", int(f * eager.budget_peak_bytes))
+                   for f in FRACTIONS]
         configs.append(("memopt minimum", "memopt", lowest))
         configs += [(peer, peer, None) for peer in PEERS.get(model, ())]
         configs += [(peer, "memopt at", peer) for peer in PEERS.get(model, ())]
         # torch.compile's knob is a fraction of the activation memory, not of the peak
         configs += [(f"inductor activation_memory_budget={f}", f"inductor:{f}", None)
                     for f in FRACTIONS]
-        rows.append([model, "eager", "-", "-", format_bytes(eager.peak_bytes), "1.00x", "-",
-                     "1.00x", "-"])
+        rows.append([model, "eager", "-", "-", format_bytes(eager.budget_peak_bytes), "1.00x",
+                     "-", _rss(eager), "1.00x", "-"])
         peaks: dict[str, int] = {}
         for label, mode, budget in configs:
             if mode == "memopt at":  # memopt with a peer's measured peak as its budget
@@ -119,14 +130,14 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
             except RuntimeError as err:
                 reason = "BudgetError" if "BudgetError" in str(err) else "failed"
                 rows.append([model, label, format_bytes(budget) if budget else "-",
-                             reason, "-", "-", "-", "-", "-"])
+                             reason, "-", "-", "-", "-", "-", "-"])
                 continue
-            peaks[label] = m.peak_bytes
-            fits = "-" if budget is None else ("yes" if m.peak_bytes <= budget else "**no**")
+            peak = peaks[label] = m.budget_peak_bytes
+            fits = "-" if budget is None else ("yes" if peak <= budget else "**no**")
             rows.append([
                 model, label, format_bytes(budget) if budget else "-",
                 format_bytes(m.predicted_peak_bytes) if m.predicted_peak_bytes else "-",
-                format_bytes(m.peak_bytes), f"{m.peak_bytes / eager.peak_bytes:.2f}x", fits,
+                format_bytes(peak), f"{peak / eager.budget_peak_bytes:.2f}x", fits, _rss(m),
                 f"{m.step_seconds / eager.step_seconds:.2f}x",
                 f"{1 + m.recompute_flops_ratio:.2f}x" if m.recompute_flops_ratio is not None
                 else "-",
@@ -136,7 +147,8 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
 
 
 BUDGET_HEADER = ["model", "config", "budget", "predicted", "measured", "measured / eager",
-                 "measured <= budget", "time / eager", "forward FLOPs / eager"]
+                 "measured <= budget", "RSS peak (CPU)", "time / eager",
+                 "forward FLOPs / eager"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,6 +150,12 @@ class Measurement:
     tensors included: ``max_memory_allocated`` on CUDA (equal to ``peak_bytes``); on CPU
     read from the profiler's allocation events (see the module docstring)."""
 
+    @property
+    def budget_peak_bytes(self) -> int:
+        """The peak a memopt budget counts: the allocated bytes (``peak_bytes`` for a
+        measurement that did not record them)."""
+        return self.peak_bytes if self.allocated_peak_bytes is None else self.allocated_peak_bytes
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
