@@ -15,17 +15,17 @@ backward, and untouched pages take no RAM. Times are ratios to eager measured in
 same run; on a shared 2-core CPU read them as rough.
 
 Part 1, Gruslys et al. 2016 Sec. 4: ``nn.LSTM(256, 256)``, batch 64, sequence length T,
-loss = MSE of the output sequence to a random target (the inputs need no grad). The
-fixed part of the peak is what no plan removes: the resident bytes (parameters, buffers,
-the input) plus the parameter gradients. Eager's activation memory is its peak minus the
+loss = MSE of the output sequence to a random target, computed inside the model so that
+memopt plans the whole step (the inputs need no grad). The fixed part of the peak is
+what no plan removes: the resident bytes (parameters, buffers, the input and the target)
+plus the parameter gradients. Eager's activation memory is its peak minus the
 fixed part; memopt runs with no budget, at budgets of 25%, 20%, 15%, 10% and 5% of it
 (budget = fixed + f x activation memory), and at its minimum when a budget raises
 BudgetError. "activation memory saved" is ``1 - (peak - fixed) / (eager peak - fixed)``.
 The paper's claim to compare with: T=1000, 95% of the memory saved for 33% more time; it
-counts the RNN's own states (inputs excluded). Here the output sequence is held through
-backward and its gradient is dense (the loss is the caller's, outside the model): these
-two T x 64 x 256 tensors are 12% of eager's activation memory, which no plan of the
-model's graph removes. The column "RNN states held in backward" is the paper's measure:
+counts the RNN's own states (inputs excluded). Here the chain's whole output sequence
+exists in forward (the loss reads it) and its gradient in backward: two T x 64 x 256
+tensors, 8% of eager's allocated activation memory, which no plan of the model removes. The column "RNN states held in backward" is the paper's measure:
 memopt's plan of what the chain holds (stored hidden states plus one chunk's internal
 states), saved against the unsplit chain of the budget=None plan.
 

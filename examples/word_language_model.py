@@ -104,9 +104,9 @@ def main() -> None:
     parser.add_argument("--bptt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--lr", type=float, default=20.0)
-    parser.add_argument("--budget", default="0.6",
+    parser.add_argument("--budget", default="0.7",
                         help='memopt budget: "300MB", bytes, or a fraction of the unoptimized '
-                             'peak (default 0.6: the LSTM is split into chunks)')
+                             'peak (default 0.7: the LSTM is split into chunks)')
     parser.add_argument("--check-steps", type=int, default=2,
                         help="steps whose gradients are compared with an eager copy")
     parser.add_argument("--full", action="store_true",

@@ -139,3 +139,26 @@ def cpu_allocation_events(prof: Any) -> list[tuple[int, int]]:
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
     return sorted(events, key=lambda ev: ev[0])
+
+
+def profiler_active() -> bool:
+    """Whether a torch.profiler / autograd profiler is recording (they do not nest)."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def loss_decompositions() -> dict[Any, Callable]:
+    """AOTAutograd decompositions for the loss ops whose kernels return their reduced
+    scalar as a view of the whole elementwise loss buffer (torch 2.13, CPU and CUDA:
+    ``F.mse_loss(y, t)`` is a 0-dim tensor on a storage of ``y.numel()`` floats).
+    FakeTensors show 4 bytes, so a plan would miss the buffer, which lives as long as
+    the loss does (through backward, in a usual loop). Decomposed, the ops allocate
+    what their FakeTensors say: pointwise temporaries freed at once, a real scalar."""
+    from torch._decomp import get_decompositions  # noqa: PLC0415
+
+    aten = torch.ops.aten
+    return get_decompositions([
+        aten.mse_loss, aten.mse_loss_backward, aten.smooth_l1_loss,
+        aten.smooth_l1_loss_backward, aten.binary_cross_entropy,
+        aten.binary_cross_entropy_backward, aten.soft_margin_loss,
+        aten.soft_margin_loss_backward,
+    ])

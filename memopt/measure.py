@@ -490,19 +490,13 @@ def _measure_here(
 def _allocated_peak(module: Callable[..., Any], wl: Workload, modules: Sequence[Any]) -> int:
     """The most bytes the CPU allocator had handed out at once during one step, over
     what was allocated when it started (a step under the profiler, from a clean start)."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-    from ._torch_compat import cpu_allocation_events  # noqa: PLC0415
+    from .allocation import allocation_peak  # noqa: PLC0415
 
     _params_to_none(modules, wl)
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocation_peak("cpu") as seen:
         _step(module, wl)
-    live = peak = 0
-    for _, nbytes in cpu_allocation_events(prof):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return seen.peak
 
 
 def _jsonable(record: Any) -> dict:

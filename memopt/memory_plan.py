@@ -107,6 +107,7 @@ class ChainRecord(BaseModel):
     hidden_bytes: int              # one hidden state
     internal_bytes: int            # one chunk's internal state (its backward graph)
     held_bytes: int                # kept from forward to backward
+    forward_workspace_bytes: int   # allocated by the forward op while it runs
     workspace_bytes: int           # allocated by the backward op while it runs
     reason: str
 
@@ -177,7 +178,8 @@ class MemoryPlan(BaseModel):
                 f"  chain {c.module} ({c.module_type}): T={c.steps} as t={c.t} chunks of "
                 f"{c.chunk}, BPTT-{c.strategy.upper()} m={c.m}, C(t,m)={c.cost} chunk "
                 f"forwards ({c.recompute_steps} steps recomputed), holds {b(c.held_bytes)} "
-                f"+ {b(c.workspace_bytes)} in backward; {c.reason}")
+                f"(+ {b(c.forward_workspace_bytes)} while its forward runs, "
+                f"+ {b(c.workspace_bytes)} while its backward runs); {c.reason}")
         if self.saved:
             lines.append("")
             header = f"  {'saved tensor':<28} {'op':<26} {'module':<32} {'shape':<20} {'bytes':>10}  decision"

@@ -242,7 +242,7 @@ class _ChainChoice:
 def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                    num_fwd_outputs: int, target: int | None,
                    primal_kinds: dict[str, str], build,
-                   internal: dict[str, chain_pass.ChunkBytes]) -> list[_ChainChoice]:
+                   costs: dict[str, chain_pass.ChunkCosts]) -> list[_ChainChoice]:
     """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
     Chen's planner sees the rest of the graph.
 
@@ -259,7 +259,7 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
         the fewest chunks), else the lowest peak, and leave the rest of the budget to
         the Chen planner.
     """
-    one_chunk = {s.fwd: chain_pass.configure(s, internal[s.fwd], s.steps, 1) for s in sites}
+    one_chunk = {s.fwd: chain_pass.configure(s, costs[s.fwd], s.steps, 1) for s in sites}
     for s in sites:
         chain_pass.apply([joint], s, one_chunk[s.fwd])
     if target is None:
@@ -284,7 +284,7 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                 peaks[key] = _peak_bytes(schedule, gran)
             return peaks[key]
 
-        grid = chain_pass.configurations(s, internal[s.fwd])
+        grid = chain_pass.configurations(s, costs[s.fwd])
         priced = [(peak(c), c) for c in grid]
         fitting = [(p, c) for p, c in priced if p <= target]
         full = [c.chunk for _, c in fitting if c.m == c.t and c.t > 1]
@@ -292,7 +292,7 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
             lo = max(full)
             hi = min((c.chunk for c in grid if c.chunk > lo), default=lo + 1)
             refined = chain_pass.longest_fitting_chunk(
-                s, internal[s.fwd], lambda c: peak(c) <= target, lo, hi)
+                s, costs[s.fwd], lambda c: peak(c) <= target, lo, hi)
             if refined is not None:
                 fitting.append((peak(refined), refined))
         if fitting:
@@ -315,7 +315,9 @@ def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
         cost=c.config.policy.cost, recompute_steps=c.config.recompute_steps,
         recompute_flops=c.config.recompute_steps * c.site.step_flops,
         hidden_bytes=c.site.hidden_bytes, internal_bytes=c.config.internal_bytes,
-        held_bytes=c.config.held_bytes, workspace_bytes=c.config.workspace_bytes,
+        held_bytes=c.config.held_bytes,
+        forward_workspace_bytes=c.config.forward_workspace_bytes,
+        workspace_bytes=c.config.workspace_bytes,
         reason=c.reason) for c in choices)
 
 
@@ -356,14 +358,14 @@ def plan_joint(
         return _build(joint, num_fwd_outputs, mirror, inplace=inplace,
                       primal_kinds=primal_kinds, done=[])
 
-    internal: dict[str, chain_pass.ChunkBytes] = {}
+    costs: dict[str, chain_pass.ChunkCosts] = {}
     sites = chain_pass.find_chains(joint)
     if sites:
         with _stage("recurrent chains", done):  # every chain as one chunk, for the baseline
             for site in sites:
-                internal[site.fwd] = chain_pass.chunk_bytes(joint, site)
+                costs[site.fwd] = chain_pass.chunk_costs(joint, site)
                 chain_pass.apply([joint], site,
-                                 chain_pass.configure(site, internal[site.fwd], site.steps, 1))
+                                 chain_pass.configure(site, costs[site.fwd], site.steps, 1))
     with _stage("baseline", done):
         baseline_peak = build(Mirror(), inplace=False).peak_bytes
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
@@ -375,7 +377,7 @@ def plan_joint(
     if sites:
         with _stage("recurrent chain policies", done):
             chains = _choose_chains(sites, joint, num_fwd_outputs, target, primal_kinds,
-                                    build, internal)
+                                    build, costs)
     mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":

@@ -16,32 +16,42 @@ Requires: FakeTensors on the joint graph. Ensures: ``apply`` rewrites the two
 ops' integer arguments and records the bytes (passes.meta.HELD_BYTES on the
 forward op's handle, WORKSPACE_BYTES on the backward op) that liveness charges.
 
-Memory model of one configuration (H: the state's bytes; I: one chunk's internal
-state, what autograd saves for it, its output sequence excluded, measured on real
-tensors; P: the step's parameters):
-    held      = H x (hidden states stored when the forward phase ends) + I (the
-                last chunk's graph, kept for backward: the core) + the last chunk's
-                output when the chain is split (the chain's output is a copy)
-    workspace = H x (most hidden states stored in backward - those at the end of
-                the forward phase) + 2H (the gradient carried between chunks)
-                + 2P (a chunk's parameter gradients and their running sum)
-                + I when split (a recomputed chunk's backward temporaries; one chunk
-                backpropagates the graph eager would, whose temporaries are not modelled)
+Memory model of one configuration of chunks of L steps (H: the state's bytes; P: the
+step's parameters; I(L), F(L), B(L): a chunk's saved bytes, its forward's and its
+backward's transients, measured on real tensors at two lengths, see ChunkCosts; Y(L):
+a chunk's output when the chain is split, else 0):
+    held         = H x (hidden states stored when the forward phase ends) + I(L) +
+                   Y(L) (the last chunk's graph and output, kept for backward: the core)
+    forward op   = F(L) + Y(L) (a chunk's kernel temporaries, and a chunk's output
+                   before it is copied into the chain's output)
+    backward op  = H x (most hidden states stored in backward - those at the end of
+                   the forward phase) + 2H (the gradient carried between chunks)
+                   + P (the running sum of the parameter gradients) + B(L) (a chunk's
+                   backward, its parameter and input gradients included), or F(L)
+                   when split and that is larger (a chunk recomputed with autograd).
+                   One chunk graph is live at a time: a recomputed chunk's I(L) + Y(L)
+                   takes the place of the core's, freed after its backward, which
+                   ``held`` counts until the op ends
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from memopt._torch_compat import autograd_inside_op, real_tensors, storage_key
+from memopt.allocation import AllocationPeak, allocation_peak, can_track
 from memopt.allocator.chain import Policy, solve
 from memopt.recurrent.ops import chunk_sizes
 
 from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value
+
+log = logging.getLogger("memopt")
 
 #: Positions of the ops' arguments (memopt.recurrent.ops schemas).
 _CHAIN, _CHUNK, _M, _STRATEGY = 0, 1, 2, 3
@@ -82,7 +92,8 @@ class ChainConfig:
     policy: Policy
     internal_bytes: int
     held_bytes: int
-    workspace_bytes: int
+    forward_workspace_bytes: int
+    workspace_bytes: int       # the backward op's
     recompute_steps: int       # time steps run again in backward, over all chunks
 
 
@@ -139,37 +150,70 @@ def _step_flops(node: fx.Node, spec) -> int:
 
 
 @dataclass(frozen=True)
-class ChunkBytes:
-    """What one chunk keeps for its backward (its internal state I, Gruslys et al. 2016,
-    Sec. 3.2), linear in its length: ``first`` for a one-step chunk, ``per_step`` for
-    each further step. Measured once per chain (``chunk_bytes``)."""
+class Linear:
+    """Bytes linear in a chunk's length L: ``first`` at L = 1, ``per_step`` more for
+    each further step."""
 
     first: int
     per_step: int
 
     def __call__(self, chunk: int) -> int:
-        return self.first + (chunk - 1) * self.per_step
+        return max(0, self.first + (chunk - 1) * self.per_step)
+
+    @classmethod
+    def through(cls, a: tuple[int, int], b: tuple[int, int]) -> "Linear":
+        """The line through (length, bytes) points ``a`` and ``b`` (a constant when
+        the lengths are equal), its slope clamped at 0."""
+        (la, va), (lb, vb) = sorted((a, b))
+        per_step = max(0, (vb - va) // (lb - la)) if lb > la else 0
+        return cls(va - (la - 1) * per_step, per_step)
 
 
-def chunk_bytes(joint: fx.GraphModule, site: ChainSite) -> ChunkBytes:
-    """Measured at 1 and 2 steps (tracing a long chunk on FakeTensors is slow: the
-    fused RNN op decomposes into per-step ops there)."""
-    one = _measured_internal_bytes(joint, site, 1)
-    if site.steps == 1:
-        return ChunkBytes(one, 0)
-    return ChunkBytes(one, max(0, _measured_internal_bytes(joint, site, 2) - one))
+@dataclass(frozen=True)
+class ChunkCosts:
+    """The bytes of one chunk of L steps, each linear in L, measured once per chain on
+    real tensors (``chunk_costs``):
+
+    - ``saved``: what autograd keeps for the chunk's backward and its final state (the
+      internal state I of Gruslys et al. 2016, Sec. 3.2; fused RNN kernels keep
+      workspaces, cuDNN's reserve or oneDNN's, that FakeTensors do not show);
+    - ``forward``: the most its forward allocates beyond what it returns and saves
+      (kernel temporaries, e.g. the input projection of every step);
+    - ``backward``: the most its backward allocates beyond what was live when it
+      started (the gradients of its inputs and parameters, and kernel temporaries).
+    """
+
+    saved: Linear
+    forward: Linear
+    backward: Linear
 
 
-def _measured_internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int) -> int:
-    """What autograd saves for a chunk of ``chunk`` steps (parameters and inputs
-    excluded: they stay resident anyway) and its outputs. Measured on real tensors of
-    the real shapes on the real device (zeros), read from the autograd graph: the fused RNN
-    kernels save workspaces (cuDNN's reserve, oneDNN's) that their FakeTensor
-    decompositions do not show."""
+def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
+    """Measured at two chunk lengths, 2 and 16 steps (fewer when T is shorter), on zeros
+    of the real shapes on the real device; long chunks are not run (on FakeTensors the
+    fused RNN op decomposes into per-step ops: slow to trace, and the wrong bytes). Where
+    allocations cannot be tracked (another profiler is recording on CPU) the transients
+    are taken as zero, and a warning says the plan may undercount."""
+    long = min(16, site.steps)
+    short = min(2, long - 1) if long > 1 else 1
+    a, b = _measure_chunk(joint, site, short), _measure_chunk(joint, site, long)
+    return ChunkCosts(*(Linear.through((short, x), (long, y)) for x, y in zip(a, b)))
+
+
+def _measure_chunk(joint: fx.GraphModule, site: ChainSite, chunk: int
+                   ) -> tuple[int, int, int]:
+    """(saved, forward transient, backward transient) bytes of one chunk of ``chunk``
+    steps (see ChunkCosts); parameters, the inputs and the output sequence are the
+    graph's own and not counted in ``saved``."""
     ops, _, _ = _ops()
     node = next(n for n in joint.graph.nodes if n.name == site.fwd)
     spec = ops.spec_of(site.chain)
     fake_state, fake_x, fake_params = _inputs(node, chunk, spec)
+    device = fake_x.device
+    tracked = can_track(device)
+    if not tracked:
+        log.warning("memopt: cannot track allocations while planning chain %s (a profiler "
+                    "is recording); its kernels' temporaries are not counted", site.name)
     with real_tensors():
         def real(t: torch.Tensor) -> torch.Tensor:
             return torch.zeros(t.shape, dtype=t.dtype, device=t.device).requires_grad_(
@@ -177,7 +221,7 @@ def _measured_internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int)
 
         state = tuple(real(s) for s in fake_state)
         x, params = real(fake_x), tuple(real(p) for p in fake_params)
-        with autograd_inside_op():
+        with _tracking(device, tracked) as fwd, autograd_inside_op():
             y, out = spec.step(params, state, x)
         if y.grad_fn is None:
             raise RuntimeError("memopt could not record autograd for a chain step while "
@@ -188,7 +232,17 @@ def _measured_internal_bytes(joint: fx.GraphModule, site: ChainSite, chunk: int)
         for t in _saved_by_graph((y, *out)):
             if storage_key(t) not in resident:
                 seen[storage_key(t)] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+        outputs = [t for t in (y, *out) if t.requires_grad]
+        grads = [torch.zeros_like(t) for t in outputs]
+        inputs = [t for t in (*state, x, *params) if t.requires_grad]
+        with _tracking(device, tracked) as bwd, autograd_inside_op():
+            got = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        del got
+    return sum(seen.values()), fwd.peak - fwd.end, bwd.peak
+
+
+def _tracking(device: torch.device, tracked: bool):
+    return allocation_peak(device) if tracked else nullcontext(AllocationPeak())
 
 
 def _saved_by_graph(outputs) -> list[torch.Tensor]:
@@ -259,17 +313,18 @@ def _m_values(t: int) -> list[int]:
     return sorted(v for v in values if 1 <= v <= t)
 
 
-def configure(site: ChainSite, internal: ChunkBytes, chunk: int, m: int) -> ChainConfig:
+def configure(site: ChainSite, costs: ChunkCosts, chunk: int, m: int) -> ChainConfig:
     """The BPTT-HSM policy for chunks of ``chunk`` steps in ``m`` hidden-state slots (m is
     capped at the chunk count t, where HSM's cost stops falling), with its bytes (see
     the module docstring's memory model)."""
     chunk = max(1, min(chunk, site.steps))
     t = math.ceil(site.steps / chunk)
     m = max(1, min(m, t))
-    H = site.hidden_bytes
+    H, split = site.hidden_bytes, t > 1
+    out = site.output_bytes_per_step * chunk if split else 0
     # a split chain keeps its last chunk's output inside the core, beside the copy in
     # the chain's output (one chunk: the output is the core's own)
-    kept = internal(chunk) + (site.output_bytes_per_step * chunk if t > 1 else 0)
+    kept = costs.saved(chunk) + out
     policy = solve(t, m, "hsm")
     at_fwd, peak = _stored_hidden(policy)
     sizes = chunk_sizes(site.steps, chunk)
@@ -277,26 +332,27 @@ def configure(site: ChainSite, internal: ChunkBytes, chunk: int, m: int) -> Chai
         chunk=chunk, t=t, m=m, policy=policy, internal_bytes=kept,
         recompute_steps=sum((n - 1) * size for n, size in zip(_runs(policy), sizes)),
         held_bytes=H * at_fwd + kept,
-        workspace_bytes=H * (peak - at_fwd) + 2 * H + 2 * site.param_bytes
-        + (kept if t > 1 else 0),
+        forward_workspace_bytes=costs.forward(chunk) + out,
+        workspace_bytes=H * (peak - at_fwd) + 2 * H + site.param_bytes
+        + max(costs.backward(chunk), costs.forward(chunk) if split else 0),
     )
 
 
-def configurations(site: ChainSite, internal: ChunkBytes) -> list[ChainConfig]:
+def configurations(site: ChainSite, costs: ChunkCosts) -> list[ChainConfig]:
     """The policies the planner prices first, t = 1 first (one chunk, nothing
     recomputed: eager's memory), then, unless the chain cannot be split (a
     bidirectional RNN), t = 2, 3, ..., 8 and 16, 32, ... chunks up to T, each with m on
     a geometric grid up to t. ``longest_fitting_chunk`` then refines between them."""
     if site.unsplittable:
-        return [configure(site, internal, site.steps, 1)]
+        return [configure(site, costs, site.steps, 1)]
     chunks = sorted({math.ceil(site.steps / t) for t in range(1, min(8, site.steps) + 1)} | {
         math.ceil(site.steps / (1 << k)) for k in range(4, site.steps.bit_length())},
         reverse=True)
-    return [configure(site, internal, chunk, m) for chunk in chunks
+    return [configure(site, costs, chunk, m) for chunk in chunks
             for m in _m_values(math.ceil(site.steps / chunk))]
 
 
-def longest_fitting_chunk(site: ChainSite, internal: ChunkBytes, fits, lo: int, hi: int
+def longest_fitting_chunk(site: ChainSite, costs: ChunkCosts, fits, lo: int, hi: int
                           ) -> ChainConfig | None:
     """With every chunk-boundary state kept (m = t: each chunk recomputed once, T - L
     steps in all for chunks of L), the longest chunk L in [lo, hi) whose policy
@@ -305,7 +361,7 @@ def longest_fitting_chunk(site: ChainSite, internal: ChunkBytes, fits, lo: int, 
     best = None
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        config = configure(site, internal, mid, site.steps)
+        config = configure(site, costs, mid, site.steps)
         if fits(config):
             lo, best = mid, config
         else:
@@ -322,6 +378,7 @@ def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) ->
             if node.target is fwd_op and node.name == site.fwd:
                 _set_policy_args(node, config)
                 node.meta[HELD_BYTES] = {len(fake_value(node)) - 1: config.held_bytes}
+                node.meta[WORKSPACE_BYTES] = config.forward_workspace_bytes
             elif node.target is bwd_op and node.name in site.bwds:
                 _set_policy_args(node, config)
                 node.meta[WORKSPACE_BYTES] = config.workspace_bytes

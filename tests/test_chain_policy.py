@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memopt
-from memopt.passes.chains import ChainSite, ChunkBytes, configure, longest_fitting_chunk
+from memopt.allocation import allocation_peak
+from memopt.passes.chains import (ChainSite, ChunkCosts, Linear, configure,
+                                  longest_fitting_chunk)
 from memopt.recurrent import ops
 
 
@@ -19,6 +21,11 @@ def _site(steps: int, hidden_bytes: int = 1000) -> ChainSite:
     return ChainSite(fwd="chain_fwd", bwds=("chain_bwd",), chain=0, name="rnn",
                      module_type="LSTM", steps=steps, hidden_bytes=hidden_bytes, step_flops=0,
                      output_bytes_per_step=100, param_bytes=0, unsplittable=False)
+
+
+def _costs(first: int, per_step: int) -> ChunkCosts:
+    return ChunkCosts(Linear(first, per_step), Linear(first // 2, per_step // 3),
+                      Linear(first, per_step // 2))
 
 
 @given(steps=st.integers(1, 3000), chunk=st.integers(1, 4000))
@@ -34,7 +41,7 @@ def test_chunk_sizes_put_the_remainder_first(steps, chunk):
 @given(steps=st.integers(1, 300), chunk=st.integers(1, 300))
 def test_recompute_steps_every_boundary_kept(steps, chunk):
     """m = t: every chunk but the last (full) one is run once more: T - L steps."""
-    config = configure(_site(steps), ChunkBytes(10, 5), chunk, m=steps)
+    config = configure(_site(steps), _costs(10, 5), chunk, m=steps)
     assert config.m == config.t
     assert config.recompute_steps == steps - min(chunk, steps)
 
@@ -44,7 +51,7 @@ def test_recompute_steps_every_boundary_kept(steps, chunk):
 def test_recompute_steps_one_slot(steps, chunk):
     """m = 1 (only h_0 kept): backpropagating chunk k recomputes chunks 0..k-1 from h_0,
     so chunk k runs t - k times in all."""
-    config = configure(_site(steps), ChunkBytes(10, 5), chunk, m=1)
+    config = configure(_site(steps), _costs(10, 5), chunk, m=1)
     sizes = ops.chunk_sizes(steps, chunk)
     t = len(sizes)
     assert config.recompute_steps == sum((t - 1 - k) * s for k, s in enumerate(sizes))
@@ -54,7 +61,7 @@ def test_longest_fitting_chunk_bisects_held_bytes():
     """With a limit on the held bytes, the bisection returns the longest chunk whose
     m = t policy fits, checked against every chunk length. (A hidden state much smaller
     than a step's internal state, as in LSTMs: the held bytes then grow with the chunk.)"""
-    site, internal = _site(500, hidden_bytes=1), ChunkBytes(1000, 300)
+    site, internal = _site(500, hidden_bytes=1), _costs(1000, 300)
     for limit in (20_000, 45_678, 80_001):
         def fits(c, limit=limit):
             return c.held_bytes <= limit
@@ -99,3 +106,57 @@ def test_uneven_chunks_keep_eager_gradients(fraction):
     torch.testing.assert_close(got_loss, loss)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+class _Regression(nn.Module):
+    """An LSTM and the MSE of its outputs, the loss inside forward (planned with it)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(32, 64)
+        self.register_buffer("target", torch.randn(steps, 16, 64), persistent=False)
+
+    def forward(self, xs):
+        return nn.functional.mse_loss(self.rnn(xs)[0], self.target)
+
+
+def _allocated_step(model, xs, resident: int) -> int:
+    """The step's allocated peak, resident tensors included (memopt.allocation)."""
+    for p in model.parameters():
+        p.grad = None
+    with allocation_peak("cpu") as seen:
+        model(xs).backward()
+    return seen.peak + resident
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.35])
+def test_measured_allocations_stay_within_the_budget(fraction):
+    """The allocated bytes of a step (what a budget counts and a GPU charges) stay
+    within budgets that bind the chain, and the plan predicts them within 10%: the
+    chain's model counts its kernels' temporaries (ChunkCosts.forward / backward)."""
+    torch.manual_seed(0)
+    model = _Regression(120)
+    xs = torch.randn(120, 16, 32)
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), *model.buffers(), xs))
+    fixed = resident + sum(p.numel() * 4 for p in model.parameters())
+    eager = _allocated_step(model, xs, resident)
+    budget = fixed + int(fraction * (eager - fixed))
+    compiled = memopt.compile(model, budget=budget)
+    compiled(xs).backward()  # compiles and plans (not under a profiler: they do not nest)
+    measured = _allocated_step(compiled, xs, resident)
+    plan = compiled.memopt_plan
+    (chain,) = plan.chains
+    assert chain.t > 1, chain
+    assert measured <= budget, (measured, budget)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured, (
+        plan.predicted_peak_bytes, measured)
+
+
+def test_allocation_peak_counts_bytes_handed_out():
+    with allocation_peak("cpu") as seen:
+        a = torch.empty(1 << 20)           # 4 MiB, never written
+        b = torch.empty(1 << 18)           # 1 MiB more: 5 MiB at once
+        del a
+    assert seen.peak == 5 << 20 and seen.end == 1 << 20
+    del b

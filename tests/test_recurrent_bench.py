@@ -67,7 +67,8 @@ def test_chunked_bptt_replays_dropout_masks() -> None:
 
 def test_gruslys_builders() -> None:
     wl = rw.lstm_T12("cpu")
-    assert isinstance(wl.model, torch.nn.LSTM) and wl.args[0].shape == (12, 64, 256)
+    assert isinstance(wl.model.rnn, torch.nn.LSTM) and wl.args[0].shape == (12, 64, 256)
+    assert wl.model.target.shape == (12, 64, 256) and "target" not in wl.model.state_dict()
     assert not wl.args[0].requires_grad
     _step(wl.model, wl)
     assert all(p.grad is not None for p in wl.model.parameters())
