@@ -151,7 +151,11 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             set of forward node names) recomputes those nodes in backward instead of
             letting the budget search choose (an expert override, Chen Sec. 4.5);
             `headroom=0.06` is the fraction of the budget kept free for what the plan
-            does not model (library workspaces, fragmentation).
+            does not model (library workspaces, fragmentation); `loops=False` turns off
+            the detection of cell loops (`for t in ...: h = self.cell(xs[t], h)`, the
+            same parameters every step), which otherwise run as recurrent chains like
+            `memopt.recurrent.Recurrent` (Gruslys et al. 2016, Sec. 3.1; see
+            memopt.passes.loops for what is detected and what is left unrolled).
 
     Returns a module that trains in the user's loop and computes eager's gradients.
     Raises ValueError for a malformed budget, memopt.BudgetError (at the first

@@ -20,8 +20,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from ._torch_compat import aot_module_simplified, make_boxed
+from memopt.passes.loops import chain_loops
+
+from ._torch_compat import aot_module_simplified, loss_decompositions, make_boxed
 from .budget import Budget, parse_budget
+from .errors import PassError
 from .pipeline import Options, plan_joint
 from .memory_plan import MemoryPlan
 
@@ -53,6 +56,29 @@ def _primal_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str
     return {f"primals_{i + 1}": kind for i, kind in enumerate(kinds)}
 
 
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
+def _autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+
+
+def _chain_loops(gm: fx.GraphModule) -> None:
+    """Run the user's unrolled cell loops as recurrent chains (memopt.passes.loops), in
+    graphs that record gradients outside autocast (a chain step would run outside it)."""
+    if not torch.is_grad_enabled():
+        log.debug("memopt loops: an inference graph: loops left unrolled")
+        return
+    if _autocast_on():
+        log.debug("memopt loops: autocast is on: loops left unrolled")
+        return
+    try:
+        chain_loops(gm, keep=True)
+    except Exception as exc:
+        raise PassError("recurrent loops", ("capture",), exc) from exc
+
+
 class MemoptBackend:
     """A torch.compile backend that plans every captured training graph.
 
@@ -63,8 +89,11 @@ class MemoptBackend:
 
     def __init__(self, budget: object = None, *, inplace: bool = True,
                  mirror: object = None, headroom: float = Options.headroom,
-                 plan_only: bool = False) -> None:
+                 plan_only: bool = False, loops: bool = True) -> None:
         self.budget: Budget | None = parse_budget(budget)
+        if not isinstance(loops, bool):
+            raise ValueError(f"loops must be True or False, got {loops!r}")
+        self.loops = loops
         if mirror is not None and mirror != "all":
             mirror = frozenset(mirror)
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
@@ -76,11 +105,14 @@ class MemoptBackend:
         self.last_plan: MemoryPlan | None = None
 
     def __repr__(self) -> str:
-        return f"MemoptBackend(budget={self.budget}, options={self.options})"
+        return (f"MemoptBackend(budget={self.budget}, options={self.options}"
+                f"{'' if self.loops else ', loops=False'})")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:
         kinds = _primal_kinds(gm, example_inputs)
         planned: list[MemoryPlan] = []
+        if self.loops:
+            _chain_loops(gm)
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -97,10 +129,14 @@ class MemoptBackend:
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
             return make_boxed(graph)
 
-        compiled = aot_module_simplified(
-            gm, example_inputs, fw_compiler=compile_graph, bw_compiler=compile_graph,
-            inference_compiler=compile_graph, partition_fn=partition_fn,
-        )
+        # Planning runs chain steps on real tensors (passes.chains measures what they
+        # save): the user's RNG state must not move, or dropout would draw other masks.
+        with torch.random.fork_rng(devices=_cuda_devices()):
+            compiled = aot_module_simplified(
+                gm, example_inputs, fw_compiler=compile_graph, bw_compiler=compile_graph,
+                inference_compiler=compile_graph, partition_fn=partition_fn,
+                decompositions=loss_decompositions(),
+            )
         if not planned:
             return compiled  # an inference graph (no gradients needed): nothing to plan
 

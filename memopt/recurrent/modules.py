@@ -8,6 +8,8 @@
 - ``Recurrent`` marks a user's cell loop: ``Recurrent(cell)(xs, state)`` runs
   ``state = cell(xs[i], state)`` for every i and returns the stacked outputs (the
   first state tensor of each step) and the final state, as one chain.
+- ``loop_step`` makes a chain step of a per-time-step cell function; ``Recurrent`` and
+  the unmarked cell loops memopt finds in a captured graph (memopt.passes.loops) use it.
 
 Outside memopt.compile both run eagerly as a single chunk (plain BPTT).
 """
@@ -15,7 +17,7 @@ Outside memopt.compile both run eagerly as a single chunk (plain BPTT).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +26,7 @@ from torch.nn.utils.rnn import PackedSequence
 from memopt.errors import CaptureError
 
 from . import ops
+from .executor import Step, Tensors
 
 _RNN_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
 
@@ -45,6 +48,24 @@ def _rnn_step(rnn: nn.RNNBase):
         else:
             out, h = _VF.rnn_relu(x, state[0], *args)
         return out, (h,)
+
+    return step
+
+
+def loop_step(cell_step: Callable[[Tensors, Tensors, Tensor], tuple[Tensor, Tensors]],
+              time_dim: int = 0) -> Step:
+    """The chain step of a cell loop: ``cell_step(params, state, x_t) -> (y_t, new_state)``
+    run at every time step of a chunk (``x_chunk`` along ``time_dim``), the ``y_t``
+    stacked along ``time_dim``. A chunk of the loop is one step of Gruslys et al. 2016's
+    chain (Sec. 3.1). Used by ``Recurrent`` and by the loops memopt finds in a captured
+    graph (memopt.passes.loops)."""
+
+    def step(params: Tensors, state: Tensors, x: Tensor) -> tuple[Tensor, Tensors]:
+        ys = []
+        for k in range(x.shape[time_dim]):
+            y, state = cell_step(params, state, x.select(time_dim, k))
+            ys.append(y)
+        return torch.stack(ys, time_dim), tuple(state)
 
     return step
 
@@ -119,22 +140,18 @@ class Recurrent(nn.Module):
         self.cell = cell
         names = [n for n, _ in cell.named_parameters()]
 
-        def step(params, state, x):
-            values = dict(zip(names, params))
-            ys = []
-            for k in range(x.shape[0]):
-                arg = state if len(state) > 1 else state[0]
-                new = torch.func.functional_call(cell, values, (x[k], arg))
-                state = tuple(new) if isinstance(new, (tuple, list)) else (new,)
-                ys.append(state[0])
-            return torch.stack(ys), state
+        def cell_step(params, state, x):
+            arg = state if len(state) > 1 else state[0]
+            new = torch.func.functional_call(cell, dict(zip(names, params)), (x, arg))
+            new = tuple(new) if isinstance(new, (tuple, list)) else (new,)
+            return new[0], new
 
         def output_like(state: tuple[Tensor, ...], xs: Tensor) -> Tensor:
             return state[0].new_empty((xs.shape[0], *state[0].shape))
 
         self.chain_id = ops.register(ops.ChainSpec(
-            name=name or type(cell).__name__, module_type=type(cell).__name__, step=step,
-            time_dim=0, output_like=output_like, preserve_rng=True))
+            name=name or type(cell).__name__, module_type=type(cell).__name__,
+            step=loop_step(cell_step), time_dim=0, output_like=output_like, preserve_rng=True))
 
     def forward(self, xs: Tensor, state: Any) -> tuple[Tensor, Any]:
         tupled = isinstance(state, (tuple, list))

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from memopt._torch_compat import storage_key
 from memopt.allocator.chain import solve
 
 from .executor import ChainRun, ChainStats, Step
@@ -78,6 +79,18 @@ def chunk_sizes(steps: int, chunk: int) -> list[int]:
     return [first] + [chunk] * ((steps - first) // chunk) if steps else []
 
 
+def _unaliased(outs: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
+    """``outs`` with a copy in place of each that shares storage with an input or an
+    earlier output: a custom op may not return aliases, and a state carried through a
+    step unchanged, or a gradient a step passes straight through, would be one."""
+    seen = {storage_key(t) for t in inputs}
+    fresh = []
+    for t in outs:
+        fresh.append(t.clone() if storage_key(t) in seen else t)
+        seen.add(storage_key(fresh[-1]))
+    return fresh
+
+
 def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], xs: Tensor,
            params: list[Tensor]) -> tuple[ChainRun, list[Tensor]]:
     spec = _SPECS[chain]
@@ -110,7 +123,8 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
     if not keep:  # inference: nothing is kept
         with torch.no_grad():
             y, final = spec.step(tuple(params), tuple(state), xs)
-        return [y, *final, torch.zeros((), dtype=torch.int64)]
+        handle = torch.zeros((), dtype=torch.int64)
+        return _unaliased([y, *final], [*state, xs, *params]) + [handle]
     run, box = _start(chain, chunk, m, strategy, state, xs, params)
     _, final = run.forward_phase()
     out = box[0]
@@ -119,7 +133,7 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
     handle = torch.tensor(key, dtype=torch.int64)
     _STASH[key] = run
     weakref.finalize(handle, _STASH.pop, key, None)
-    return [out, *final, handle]
+    return _unaliased([out, *final], [*state, xs, *params]) + [handle]
 
 
 @chain_fwd.register_fake
@@ -153,7 +167,8 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
     g_state, _, g_params = run.backward_phase(g_chunks, tuple(grad_state))
     grads = [g if g is not None else torch.zeros_like(s) for g, s in zip(g_state, state)]
     grads += [g if g is not None else torch.zeros_like(p) for g, p in zip(g_params, params)]
-    return grads + ([grad_x] if need_x else [])
+    return _unaliased(grads + ([grad_x] if need_x else []),
+                      [handle, grad_ys, *grad_state, *state, xs, *params])
 
 
 @chain_bwd.register_fake

@@ -1,0 +1,474 @@
+"""A user's unrolled cell loop, found in the captured graph and run as a recurrent chain
+(memopt.allocator.loops finds the pattern, memopt.passes.loops rewrites the graph).
+
+Tier 1: the pattern finder on plain data (no torch). Tier 3: memopt.compile on
+unmarked loops of nn.LSTMCell, nn.GRUCell and a cell written in forward, against eager:
+loss and gradients (parameters and inputs), under budgets that split the chain,
+training steps, evaluation, dropout, and the loops it must leave alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memopt
+from memopt.allocator.loops import Op, find_loops
+from memopt.recurrent import ops as chain_ops
+from models import CASES
+
+# -- Tier 1: the finder on plain data ---------------------------------------------------
+
+
+def rnn_ops(steps: int, *, weights: list[str] | None = None, key_names_weight: bool = True,
+            stack: bool = True) -> list[Op]:
+    """``h = tanh(h + xs[t] @ W)`` unrolled: 3 ops a step, after an initial-state op;
+    then the stack of every h and the output (the stack and the final h)."""
+    ops = [Op("zeros")]
+    h, outs = ("op", 0), []
+    for t in range(steps):
+        w = weights[t] if weights else "W"
+        base = len(ops)
+        ops.append(Op(("mm", w) if key_names_weight else "mm",
+                      (("at", ("in", "xs"), 0, t, f"x{t}"), ("in", w))))
+        ops.append(Op("add", (h, ("op", base))))
+        ops.append(Op("tanh", (("op", base + 1),)))
+        h = ("op", base + 2)
+        outs.append(h)
+    if stack:
+        ops.append(Op("stack", tuple(outs), stack_dim=0))
+    ops.append(Op("output", (("op", len(ops) - 1), h)))
+    return ops
+
+
+def test_finds_an_unrolled_cell_loop():
+    (loop,) = find_loops(rnn_ops(6)).loops
+    assert (loop.start, loop.length, loop.steps) == (1, 3, 6)
+    assert loop.ops[0] == (1, 2, 3) and loop.ops[-1] == (16, 17, 18)
+    assert loop.slots[0] == (("step", ("in", "xs"), 0, 0), ("out", ("in", "W")))
+    assert loop.slots[1] == (("state", 2), ("same", 0))
+    assert loop.state == (2,) and loop.init == (("op", 0),)
+    assert loop.step_input == (("in", "xs"), 0, 0)
+    assert (loop.output, loop.stacks, loop.stack_dim) == (2, (19,), 0)
+
+
+def test_distinct_parameters_per_step_are_not_a_loop():
+    weights = [f"W{t}" for t in range(6)]  # a stack of layers, each with its own weight
+    assert find_loops(rnn_ops(6, weights=weights)).loops == ()
+    # even where the keys do not tell the weights apart, the arguments do
+    search = find_loops(rnn_ops(6, weights=weights, key_names_weight=False))
+    assert search.loops == ()
+
+
+@pytest.mark.parametrize("steps,found", [(2, False), (3, False), (4, True), (40, True)])
+def test_a_loop_needs_min_steps(steps, found):
+    loops = find_loops(rnn_ops(steps)).loops
+    assert bool(loops) == found
+    if found:
+        assert loops[0].steps == steps
+
+
+def test_last_step_may_omit_the_unused_final_state():
+    """An LSTM cell returns (h, c); the trace drops the last step's unused c."""
+    ops, h, c, outs = [Op("zeros")], ("op", 0), ("op", 0), []
+    for t in range(5):
+        base = len(ops)
+        ops.append(Op("lstm_cell", (("at", ("in", "xs"), 0, t, f"x{t}"), h, c, ("in", "W"))))
+        ops.append(Op(("getitem", 0), (("op", base),)))
+        h = ("op", base + 1)
+        outs.append(h)
+        if t < 4:
+            ops.append(Op(("getitem", 1), (("op", base),)))
+            c = ("op", base + 2)
+    ops.append(Op("stack", tuple(outs), stack_dim=0))
+    ops.append(Op("output", (("op", len(ops) - 1),)))
+    (loop,) = find_loops(ops).loops
+    assert (loop.steps, loop.length, loop.state) == (5, 3, (1, 2))
+    assert loop.ops[-1] == (13, 14, None)
+    assert loop.init == (("op", 0), ("op", 0))
+
+
+def test_refusals_name_the_reason():
+    # a map: no state carried from step to step
+    ops = [Op("mm", (("at", ("in", "xs"), 0, t, f"x{t}"), ("in", "W"))) for t in range(5)]
+    ops.append(Op("stack", tuple(("op", t) for t in range(5)), stack_dim=0))
+    search = find_loops(ops)
+    assert search.loops == () and "nothing is carried" in search.refused[0][2]
+    # a value of a middle step read after the loop
+    ops = rnn_ops(6)
+    ops.append(Op("peek", (("op", 6),)))
+    search = find_loops(ops)
+    assert search.loops == () and "neither stacked" in search.refused[0][2]
+    # two per-step inputs
+    ops, h = [Op("zeros")], ("op", 0)
+    for t in range(5):
+        ops.append(Op("cell", (("at", ("in", "xs"), 0, t, f"x{t}"),
+                               ("at", ("in", "ys"), 0, t, f"y{t}"), h, ("in", "W"))))
+        h = ("op", len(ops) - 1)
+    ops.append(Op("output", (h,)))
+    search = find_loops(ops)
+    assert search.loops == () and "2 per-step inputs" in search.refused[0][2]
+
+
+def test_several_stacked_values_are_refused():
+    ops = rnn_ops(5)
+    adds = tuple(("op", 2 + 3 * t) for t in range(5))  # the pre-activations, stacked too
+    ops.insert(-1, Op("stack", adds, stack_dim=0))
+    search = find_loops(ops)
+    assert search.loops == () and "several" in search.refused[0][2]
+
+
+@given(steps=st.integers(4, 40), prefix=st.integers(0, 5), suffix=st.integers(0, 5))
+@settings(max_examples=40, deadline=None)
+def test_the_loop_is_found_wherever_it_sits(steps, prefix, suffix):
+    """Unrelated ops before and after the loop move it, never change it."""
+    def shifted(ref):
+        if ref[0] == "op":
+            return ("op", ref[1] + prefix)
+        return ("at", shifted(ref[1]), *ref[2:]) if ref[0] == "at" else ref
+
+    ops = [Op(("pre", i), (("in", "a"),)) for i in range(prefix)]
+    ops += [Op(op.key, tuple(shifted(a) for a in op.args), op.stack_dim) for op in rnn_ops(steps)]
+    ops += [Op(("post", i), (("op", len(ops) - 1), ("in", "W"))) for i in range(suffix)]
+    (loop,) = find_loops(ops).loops
+    assert (loop.start, loop.length, loop.steps) == (prefix + 1, 3, steps)
+    assert loop.init == (("op", prefix),) and loop.stacks == (prefix + 1 + 3 * steps,)
+
+
+def test_the_finder_never_imports_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from memopt.allocator.loops import Op, find_loops\n"
+            "ops = [Op('z')] + [Op('f', (('op', i), ('in', 'W'))) for i in range(6)]\n"
+            "print(find_loops(ops + [Op('out', (('op', 6),))]).loops[0].steps)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "6"
+
+
+# -- Tier 3: memopt.compile on unmarked loops ---------------------------------------------
+
+T, BATCH, N_IN, N_H = 48, 16, 8, 32
+
+
+class LSTMCellLoop(nn.Module):
+    """The issue's example: an nn.LSTMCell called in a Python loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(N_IN, N_H)
+        self.head = nn.Linear(N_H, 4)
+
+    def forward(self, xs):
+        h = c = xs.new_zeros(xs.shape[1], N_H)
+        outs = []
+        for t in range(xs.shape[0]):
+            h, c = self.cell(xs[t], (h, c))
+            outs.append(h)
+        return self.head(torch.stack(outs)).square().mean() + c.mean()
+
+
+class GRUCellLoop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(N_IN, N_H)
+
+    def forward(self, xs):
+        h = torch.zeros(xs.shape[1], N_H)
+        outs = []
+        for x in xs.unbind(0):
+            h = self.cell(x, h)
+            outs.append(h)
+        return torch.stack(outs).square().mean() + h.mean()
+
+
+class TanhLoop(nn.Module):
+    """A cell written in forward: h = tanh(W dropout(x) + U h)."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.p = p
+        self.W = nn.Linear(N_IN, N_H)
+        self.U = nn.Linear(N_H, N_H, bias=False)
+
+    def forward(self, xs):
+        h = torch.zeros(xs.shape[1], N_H)
+        outs = []
+        for x in xs:
+            h = torch.tanh(self.W(F.dropout(x, self.p, self.training)) + self.U(h))
+            outs.append(h)
+        return torch.stack(outs).square().mean()
+
+
+#: model, the chain's name and module type, and a budget (a fraction of the unsplit
+#: plan's peak) that splits the chain: the output sequence (which the loss reads) is
+#: most of a tanh loop's memory, so less can go there
+LOOPS = {
+    "lstm_cell": (LSTMCellLoop, "cell", "detected loop of LSTMCell", 0.5),
+    "gru_cell": (GRUCellLoop, "cell", "detected loop of GRUCell", 0.5),
+    "custom": (TanhLoop, "loop at test_loops.py", "detected loop", 0.88),
+}
+
+
+def _grads(model, xs, seed=0):
+    torch.manual_seed(seed)
+    loss = model(xs)
+    return loss, torch.autograd.grad(loss, [xs, *model.parameters()])
+
+
+def _assert_close(got, ref):
+    loss, grads = got
+    torch.testing.assert_close(loss, ref[0], rtol=1e-4, atol=1e-6)
+    for a, b in zip(grads, ref[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(LOOPS))
+def test_compiled_loop_runs_as_a_chain_with_eager_gradients(kind):
+    """No budget: one chunk, nothing recomputed; a binding budget: split into t > 1
+    chunks with m slots; both give eager's loss and gradients (fp32: parameter
+    gradients are summed chunk by chunk, rtol 1e-4)."""
+    make, name, module_type, fraction = LOOPS[kind]
+    torch.manual_seed(0)
+    model = make()
+    xs = torch.randn(T, BATCH, N_IN, requires_grad=True)
+    ref = _grads(model, xs)
+    free = memopt.compile(model)
+    _assert_close(_grads(free, xs), ref)
+    (chain,) = free.memopt_plan.chains
+    assert chain.module.startswith(name) and chain.module_type == module_type
+    assert (chain.steps, chain.t, chain.recompute_steps) == (T, 1, 0)
+    tight = memopt.compile(model, budget=int(fraction * free.memopt_plan.predicted_peak_bytes))
+    _assert_close(_grads(tight, xs), ref)
+    plan = tight.memopt_plan
+    (chain,) = plan.chains
+    assert chain.t > 1 and 1 <= chain.m <= chain.t and chain.recompute_steps > 0, chain
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert f"chain {chain.module} ({module_type})" in plan.summary()
+    assert not chain_ops._STASH
+
+
+def test_loops_false_leaves_the_loop_unrolled():
+    torch.manual_seed(0)
+    model = LSTMCellLoop()
+    xs = torch.randn(12, BATCH, N_IN, requires_grad=True)  # unrolled: the Chen planner's
+    ref = _grads(model, xs)
+    compiled = memopt.compile(model, loops=False)
+    _assert_close(_grads(compiled, xs), ref)
+    assert compiled.memopt_plan.chains == ()
+    assert memopt.plan(model, xs, loops=False).chains == ()
+    with pytest.raises(ValueError, match="loops"):
+        memopt.compile(model, loops="yes")
+
+
+def test_compiled_loop_trains_and_evaluates():
+    """Several optimizer steps under a budget that splits the chain, then eval under
+    no_grad (an inference graph: the loop stays unrolled), then training again."""
+    torch.manual_seed(0)
+    model, twin = GRUCellLoop(), GRUCellLoop()
+    twin.load_state_dict(model.state_dict())
+    xs = torch.randn(32, BATCH, N_IN)
+    compiled = memopt.compile(model, budget=0.5)  # of the unoptimized peak
+    opt_a = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt_b = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for _ in range(3):
+        for m, opt in ((compiled, opt_a), (twin, opt_b)):
+            opt.zero_grad()
+            m(xs).backward()
+            opt.step()
+    assert compiled.memopt_plan.chains[0].t > 1
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    compiled.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(xs), twin.eval()(xs))
+    compiled.train()
+    twin.train()
+    torch.testing.assert_close(compiled(xs), twin(xs))
+    assert not chain_ops._STASH
+
+
+def test_dropout_in_the_cell_draws_eager_masks():
+    """Dropout inside the loop (and before and after it): the chain runs the steps in
+    order, so the masks are eager's for the same seed, and recomputing a chunk replays
+    its RNG state, so a split chain still gives eager's gradients."""
+    torch.manual_seed(0)
+    model = TanhLoop(p=0.3)
+    xs = torch.randn(32, BATCH, N_IN, requires_grad=True)
+    ref = _grads(model, xs, seed=7)
+    free = memopt.compile(model)
+    _assert_close(_grads(free, xs, seed=7), ref)
+    tight = memopt.compile(model, budget=int(0.88 * free.memopt_plan.predicted_peak_bytes))
+    _assert_close(_grads(tight, xs, seed=7), ref)
+    (chain,) = tight.memopt_plan.chains
+    assert chain.recompute_steps > 0
+    assert not torch.equal(_grads(tight, xs, seed=8)[0], ref[0])  # the masks are random
+
+
+class BatchFirstLoop(nn.Module):
+    """xs[:, t] with time along dim 1; the outputs stacked along ``stack_dim``."""
+
+    def __init__(self, stack_dim: int) -> None:
+        super().__init__()
+        self.stack_dim = stack_dim
+        self.cell = nn.RNNCell(N_IN, N_H)
+
+    def forward(self, xs):
+        h = xs.new_zeros(xs.shape[0], N_H)
+        outs = []
+        for t in range(1, xs.shape[1]):  # from step 1: the chain reads a slice of xs
+            h = self.cell(xs[:, t], h)
+            outs.append(h)
+        y = torch.stack(outs, self.stack_dim)
+        return (y * torch.linspace(0, 1, y.shape[1])[:, None]).sum() + h.mean()
+
+
+class TiedBlocks(nn.Module):
+    """One block applied 6 times (shared weights): a chain with no per-step input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(N_IN, N_H)
+        self.block = nn.Sequential(nn.Linear(N_H, N_H), nn.Tanh())
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(6):
+            h = self.block(h)
+        return h.square().mean()
+
+
+@pytest.mark.parametrize("make,shape,steps", [
+    (lambda: BatchFirstLoop(1), (BATCH, 12, N_IN), 11),
+    (lambda: BatchFirstLoop(0), (BATCH, 12, N_IN), 11),
+    (TiedBlocks, (BATCH, N_IN), 6),
+], ids=["time_dim_1", "stacked_on_another_dim", "no_per_step_input"])
+def test_loop_layouts(make, shape, steps):
+    torch.manual_seed(0)
+    model = make()
+    xs = torch.randn(*shape, requires_grad=True)
+    ref = _grads(model, xs)
+    compiled = memopt.compile(model)
+    _assert_close(_grads(compiled, xs), ref)
+    (chain,) = compiled.memopt_plan.chains
+    assert chain.steps == steps and "detected loop" in chain.module_type
+
+
+class TwoInputs(nn.Module):
+    """Per-step inputs and targets: two per-step inputs, left unrolled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(N_IN, N_H)
+        self.out = nn.Linear(N_H, 5)
+
+    def forward(self, xs, ys):
+        h, loss = xs.new_zeros(xs.shape[1], N_H), 0
+        for t in range(xs.shape[0]):
+            h = self.cell(xs[t], h)
+            loss = loss + F.cross_entropy(self.out(h), ys[t])
+        return loss
+
+
+class InPlaceLoop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(N_IN, N_H)
+
+    def forward(self, xs, ys):
+        h, outs = xs.new_zeros(xs.shape[1], N_H), []
+        for t in range(xs.shape[0]):
+            h = self.cell(xs[t], h)
+            h.mul_(0.5)
+            outs.append(h)
+        return torch.stack(outs).square().sum()
+
+
+class AugmentedAssignLoop(InPlaceLoop):
+    def forward(self, xs, ys):
+        h, outs = xs.new_zeros(xs.shape[1], N_H), []
+        for t in range(xs.shape[0]):
+            h = self.cell(xs[t], h)
+            h += 1.0
+            outs.append(h)
+        return torch.stack(outs).square().sum()
+
+
+class NoGradInside(InPlaceLoop):
+    def forward(self, xs, ys):
+        with torch.no_grad():
+            scale = xs.abs().amax()
+        h, outs = xs.new_zeros(xs.shape[1], N_H), []
+        for t in range(xs.shape[0]):
+            h = self.cell(xs[t] / scale, h)
+            outs.append(h)
+        return torch.stack(outs).square().sum()
+
+
+class ShortLoop(InPlaceLoop):
+    def forward(self, xs, ys):
+        h, outs = xs.new_zeros(xs.shape[1], N_H), []
+        for t in range(3):
+            h = self.cell(xs[t], h)
+            outs.append(h)
+        return torch.stack(outs).square().sum()
+
+
+@pytest.mark.parametrize("make,why", [
+    (TwoInputs, "2 per-step inputs"),
+    (InPlaceLoop, "writes into a tensor"),
+    (AugmentedAssignLoop, "writes into a tensor"),
+    (NoGradInside, "switches grad mode"),
+    (ShortLoop, None),
+], ids=["two_per_step_inputs", "in_place", "augmented_assignment", "grad_mode_switch",
+        "three_steps"])
+def test_refused_loops_stay_unrolled(make, why, caplog):
+    torch.manual_seed(0)
+    model = make()
+    xs, ys = torch.randn(10, 4, N_IN), torch.randint(0, 5, (10, 4))
+    loss = model(xs, ys)
+    ref = torch.autograd.grad(loss, list(model.parameters()))
+    compiled = memopt.compile(model)
+    with caplog.at_level(logging.DEBUG, logger="memopt"):
+        got_loss = compiled(xs, ys)
+    got = torch.autograd.grad(got_loss, list(model.parameters()))
+    torch.testing.assert_close(got_loss, loss)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert compiled.memopt_plan.chains == ()
+    if why is not None:
+        assert any("left unrolled" in r.message and why in r.message for r in caplog.records)
+
+
+class DistinctLayers(nn.Module):
+    """Six layers of the same shape with their own weights: not a loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(N_H, N_H) for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("case", ["mlp", "conv_bn", "resnet", "transformer", "inplace_views"])
+def test_models_without_a_loop_get_no_chain(case):
+    torch.manual_seed(0)
+    model = CASES[case].make_model()
+    assert memopt.plan(model, *CASES[case].make_inputs()).chains == ()
+
+
+def test_distinct_layers_get_no_chain_and_the_corpus_loop_gets_one():
+    torch.manual_seed(0)
+    assert memopt.plan(DistinctLayers(), torch.randn(4, N_H)).chains == ()
+    case = CASES["lstm_loop"]
+    (chain,) = memopt.plan(case.make_model(), *case.make_inputs()).chains
+    assert (chain.module, chain.steps) == ("cell", 16)
