@@ -1,0 +1,181 @@
+"""RevGRU and RevLSTM: multi-layer reversible RNNs with nn.GRU / nn.LSTM's interface
+(MacKay et al. 2018), trained without storing hidden states.
+
+    rnn = memopt.nn.RevGRU(input_size=32, hidden_size=256, num_layers=2, max_forget_bits=3)
+    output, h_n = rnn(x)          # x: (T, batch, 32), or (batch, T, 32) with batch_first
+    rnn.buffer_size               # the information buffer the backward holds (BufferSize)
+
+Supported as in nn.GRU / nn.LSTM: input_size, hidden_size, num_layers, bias,
+batch_first, device, dtype, unbatched input (T, input_size), an optional initial state
+(h_0, or (h_0, c_0) for the RevLSTM, shaped (num_layers, batch, hidden_size)), and the
+return value (output, h_n) / (output, (h_n, c_n)).
+
+Not supported, refused with ValueError: bidirectional=True (a reversible RNN runs
+forward in time; run a second module on the flipped sequence), dropout > 0 between
+layers (MacKay et al. 2018 App. E rebuilds dropout masks in backward; not done here),
+proj_size > 0 (RevLSTM), PackedSequence input, odd hidden_size (the state is split in
+two halves). Added: ``max_forget_bits`` (None, or 1..10: at most this many bits
+forgotten per unit per step, Sec. 5.3; the paper uses 2, 3, 5). The cells and the state
+differ from nn.GRU's (eq. 4-5, 11-14: each half sees only the other half), so weights do
+not transfer from nn.GRU / nn.LSTM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from ..budget import format_bytes
+from .buffer import BufferSize
+from .cells import ReversibleCell, RevGRUCell, RevLSTMCell, State
+from .sequence import autograd_sequence, reversible_sequence
+
+logger = logging.getLogger(__name__)
+
+
+class ReversibleRNN(nn.Module):
+    """What RevGRU and RevLSTM share; see the module docstring."""
+
+    cell_type: type[ReversibleCell]
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 max_forget_bits: int | None = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if bidirectional:
+            raise ValueError(f"{name}: bidirectional=True is not supported (a reversible RNN "
+                             f"runs forward in time); run a second {name} on the flipped "
+                             f"sequence")
+        if dropout:
+            raise ValueError(f"{name}: dropout between layers is not supported, got "
+                             f"dropout={dropout!r}")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"{name}: num_layers must be a positive int, got {num_layers!r}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"{name}: dtype must be a floating-point type, got {dtype}")
+        self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
+        self.bias, self.batch_first, self.max_forget_bits = bias, batch_first, max_forget_bits
+        self.cells = nn.ModuleList(
+            self.cell_type(input_size if layer == 0 else hidden_size, hidden_size, bias,
+                           max_forget_bits) for layer in range(num_layers))
+        self.to(device=device, dtype=dtype)
+        self.buffer_size: BufferSize | None = None  # set by each forward
+
+    def extra_repr(self) -> str:
+        return (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, "
+                f"bias={self.bias}, batch_first={self.batch_first}, "
+                f"max_forget_bits={self.max_forget_bits}")
+
+    def forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
+        """As nn.GRU / nn.LSTM's forward; the backward reconstructs the hidden states
+        from the final one and the information buffer (``self.buffer_size``)."""
+        xs, init, unbatched = self._prepare(input, hx)
+        out, final, size = reversible_sequence(self.cells, xs, init)
+        self.buffer_size = size
+        logger.debug("%s: %d steps, batch %d: buffer %s, %d bits held, %.0f forgotten (eq. 17)",
+                     type(self).__name__, xs.shape[0], xs.shape[1], format_bytes(size.nbytes),
+                     size.bits, size.ideal_bits)
+        return self._finish(out, final, unbatched)
+
+    def autograd_forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
+        """The same forward under ordinary autograd, every step's graph held (the
+        reference the reversible backward is checked against, and its memory baseline)."""
+        xs, init, unbatched = self._prepare(input, hx)
+        out, final = autograd_sequence(self.cells, xs, init)
+        return self._finish(out, final, unbatched)
+
+    def _prepare(self, input: Tensor, hx: Any) -> tuple[Tensor, list[State], bool]:
+        """Check the arguments; return the input as (T, batch, input_size), each layer's
+        initial halves, and whether the input was unbatched."""
+        name = type(self).__name__
+        if isinstance(input, PackedSequence):
+            raise ValueError(  # noqa: TRY004 - unsupported like bidirectional: one error type
+                f"{name}: PackedSequence input is not supported; pad the batch")
+        if not isinstance(input, Tensor) or input.dim() not in (2, 3):
+            raise ValueError(f"{name}: input must be a 2-D (unbatched) or 3-D tensor, got "
+                             f"{getattr(input, 'shape', type(input).__name__)}")
+        if input.shape[-1] != self.input_size:
+            raise ValueError(f"{name}: input.size(-1) must be input_size={self.input_size}, "
+                             f"got {input.shape[-1]}")
+        dtype = next(self.parameters()).dtype
+        if input.dtype != dtype:
+            raise ValueError(f"{name}: input dtype {input.dtype} differs from the "
+                             f"parameters' {dtype}")
+        unbatched = input.dim() == 2
+        if unbatched:
+            xs = input.unsqueeze(1)
+        else:
+            xs = input.transpose(0, 1) if self.batch_first else input
+        expected = (self.num_layers, xs.shape[1], self.hidden_size)
+        parts = self._state_parts(hx, xs, expected, unbatched)
+        init = []
+        for layer, cell in enumerate(self.cells):
+            layer_hx = tuple(part[layer] for part in parts)
+            init.append(cell.split(layer_hx[0] if len(parts) == 1 else layer_hx))
+        return xs, init, unbatched
+
+    def _state_parts(self, hx: Any, xs: Tensor, expected: tuple[int, ...],
+                     unbatched: bool) -> tuple[Tensor, ...]:
+        """hx (h_0, or (h_0, c_0)) as a tuple of (num_layers, batch, hidden) tensors."""
+        n_parts = self.cell_type.n_halves // 2
+        if hx is None:
+            return tuple(xs.new_zeros(expected) for _ in range(n_parts))
+        parts = (hx,) if n_parts == 1 else hx
+        shape = expected[::2] if unbatched else expected
+        if (not isinstance(parts, tuple) or len(parts) != n_parts
+                or any(not isinstance(p, Tensor) or tuple(p.shape) != shape for p in parts)):
+            what = "hx" if n_parts == 1 else "hx = (h_0, c_0), each"
+            raise ValueError(f"{type(self).__name__}: {what} must be a tensor of shape "
+                             f"{shape}, got {_describe(hx)}")
+        return tuple(p.unsqueeze(1) for p in parts) if unbatched else parts
+
+    def _finish(self, out: Tensor, final: list[State], unbatched: bool) -> tuple[Tensor, Any]:
+        """The (T, batch, hidden) outputs and final halves -> nn.GRU's return value."""
+        joined = [cell.join(state) for cell, state in zip(self.cells, final)]
+        if isinstance(joined[0], tuple):
+            h_n: Any = tuple(torch.stack(part) for part in zip(*joined))
+        else:
+            h_n = torch.stack(joined)
+        if unbatched:
+            out = out.squeeze(1)
+            h_n = tuple(p.squeeze(1) for p in h_n) if isinstance(h_n, tuple) else h_n.squeeze(1)
+        elif self.batch_first:
+            out = out.transpose(0, 1)
+        return out, h_n
+
+
+def _describe(hx: Any) -> str:
+    if isinstance(hx, Tensor):
+        return f"shape {tuple(hx.shape)}"
+    if isinstance(hx, tuple):
+        return f"a tuple of {len(hx)}: " + ", ".join(_describe(p) for p in hx)
+    return type(hx).__name__
+
+
+class RevGRU(ReversibleRNN):
+    """Multi-layer reversible GRU (MacKay et al. 2018, eq. 4-5, Alg. 1), nn.GRU's
+    interface; see the module docstring for what is and is not supported."""
+
+    cell_type = RevGRUCell
+
+
+class RevLSTM(ReversibleRNN):
+    """Multi-layer reversible LSTM (MacKay et al. 2018, eq. 11-14, Alg. 1), nn.LSTM's
+    interface; see the module docstring for what is and is not supported."""
+
+    cell_type = RevLSTMCell
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 proj_size: int = 0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, *, max_forget_bits: int | None = None) -> None:
+        if proj_size:
+            raise ValueError(f"RevLSTM: proj_size is not supported, got proj_size={proj_size!r}")
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
+                         bidirectional, device, dtype, max_forget_bits=max_forget_bits)

@@ -1,0 +1,232 @@
+"""A stack of reversible cells over a sequence: the reversible backward (MacKay et al.
+2018, Sec. 3 and 5) and the autograd reference it must agree with.
+
+Time is the outer loop and layers the inner one, so going backward step t of every
+layer is undone before step t - 1 of any: layer l's input at t is layer l - 1's output
+at t, reconstructed in the same step. No per-step state is stored for any layer; the
+backward keeps the input sequence, the final (and, to check the reversal, the initial)
+state and the information buffers.
+
+Gradients: each step is differentiated as its floating-point update evaluated at the
+exact fixed-point values, with straight-through (identity) gradients for the three
+roundings, as the authors' code does: the forget value's quantization to R_Z bits
+(so dz*/dz = 1 and d(z h)/dh = z*/2^R_Z), the update's rounding to R_H bits, and the
+noise Alg. 1 adds to h* (B mod z*, under 2^-13). ``autograd_sequence`` is that same
+fixed-point forward under ordinary autograd, holding every step's graph; the
+reversible backward must match its gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from .buffer import BufferSize, InformationBuffer
+from .cells import ReversibleCell, State
+from .fixed_point import straight_through, to_fixed, to_float
+
+Buffers = tuple[InformationBuffer, ...]
+
+
+def run_fixed(cells: Sequence[ReversibleCell], xs: Tensor, states: Sequence[State]
+              ) -> tuple[Tensor, list[State], list[Buffers]]:
+    """The fixed-point forward without autograd: ``xs`` is (T, batch, input_size),
+    ``states`` each layer's int64 halves. Returns the top layer's outputs (T, batch,
+    hidden_size), the final states and the filled buffers."""
+    states = list(states)
+    buffers = [cell.new_buffers(state) for cell, state in zip(cells, states)]
+    out = xs.new_empty(xs.shape[0], xs.shape[1], cells[-1].hidden_size)
+    for t in range(xs.shape[0]):
+        inp = xs[t]
+        for layer, cell in enumerate(cells):
+            states[layer] = cell.step(inp, states[layer], buffers[layer])
+            inp = to_float(cell.output(states[layer]), xs.dtype)
+        out[t] = inp
+    return out, states, buffers
+
+
+def autograd_sequence(cells: Sequence[ReversibleCell], xs: Tensor, init: Sequence[State]
+                      ) -> tuple[Tensor, list[State]]:
+    """The reference: ``run_fixed``'s forward under ordinary autograd, every step's
+    graph held until backward. ``init`` is each layer's floating-point halves; returns
+    the outputs and the final floating-point halves (values exactly ``run_fixed``'s)."""
+    states = [tuple(to_fixed(half) for half in state) for state in init]
+    values = [tuple(straight_through(half, to_float(fixed, xs.dtype))
+                    for half, fixed in zip(state, fixed_state))
+              for state, fixed_state in zip(init, states)]
+    buffers = [cell.new_buffers(state) for cell, state in zip(cells, states)]
+    outputs = []
+    for t in range(xs.shape[0]):
+        inp = xs[t]
+        for layer, cell in enumerate(cells):
+            states[layer] = cell.step(inp, states[layer], buffers[layer])
+            values[layer] = cell.tracked_step(inp, values[layer], states[layer])
+            inp = cell.output(values[layer])
+        outputs.append(inp)
+    if not outputs:
+        return xs.new_zeros(0, xs.shape[1], cells[-1].hidden_size), values
+    return torch.stack(outputs), values
+
+
+def reversible_sequence(cells: nn.ModuleList, xs: Tensor, init: Sequence[State]
+                        ) -> tuple[Tensor, list[State], BufferSize]:
+    """The fixed-point forward whose backward reconstructs the states (see
+    ``_ReversibleSequence``). ``init`` is each layer's floating-point halves; returns
+    the outputs, the final floating-point halves and the buffers' size at the end of
+    the forward (what the backward holds)."""
+    report = _Report()
+    flat_init = [half for state in init for half in state]
+    out, *final = _ReversibleSequence.apply(cells, report, xs, *flat_init, *cells.parameters())
+    return out, _regroup(cells, final), report.size
+
+
+class _Report:
+    """Carries the buffers' size out of the autograd Function's forward."""
+
+    size = BufferSize()
+
+
+def _regroup(cells: Sequence[ReversibleCell], flat: Sequence[Any]) -> list[Any]:
+    """A flat list of every layer's halves -> one tuple per layer."""
+    groups, start = [], 0
+    for cell in cells:
+        groups.append(tuple(flat[start:start + cell.n_halves]))
+        start += cell.n_halves
+    return groups
+
+
+class _ReversibleSequence(torch.autograd.Function):
+    """Inputs: the cells, a ``_Report``, xs, every layer's initial halves, the cells'
+    parameters. Outputs: the top layer's outputs and every layer's final halves.
+
+    Forward: ``run_fixed``, saving xs, the initial and final states and the buffers.
+
+    Backward (MacKay et al. 2018, Sec. 3: reconstruct, then backpropagate one step):
+    1. Start from h(T) (fixed point), dL/dh(T) and the buffers (rebuilt from the saved
+       words; popping them leaves the saved tensors as they were).
+    2. For t = T..1, reconstruct h(t-1) from h(t) and x(t), top layer first (its input,
+       the layer below's output at t, is still at time t): ``cell.reverse``, Alg. 1
+       undone, popping the buffers.
+    3. Recompute step t from h(t-1) under autograd (``cell.tracked_step``, all layers).
+    4. Backpropagate dL/dh(t), plus dL/d output(t) on the top layer, through that step:
+       dL/dh(t-1) is carried on, dL/dx(t) stored, parameter gradients summed.
+    5. Check that the reconstruction ended exactly at h(0) with empty buffers.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, cells: nn.ModuleList, report: _Report, xs: Tensor,
+                *tensors: Tensor) -> tuple[Tensor, ...]:
+        n_halves = sum(cell.n_halves for cell in cells)
+        init = _regroup(cells, tensors[:n_halves])
+        fixed = [tuple(to_fixed(half) for half in state) for state in init]
+        out, final, buffers = run_fixed(cells, xs, fixed)
+        flat_buffers = [b for layer in buffers for b in layer]
+        report.size = sum((b.size() for b in flat_buffers), BufferSize())
+        # Everything the backward reads goes through save_for_backward, so that autograd
+        # frees it after backward (words: each buffer's int64 words, then the current one).
+        saved_buffers = [b.saved() for b in flat_buffers]
+        ctx.cells, ctx.n_halves = cells, n_halves
+        ctx.buffer_layout = [(len(words), bookkeeping) for words, bookkeeping in saved_buffers]
+        ctx.save_for_backward(xs, *tensors[:n_halves], *(h for state in final for h in state),
+                              *(w for words, _ in saved_buffers for w in words))
+        return (out, *(to_float(h, xs.dtype) for state in final for h in state))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor, *grad_final: Tensor) -> tuple[Tensor | None, ...]:
+        cells: nn.ModuleList = ctx.cells
+        n_halves = ctx.n_halves
+        xs, *saved = ctx.saved_tensors
+        init, final, words = saved[:n_halves], saved[n_halves:2 * n_halves], saved[2 * n_halves:]
+        params = list(cells.parameters())
+        needs_x = ctx.needs_input_grad[2]
+        trained = [p for p, need in zip(params, ctx.needs_input_grad[3 + n_halves:]) if need]
+        # Step 1: h(T), dL/dh(T), the buffers.
+        states = _regroup(cells, final)
+        carried = list(grad_final)
+        buffers = _regroup(cells, _restore_buffers(words, ctx.buffer_layout))
+        grad_xs = torch.zeros_like(xs) if needs_x else None
+        grad_params = [torch.zeros_like(p) for p in trained]
+        for t in reversed(range(xs.shape[0])):
+            # Step 2: h(t-1) from h(t) and x(t), top layer first.
+            previous = _reconstruct(cells, xs[t], states, buffers)
+            # Steps 3-4: step t again under autograd, and backpropagate through it.
+            x_t = xs[t].detach().requires_grad_(needs_x)
+            carried, grad_x, grads = _backpropagate_step(cells, x_t, previous, states,
+                                                         [*carried, grad_out[t]], trained)
+            if needs_x:
+                grad_xs[t] = grad_x
+            for total, grad in zip(grad_params, grads):
+                total += grad
+            states = previous
+        # Step 5: the reversal must land on h(0) exactly.
+        _check_reversal(states, init, buffers)
+        grad_iter = iter(grad_params)
+        grad_params_all = [next(grad_iter) if need else None
+                           for need in ctx.needs_input_grad[3 + n_halves:]]
+        grad_init = [g if need else None
+                     for g, need in zip(carried, ctx.needs_input_grad[3:3 + n_halves])]
+        return (None, None, grad_xs, *grad_init, *grad_params_all)
+
+
+def _reconstruct(cells: Sequence[ReversibleCell], x: Tensor, states: Sequence[State],
+                 buffers: Sequence[Buffers]) -> list[State]:
+    """Backward step 2: every layer's h(t-1) from h(t) and x(t), top layer first, so that
+    each layer's input (the output of the layer below at t) is read before it changes."""
+    previous = list(states)
+    for layer in reversed(range(len(cells))):
+        inp = x if layer == 0 else to_float(cells[layer - 1].output(states[layer - 1]), x.dtype)
+        previous[layer] = cells[layer].reverse(inp, states[layer], buffers[layer])
+    return previous
+
+
+def _backpropagate_step(cells: Sequence[ReversibleCell], x: Tensor, previous: Sequence[State],
+                        states: Sequence[State], grad_outputs: Sequence[Tensor],
+                        trained: Sequence[Tensor]
+                        ) -> tuple[list[Tensor], Tensor | None, list[Tensor]]:
+    """Backward steps 3-4: step t from h(t-1) (``previous``) under autograd, every layer
+    landing on the known h(t) (``states``), then one vector-Jacobian product with
+    ``grad_outputs`` (dL/dh(t) for every half, then dL/d output(t) of the top layer).
+    Returns dL/dh(t-1), dL/dx(t) (None unless ``x`` requires grad) and dL/d ``trained``
+    through this step."""
+    with torch.enable_grad():
+        leaves = [to_float(h, x.dtype).requires_grad_() for state in previous for h in state]
+        inp, outputs = x, []
+        for cell, values, exact in zip(cells, _regroup(cells, leaves), states):
+            values = cell.tracked_step(inp, values, exact)
+            outputs.extend(values)
+            inp = cell.output(values)
+    wrt = [*leaves, *([x] if x.requires_grad else []), *trained]
+    grads = torch.autograd.grad([*outputs, inp], wrt, grad_outputs, allow_unused=True)
+    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
+    n_halves = len(leaves)
+    grad_x = grads[n_halves] if x.requires_grad else None
+    return grads[:n_halves], grad_x, grads[n_halves + x.requires_grad:]
+
+
+def _restore_buffers(words: Sequence[Tensor], layout: Sequence[tuple[int, Any]]
+                     ) -> list[InformationBuffer]:
+    """The saved words, cut back into one InformationBuffer per state half."""
+    buffers, start = [], 0
+    for count, bookkeeping in layout:
+        buffers.append(InformationBuffer.restore(list(words[start:start + count]), bookkeeping))
+        start += count
+    return buffers
+
+
+def _check_reversal(states: Sequence[State], init: Sequence[Tensor],
+                    buffers: Sequence[Buffers]) -> None:
+    """Raise RuntimeError unless the reconstructed h(0) is the forward's, bit for bit,
+    and every buffer is empty: otherwise the gradients were taken at wrong states."""
+    reconstructed = [h for state in states for h in state]
+    exact = all(torch.equal(h, to_fixed(x)) for h, x in zip(reconstructed, init))
+    if not exact or not all(b.is_empty() for layer in buffers for b in layer):
+        raise RuntimeError(
+            "reversible RNN backward: reconstructing the states (MacKay et al. 2018, Alg. 1) "
+            "did not return to the initial state exactly; a step computed different gates "
+            "going backward than going forward (non-deterministic kernels?), so the "
+            "gradients would be wrong")
