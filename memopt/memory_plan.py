@@ -103,6 +103,7 @@ class ChainRecord(BaseModel):
     strategy: str                  # "hsm" (Sec. 3.1)
     cost: int                      # C(t, m): chunk forwards, the first pass included
     recompute_steps: int           # time steps run again in backward
+    estimated_seconds: float       # the chain's forward + backward, at measured chunk costs
     recompute_flops: int
     hidden_bytes: int              # one hidden state
     internal_bytes: int            # one chunk's internal state (its backward graph)
@@ -177,7 +178,8 @@ class MemoryPlan(BaseModel):
             lines.append(
                 f"  chain {c.module} ({c.module_type}): T={c.steps} as t={c.t} chunks of "
                 f"{c.chunk}, BPTT-{c.strategy.upper()} m={c.m}, C(t,m)={c.cost} chunk "
-                f"forwards ({c.recompute_steps} steps recomputed), holds {b(c.held_bytes)} "
+                f"forwards ({c.recompute_steps} steps recomputed, about "
+                f"{c.estimated_seconds * 1e3:.0f} ms forward + backward), holds {b(c.held_bytes)} "
                 f"(+ {b(c.forward_workspace_bytes)} while its forward runs, "
                 f"+ {b(c.workspace_bytes)} while its backward runs); {c.reason}")
         if self.saved:

@@ -255,9 +255,10 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
     Step 4: between the longest grid chunk that fits with every boundary kept (m = t)
         and the next longer grid chunk, bisect for the longest chunk that fits
         (chain_pass.longest_fitting_chunk): its T - L recomputed steps can beat the grid.
-    Step 5: take the configuration that fits with the fewest recomputed steps (then
-        the fewest chunks), else the lowest peak, and leave the rest of the budget to
-        the Chen planner.
+    Step 5: take the configuration that fits in the least estimated time (chunk calls
+        at their measured cost, chain_pass.ChunkCosts; then the fewest recomputed
+        steps), else the lowest peak, and leave the rest of the budget to the Chen
+        planner.
     """
     one_chunk = {s.fwd: chain_pass.configure(s, costs[s.fwd], s.steps, 1) for s in sites}
     for s in sites:
@@ -296,8 +297,13 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
             if refined is not None:
                 fitting.append((peak(refined), refined))
         if fitting:
-            p, best = min(fitting, key=lambda pc: (pc[1].recompute_steps, pc[1].t, pc[0]))
-            reason = (f"fewest recomputed steps of the {len(fitting)} of {len(peaks)} "
+            fitting.sort(key=lambda pc: (pc[1].seconds, pc[1].recompute_steps, pc[1].t, pc[0]))
+            for p, c in fitting[:5]:
+                log.debug("memopt chain %s: fits: %d x %d, m=%d, %d steps recomputed, "
+                          "%.1f ms, peak %s", s.name, c.t, c.chunk, c.m, c.recompute_steps,
+                          c.seconds * 1e3, format_bytes(p))
+            p, best = fitting[0]
+            reason = (f"least estimated time of the {len(fitting)} of {len(peaks)} "
                       f"policies priced that fit")
         else:
             p, best = min(priced, key=lambda pc: (pc[0], pc[1].recompute_steps))
@@ -313,6 +319,7 @@ def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
         module=c.site.name, module_type=c.site.module_type, steps=c.site.steps,
         chunk=c.config.chunk, t=c.config.t, m=c.config.m, strategy=c.config.policy.strategy,
         cost=c.config.policy.cost, recompute_steps=c.config.recompute_steps,
+        estimated_seconds=c.config.seconds,
         recompute_flops=c.config.recompute_steps * c.site.step_flops,
         hidden_bytes=c.site.hidden_bytes, internal_bytes=c.config.internal_bytes,
         held_bytes=c.config.held_bytes,

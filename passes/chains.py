@@ -10,7 +10,10 @@ BPTT-HSM (Sec. 3.1). Nothing else in the graph changes with them, only what the
 chain holds between its forward and backward ops and what its backward op allocates.
 The planner (memopt.pipeline) prices a grid of (L, m) (``configurations``), then
 bisects L where every chunk boundary is kept (``longest_fitting_chunk``): there the
-recomputed steps are exactly T - L, so the longest chunk that fits is the cheapest.
+recomputed steps are exactly T - L and the calls 3t - 1, so the longest chunk that
+fits is the fastest. It takes the fitting policy of least estimated time: each
+chunk's forward runs (Gruslys et al. 2016's C(t, m) in all) and its backward, at the
+per-call and per-step costs measured on a real chunk (ChunkCosts).
 
 Requires: FakeTensors on the joint graph. Ensures: ``apply`` rewrites the two
 ops' integer arguments and records the bytes (passes.meta.HELD_BYTES on the
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -95,6 +99,7 @@ class ChainConfig:
     forward_workspace_bytes: int
     workspace_bytes: int       # the backward op's
     recompute_steps: int       # time steps run again in backward, over all chunks
+    seconds: float             # estimated time of the chain's forward and backward
 
 
 def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
@@ -171,8 +176,8 @@ class Linear:
 
 @dataclass(frozen=True)
 class ChunkCosts:
-    """The bytes of one chunk of L steps, each linear in L, measured once per chain on
-    real tensors (``chunk_costs``):
+    """The bytes and time of one chunk of L steps, each linear in L, measured once per
+    chain on real tensors (``chunk_costs``):
 
     - ``saved``: what autograd keeps for the chunk's backward and its final state (the
       internal state I of Gruslys et al. 2016, Sec. 3.2; fused RNN kernels keep
@@ -180,12 +185,25 @@ class ChunkCosts:
     - ``forward``: the most its forward allocates beyond what it returns and saves
       (kernel temporaries, e.g. the input projection of every step);
     - ``backward``: the most its backward allocates beyond what was live when it
-      started (the gradients of its inputs and parameters, and kernel temporaries).
+      started (the gradients of its inputs and parameters, and kernel temporaries);
+    - ``forward_ns``, ``backward_ns``: the wall time of its forward (under autograd)
+      and of its backward, in nanoseconds. A call has a fixed cost besides the steps
+      (a fused kernel's setup, a launch, Python): on the CPU an nn.LSTM(256) chunk
+      costs about 1 ms + 0.5 ms a step forward and 4.5 ms + 0.7 ms a step backward,
+      so many short chunks cost more than their recomputed steps say.
     """
 
     saved: Linear
     forward: Linear
     backward: Linear
+    forward_ns: Linear
+    backward_ns: Linear
+
+    def seconds(self, runs: list[int], sizes: list[int]) -> float:
+        """A chain's estimated time: chunk i run forward ``runs[i]`` times and
+        backpropagated once."""
+        return sum(n * self.forward_ns(s) + self.backward_ns(s)
+                   for n, s in zip(runs, sizes)) / 1e9
 
 
 def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
@@ -200,11 +218,20 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
     return ChunkCosts(*(Linear.through((short, x), (long, y)) for x, y in zip(a, b)))
 
 
+#: Timed runs of a chunk while planning (after one untimed run); the fastest counts.
+TIMED_RUNS = 3
+
+
 def _measure_chunk(joint: fx.GraphModule, site: ChainSite, chunk: int
-                   ) -> tuple[int, int, int]:
-    """(saved, forward transient, backward transient) bytes of one chunk of ``chunk``
-    steps (see ChunkCosts); parameters, the inputs and the output sequence are the
-    graph's own and not counted in ``saved``."""
+                   ) -> tuple[int, int, int, int, int]:
+    """(saved, forward transient, backward transient) bytes and (forward, backward)
+    nanoseconds of one chunk of ``chunk`` steps (see ChunkCosts); parameters, the
+    inputs and the output sequence are the graph's own and not counted in ``saved``.
+
+    Step 1: zeros of the real shapes on the real device.
+    Step 2: one run, forward then backward, each under allocation tracking; the saved
+        bytes read from the autograd graph between them.
+    Step 3: TIMED_RUNS more, timed; the fastest forward and backward count."""
     ops, _, _ = _ops()
     node = next(n for n in joint.graph.nodes if n.name == site.fwd)
     spec = ops.spec_of(site.chain)
@@ -215,14 +242,17 @@ def _measure_chunk(joint: fx.GraphModule, site: ChainSite, chunk: int
         log.warning("memopt: cannot track allocations while planning chain %s (a profiler "
                     "is recording); its kernels' temporaries are not counted", site.name)
     with real_tensors():
+        # Step 1: the inputs.
         def real(t: torch.Tensor) -> torch.Tensor:
             return torch.zeros(t.shape, dtype=t.dtype, device=t.device).requires_grad_(
                 t.is_floating_point())
 
         state = tuple(real(s) for s in fake_state)
         x, params = real(fake_x), tuple(real(p) for p in fake_params)
-        with _tracking(device, tracked) as fwd, autograd_inside_op():
-            y, out = spec.step(params, state, x)
+        run = _ChunkRun(spec.step, params, state, x)
+        # Step 2: bytes.
+        with _tracking(device, tracked) as fwd:
+            y, out = run.forward()
         if y.grad_fn is None:
             raise RuntimeError("memopt could not record autograd for a chain step while "
                                "planning; this is a memopt bug")
@@ -232,13 +262,47 @@ def _measure_chunk(joint: fx.GraphModule, site: ChainSite, chunk: int
         for t in _saved_by_graph((y, *out)):
             if storage_key(t) not in resident:
                 seen[storage_key(t)] = t.untyped_storage().nbytes()
+        with _tracking(device, tracked) as bwd:
+            run.backward(y, out)
+        del y, out
+        # Step 3: time.
+        fwd_ns = bwd_ns = 1 << 62
+        for _ in range(TIMED_RUNS):
+            start = _clock(device)
+            y, out = run.forward()
+            middle = _clock(device)
+            run.backward(y, out)
+            end = _clock(device)
+            fwd_ns, bwd_ns = min(fwd_ns, middle - start), min(bwd_ns, end - middle)
+    return sum(seen.values()), fwd.peak - fwd.end, bwd.peak, fwd_ns, bwd_ns
+
+
+@dataclass(frozen=True)
+class _ChunkRun:
+    """One chunk's forward under autograd and its backward to every input, inside a
+    custom op's implementation (memopt._torch_compat.autograd_inside_op)."""
+
+    step: object
+    params: tuple[torch.Tensor, ...]
+    state: tuple[torch.Tensor, ...]
+    x: torch.Tensor
+
+    def forward(self):
+        with autograd_inside_op():
+            return self.step(self.params, self.state, self.x)
+
+    def backward(self, y: torch.Tensor, out) -> None:
         outputs = [t for t in (y, *out) if t.requires_grad]
-        grads = [torch.zeros_like(t) for t in outputs]
-        inputs = [t for t in (*state, x, *params) if t.requires_grad]
-        with _tracking(device, tracked) as bwd, autograd_inside_op():
-            got = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-        del got
-    return sum(seen.values()), fwd.peak - fwd.end, bwd.peak
+        inputs = [t for t in (*self.state, self.x, *self.params) if t.requires_grad]
+        with autograd_inside_op():
+            torch.autograd.grad(outputs, inputs, [torch.zeros_like(t) for t in outputs],
+                                allow_unused=True)
+
+
+def _clock(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter_ns()
 
 
 def _tracking(device: torch.device, tracked: bool):
@@ -327,10 +391,11 @@ def configure(site: ChainSite, costs: ChunkCosts, chunk: int, m: int) -> ChainCo
     kept = costs.saved(chunk) + out
     policy = solve(t, m, "hsm")
     at_fwd, peak = _stored_hidden(policy)
-    sizes = chunk_sizes(site.steps, chunk)
+    sizes, runs = chunk_sizes(site.steps, chunk), _runs(policy)
     return ChainConfig(
         chunk=chunk, t=t, m=m, policy=policy, internal_bytes=kept,
-        recompute_steps=sum((n - 1) * size for n, size in zip(_runs(policy), sizes)),
+        recompute_steps=sum((n - 1) * size for n, size in zip(runs, sizes)),
+        seconds=costs.seconds(runs, sizes),
         held_bytes=H * at_fwd + kept,
         forward_workspace_bytes=costs.forward(chunk) + out,
         workspace_bytes=H * (peak - at_fwd) + 2 * H + site.param_bytes

@@ -24,8 +24,10 @@ def _site(steps: int, hidden_bytes: int = 1000) -> ChainSite:
 
 
 def _costs(first: int, per_step: int) -> ChunkCosts:
+    """Bytes linear in the chunk length; a call costs 1 ms plus 0.1 ms a step."""
     return ChunkCosts(Linear(first, per_step), Linear(first // 2, per_step // 3),
-                      Linear(first, per_step // 2))
+                      Linear(first, per_step // 2), Linear(1_100_000, 100_000),
+                      Linear(1_100_000, 100_000))
 
 
 @given(steps=st.integers(1, 3000), chunk=st.integers(1, 4000))
@@ -44,6 +46,16 @@ def test_recompute_steps_every_boundary_kept(steps, chunk):
     config = configure(_site(steps), _costs(10, 5), chunk, m=steps)
     assert config.m == config.t
     assert config.recompute_steps == steps - min(chunk, steps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.integers(1, 300), chunk=st.integers(1, 300), m=st.integers(1, 300))
+def test_estimated_time_counts_every_call(steps, chunk, m):
+    """C(t, m) chunk forwards and t chunk backwards, each at 1 ms + 0.1 ms a step."""
+    config = configure(_site(steps), _costs(10, 5), chunk, m)
+    calls = config.policy.cost + config.t
+    steps_run = steps + config.recompute_steps + steps
+    assert config.seconds == pytest.approx(1e-3 * calls + 1e-4 * steps_run)
 
 
 @settings(max_examples=60, deadline=None)
