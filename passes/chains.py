@@ -60,7 +60,7 @@ log = logging.getLogger("memopt")
 #: Positions of the ops' arguments (memopt.recurrent.ops schemas).
 _CHAIN, _CHUNK, _M, _STRATEGY = 0, 1, 2, 3
 _FWD_STATE, _FWD_XS, _FWD_PARAMS = 5, 6, 7
-_BWD_HANDLE = 5
+_BWD_NEED_X, _BWD_HANDLE = 4, 5
 
 
 def _ops():
@@ -84,6 +84,7 @@ class ChainSite:
     output_bytes_per_step: int
     param_bytes: int           # the step's parameters (their gradients are summed per chunk)
     unsplittable: bool
+    x_grad: bool = True        # whether backward computes the inputs' gradient
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,14 @@ def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
         if node.target is not fwd_op:
             continue
         handles = {u for u in node.users if u.args[1] == len(fake_value(node)) - 1}
-        bwds = tuple(n.name for n in nodes if n.target is bwd_op and n.args[_BWD_HANDLE] in handles)
+        bwd_nodes = [n for n in nodes if n.target is bwd_op and n.args[_BWD_HANDLE] in handles]
         spec = ops.spec_of(node.args[_CHAIN])
         xs = fake_value(node.args[_FWD_XS])
         state = [fake_value(s) for s in node.args[_FWD_STATE]]
         steps = int(xs.shape[spec.time_dim])
         sites.append(ChainSite(
-            fwd=node.name, bwds=bwds, chain=node.args[_CHAIN], name=spec.name,
+            fwd=node.name, bwds=tuple(n.name for n in bwd_nodes), chain=node.args[_CHAIN],
+            name=spec.name, x_grad=any(n.args[_BWD_NEED_X] for n in bwd_nodes),
             module_type=spec.module_type, steps=steps,
             hidden_bytes=sum(s.untyped_storage().nbytes() for s in state),
             step_flops=_step_flops(node, spec), unsplittable=spec.unsplittable,
@@ -209,78 +211,40 @@ class ChunkCosts:
 def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
     """Measured at two chunk lengths, 2 and 16 steps (fewer when T is shorter), on zeros
     of the real shapes on the real device; long chunks are not run (on FakeTensors the
-    fused RNN op decomposes into per-step ops: slow to trace, and the wrong bytes). Where
-    allocations cannot be tracked (another profiler is recording on CPU) the transients
-    are taken as zero, and a warning says the plan may undercount."""
+    fused RNN op decomposes into per-step ops: slow to trace, and the wrong bytes).
+
+    Step 1: a chunk of each length, its inputs zeros of the real shapes.
+    Step 2: bytes: each chunk run once, forward then backward, under allocation
+        tracking; the saved bytes read from the autograd graph between them. Where
+        allocations cannot be tracked (another profiler is recording on CPU) the
+        transients are taken as zero, and a warning says the plan may undercount.
+    Step 3: time: both chunks run TIMED_RUNS more times, interleaved; the fastest
+        forward and backward of each count (the first runs were the warm-up)."""
     long = min(16, site.steps)
-    short = min(2, long - 1) if long > 1 else 1
-    a, b = _measure_chunk(joint, site, short), _measure_chunk(joint, site, long)
-    return ChunkCosts(*(Linear.through((short, x), (long, y)) for x, y in zip(a, b)))
-
-
-#: Timed runs of a chunk while planning (after one untimed run); the fastest counts.
-TIMED_RUNS = 3
-
-
-def _measure_chunk(joint: fx.GraphModule, site: ChainSite, chunk: int
-                   ) -> tuple[int, int, int, int, int]:
-    """(saved, forward transient, backward transient) bytes and (forward, backward)
-    nanoseconds of one chunk of ``chunk`` steps (see ChunkCosts); parameters, the
-    inputs and the output sequence are the graph's own and not counted in ``saved``.
-
-    Step 1: zeros of the real shapes on the real device.
-    Step 2: one run, forward then backward, each under allocation tracking; the saved
-        bytes read from the autograd graph between them.
-    Step 3: TIMED_RUNS more, timed; the fastest forward and backward count."""
-    ops, _, _ = _ops()
-    node = next(n for n in joint.graph.nodes if n.name == site.fwd)
-    spec = ops.spec_of(site.chain)
-    fake_state, fake_x, fake_params = _inputs(node, chunk, spec)
-    device = fake_x.device
+    lengths = (min(2, long - 1) if long > 1 else 1, long)
+    device = fake_value(_fwd_node(joint, site).args[_FWD_XS]).device
     tracked = can_track(device)
     if not tracked:
         log.warning("memopt: cannot track allocations while planning chain %s (a profiler "
                     "is recording); its kernels' temporaries are not counted", site.name)
     with real_tensors():
-        # Step 1: the inputs.
-        def real(t: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(t.shape, dtype=t.dtype, device=t.device).requires_grad_(
-                t.is_floating_point())
+        runs = [_chunk_run(joint, site, n) for n in lengths]                 # Step 1
+        measured = [_chunk_bytes(run, device, tracked) for run in runs]     # Step 2
+        for values, times in zip(measured, _chunk_times(runs, device)):     # Step 3
+            values.extend(times)
+    short, long = measured
+    return ChunkCosts(*(Linear.through((lengths[0], a), (lengths[1], b))
+                        for a, b in zip(short, long)))
 
-        state = tuple(real(s) for s in fake_state)
-        x, params = real(fake_x), tuple(real(p) for p in fake_params)
-        run = _ChunkRun(spec.step, params, state, x)
-        # Step 2: bytes.
-        with _tracking(device, tracked) as fwd:
-            y, out = run.forward()
-        if y.grad_fn is None:
-            raise RuntimeError("memopt could not record autograd for a chain step while "
-                               "planning; this is a memopt bug")
-        # the output sequence is the chain's output (counted by liveness), not its state
-        resident = {storage_key(t) for t in (x, y, *params)}
-        seen = {storage_key(t): t.untyped_storage().nbytes() for t in out}
-        for t in _saved_by_graph((y, *out)):
-            if storage_key(t) not in resident:
-                seen[storage_key(t)] = t.untyped_storage().nbytes()
-        with _tracking(device, tracked) as bwd:
-            run.backward(y, out)
-        del y, out
-        # Step 3: time.
-        fwd_ns = bwd_ns = 1 << 62
-        for _ in range(TIMED_RUNS):
-            start = _clock(device)
-            y, out = run.forward()
-            middle = _clock(device)
-            run.backward(y, out)
-            end = _clock(device)
-            fwd_ns, bwd_ns = min(fwd_ns, middle - start), min(bwd_ns, end - middle)
-    return sum(seen.values()), fwd.peak - fwd.end, bwd.peak, fwd_ns, bwd_ns
+
+#: Timed runs of each chunk while planning (after the untimed one); the fastest counts.
+TIMED_RUNS = 3
 
 
 @dataclass(frozen=True)
 class _ChunkRun:
-    """One chunk's forward under autograd and its backward to every input, inside a
-    custom op's implementation (memopt._torch_compat.autograd_inside_op)."""
+    """One chunk's forward under autograd and its backward to every input that needs
+    it, inside a custom op's implementation (memopt._torch_compat.autograd_inside_op)."""
 
     step: object
     params: tuple[torch.Tensor, ...]
@@ -291,12 +255,72 @@ class _ChunkRun:
         with autograd_inside_op():
             return self.step(self.params, self.state, self.x)
 
-    def backward(self, y: torch.Tensor, out) -> None:
+    @staticmethod
+    def output_grads(y: torch.Tensor, out) -> list[torch.Tensor]:
+        return [torch.zeros_like(t) for t in (y, *out) if t.requires_grad]
+
+    def backward(self, y: torch.Tensor, out, grads: list[torch.Tensor]) -> None:
         outputs = [t for t in (y, *out) if t.requires_grad]
         inputs = [t for t in (*self.state, self.x, *self.params) if t.requires_grad]
         with autograd_inside_op():
-            torch.autograd.grad(outputs, inputs, [torch.zeros_like(t) for t in outputs],
-                                allow_unused=True)
+            torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
+def _fwd_node(joint: fx.GraphModule, site: ChainSite) -> fx.Node:
+    return next(n for n in joint.graph.nodes if n.name == site.fwd)
+
+
+def _chunk_run(joint: fx.GraphModule, site: ChainSite, chunk: int) -> _ChunkRun:
+    """A chunk of ``chunk`` steps on zeros of the real shapes (inside real_tensors)."""
+    ops, _, _ = _ops()
+    spec = ops.spec_of(site.chain)
+    fake_state, fake_x, fake_params = _inputs(_fwd_node(joint, site), chunk, spec)
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device).requires_grad_(
+            t.is_floating_point())
+
+    return _ChunkRun(spec.step, tuple(real(p) for p in fake_params),
+                     tuple(real(s) for s in fake_state),
+                     real(fake_x).requires_grad_(site.x_grad and fake_x.is_floating_point()))
+
+
+def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[int]:
+    """[saved, forward transient, backward transient] bytes (see ChunkCosts); the
+    parameters, the inputs and the output sequence are the graph's own and not counted
+    in ``saved``."""
+    with _tracking(device, tracked) as fwd:
+        y, out = run.forward()
+    if y.grad_fn is None:
+        raise RuntimeError("memopt could not record autograd for a chain step while "
+                           "planning; this is a memopt bug")
+    # the output sequence is the chain's output (counted by liveness), not its state
+    resident = {storage_key(t) for t in (run.x, y, *run.params)}
+    seen = {storage_key(t): t.untyped_storage().nbytes() for t in out}
+    for t in _saved_by_graph((y, *out)):
+        if storage_key(t) not in resident:
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
+    grads = run.output_grads(y, out)  # the backward op's inputs, not its allocations
+    with _tracking(device, tracked) as bwd:
+        run.backward(y, out, grads)
+    return [sum(seen.values()), fwd.peak - fwd.end, bwd.peak]
+
+
+def _chunk_times(runs: list[_ChunkRun], device: torch.device) -> list[tuple[int, int]]:
+    """(forward, backward) nanoseconds of each chunk: the fastest of TIMED_RUNS runs,
+    the chunks interleaved so that a slow moment of the machine hits them alike."""
+    best = [[1 << 62, 1 << 62] for _ in runs]
+    for _ in range(TIMED_RUNS):
+        for run, times in zip(runs, best):
+            start = _clock(device)
+            y, out = run.forward()
+            forward = _clock(device) - start
+            grads = run.output_grads(y, out)
+            start = _clock(device)
+            run.backward(y, out, grads)
+            backward = _clock(device) - start
+            times[0], times[1] = min(times[0], forward), min(times[1], backward)
+    return [tuple(t) for t in best]
 
 
 def _clock(device: torch.device) -> int:
