@@ -25,9 +25,10 @@ BudgetError. "activation memory saved" is ``1 - (peak - fixed) / (eager peak - f
 The paper's claim to compare with: T=1000, 95% of the memory saved for 33% more time; it
 counts the RNN's own states (inputs excluded). Here the chain's whole output sequence
 exists in forward (the loss reads it) and its gradient in backward: two T x 64 x 256
-tensors, 8% of eager's allocated activation memory, which no plan of the model removes. The column "RNN states held in backward" is the paper's measure:
-memopt's plan of what the chain holds (stored hidden states plus one chunk's internal
-states), saved against the unsplit chain of the budget=None plan.
+tensors, 8% of eager's allocated activation memory, which no plan of the model removes.
+The column "RNN states held in backward" is the paper's measure: memopt's plan of what
+the chain holds (stored hidden states plus one chunk's internal states), saved against
+the unsplit chain of the budget=None plan.
 
 Part 2, the forum's word language model (benchmarks/recurrent_workloads.py): BPTT 512,
 batch 20, pytorch/examples' defaults (2-layer LSTM, 200 units, dropout 0.2) on the
@@ -68,6 +69,8 @@ from typing import Any
 
 from memopt.budget import format_bytes
 from memopt.measure import Measurement, measure_step
+
+from benchmarks.run import rss_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = "benchmarks.recurrent_workloads"
@@ -232,11 +235,6 @@ def chain_cells(chains: Sequence[dict] | None) -> list[str]:
 CHAIN_HEADER = ["chain t x chunk", "m", "strategy", "C(t, m)", "recomputed steps"]
 
 
-def _rss(m: Measurement) -> str:
-    """The RSS peak on CPU ("-" on CUDA, where the two peaks are the same counter)."""
-    return format_bytes(m.peak_bytes) if m.device == "cpu" else "-"
-
-
 def _bytes(n: int | None) -> str:
     return format_bytes(n) if n else "-"
 
@@ -281,7 +279,7 @@ def run_gruslys(lengths: Sequence[int], device: str, timed_steps: int,
                      f"{format_bytes(e.resident_bytes)} + parameter gradients), eager's "
                      f"activation memory {format_bytes(activation)}, of which the output and "
                      f"its gradient {format_bytes(floor)} ({floor / activation:.0%})")
-        rows.append([str(T), "eager", "-", "-", format_bytes(e.budget_peak_bytes), _rss(e),
+        rows.append([str(T), "eager", "-", "-", format_bytes(e.budget_peak_bytes), rss_cell(e),
                      "0%", "-",
                      f"1.00x ({e.step_seconds:.1f} s)"])
         held_all: int | None = None  # the unsplit chain's (budget=None)
@@ -299,7 +297,7 @@ def run_gruslys(lengths: Sequence[int], device: str, timed_steps: int,
             saved = 1 - (m.budget_peak_bytes - fixed) / activation
             over = "" if cell.budget is None or m.budget_peak_bytes <= cell.budget else " (over)"
             return [str(T), cell.label, budget_text, _bytes(m.predicted_peak_bytes),
-                    format_bytes(m.budget_peak_bytes) + over, _rss(m), f"{saved:.1%}",
+                    format_bytes(m.budget_peak_bytes) + over, rss_cell(m), f"{saved:.1%}",
                     held_text(_held(m.chains)), _ratio(m.step_seconds, e.step_seconds),
                     *chain_cells(m.chains)]
 
@@ -387,7 +385,7 @@ def run_lm(device: str, timed_steps: int, quick: bool, failures: list[tuple[str,
         rss_ratio = _ratio(m.peak_bytes, two.peak_bytes) if m.device == "cpu" else "-"
         return [cell.label, budget, _bytes(m.predicted_peak_bytes), format_bytes(peak),
                 _ratio(peak, e.budget_peak_bytes), _ratio(peak, two.budget_peak_bytes), fits,
-                _rss(m), rss_ratio, _ratio(m.step_seconds, e.step_seconds) + seconds,
+                rss_cell(m), rss_ratio, _ratio(m.step_seconds, e.step_seconds) + seconds,
                 _ratio(m.step_seconds, two.step_seconds), *chain_cells(m.chains)]
 
     minimum = minimum_budget("wlm", device)

@@ -41,8 +41,8 @@ from torch.nn import functional as F
 
 from memopt.measure import Workload
 
-__all__ = ["ChunkedBPTT", "RNNModel", "SequenceRegression", "batchify", "gruslys_lstm", "load_corpus", "wlm",
-           "wlm_tiny", "wlm_tiny_two_chunk", "wlm_two_chunk", "word_lm"]
+__all__ = ["ChunkedBPTT", "RNNModel", "SequenceRegression", "batchify", "gruslys_lstm",
+           "load_corpus", "wlm", "wlm_tiny", "wlm_tiny_two_chunk", "wlm_two_chunk", "word_lm"]
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "wikitext-2-valid-slice.txt"
 """The WikiText-2 slice shipped with the examples (see examples/data/README.md)."""

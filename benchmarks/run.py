@@ -45,7 +45,7 @@ class Row:
             format_bytes(peak),
             f"{peak / e.budget_peak_bytes:.2f}x",
             f"{err:+.1f}%",
-            _rss(e), _rss(m),
+            rss_cell(e), rss_cell(m),
             f"{m.step_seconds / e.step_seconds:.2f}x",
             f"{m.plan_seconds:.1f} s" if m.plan_seconds is not None else "-",
         ]
@@ -56,7 +56,7 @@ HEADER = ["model", "eager peak", "memopt predicted", "memopt measured", "measure
           "time / eager", "plan time"]
 
 
-def _rss(m: Measurement) -> str:
+def rss_cell(m: Measurement) -> str:
     """The RSS peak on CPU ("-" on CUDA, where it is the allocated peak)."""
     return format_bytes(m.peak_bytes) if m.device == "cpu" else "-"
 
@@ -117,7 +117,7 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
         configs += [(f"inductor activation_memory_budget={f}", f"inductor:{f}", None)
                     for f in FRACTIONS]
         rows.append([model, "eager", "-", "-", format_bytes(eager.budget_peak_bytes), "1.00x",
-                     "-", _rss(eager), "1.00x", "-"])
+                     "-", rss_cell(eager), "1.00x", "-"])
         peaks: dict[str, int] = {}
         for label, mode, budget in configs:
             if mode == "memopt at":  # memopt with a peer's measured peak as its budget
@@ -137,7 +137,7 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
             rows.append([
                 model, label, format_bytes(budget) if budget else "-",
                 format_bytes(m.predicted_peak_bytes) if m.predicted_peak_bytes else "-",
-                format_bytes(peak), f"{peak / eager.budget_peak_bytes:.2f}x", fits, _rss(m),
+                format_bytes(peak), f"{peak / eager.budget_peak_bytes:.2f}x", fits, rss_cell(m),
                 f"{m.step_seconds / eager.step_seconds:.2f}x",
                 f"{1 + m.recompute_flops_ratio:.2f}x" if m.recompute_flops_ratio is not None
                 else "-",
