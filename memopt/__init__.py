@@ -37,8 +37,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "recurrent":  # memopt.recurrent.solve / run_chain / Recurrent
-        return importlib.import_module(".recurrent", __name__)
+    if name in ("recurrent", "nn"):  # memopt.recurrent.Recurrent, memopt.nn.RevGRU
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'memopt' has no attribute {name!r}")

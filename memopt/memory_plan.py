@@ -113,6 +113,24 @@ class ChainRecord(BaseModel):
     reason: str
 
 
+class ReversibleRecord(BaseModel):
+    """A reversible RNN stack (memopt.nn.RevGRU / RevLSTM, MacKay et al. 2018): its
+    backward reconstructs the hidden states, so it takes no hidden-state slots; it holds
+    its information buffers (counted at their bound) and its final state."""
+
+    model_config = _FROZEN
+    module: str
+    module_type: str
+    steps: int                     # T: time steps of the sequence
+    layers: int
+    max_forget_bits: int | None    # the cap on bits forgotten per unit per step (Sec. 5.3)
+    stored_state_bytes: int        # the hidden states plain BPTT would store (not stored)
+    buffer_bound_bytes: int        # the information buffers, at most (Alg. 1, Sec. 5.1)
+    held_bytes: int                # kept from forward to backward: buffers + final state
+    forward_workspace_bytes: int   # allocated by the forward op while it runs
+    workspace_bytes: int           # allocated by the backward op while it runs
+
+
 class MemoryPlan(BaseModel):
     """The plan of one captured training graph (forward + backward)."""
 
@@ -140,6 +158,7 @@ class MemoryPlan(BaseModel):
     search: tuple[SearchCandidate, ...] = ()
     headroom_bytes: int = 0            # of the budget, kept free: the peak fits budget - this
     chains: tuple[ChainRecord, ...] = ()  # recurrent chains and their policies
+    reversible: tuple[ReversibleRecord, ...] = ()  # reversible RNN stacks
 
     @property
     def saved_bytes(self) -> int:
@@ -182,6 +201,15 @@ class MemoryPlan(BaseModel):
                 f"{c.estimated_seconds * 1e3:.0f} ms forward + backward), holds {b(c.held_bytes)} "
                 f"(+ {b(c.forward_workspace_bytes)} while its forward runs, "
                 f"+ {b(c.workspace_bytes)} while its backward runs); {c.reason}")
+        for r in self.reversible:
+            cap = r.max_forget_bits if r.max_forget_bits is not None else "none"
+            lines.append(
+                f"  reversible {r.module} ({r.module_type}): T={r.steps}, {r.layers} layer(s), "
+                f"no hidden-state slots (plain BPTT would store {b(r.stored_state_bytes)}); "
+                f"holds {b(r.held_bytes)}: information buffers at most "
+                f"{b(r.buffer_bound_bytes)} (forgetting cap {cap} bits) and the final state "
+                f"(+ {b(r.forward_workspace_bytes)} while its forward runs, "
+                f"+ {b(r.workspace_bytes)} while its backward runs)")
         if self.saved:
             lines.append("")
             header = f"  {'saved tensor':<28} {'op':<26} {'module':<32} {'shape':<20} {'bytes':>10}  decision"

@@ -22,6 +22,7 @@ from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_li
 from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_by_tags,
                               split_candidates)
 from memopt.passes import chains as chain_pass
+from memopt.passes import reversible as reversible_pass
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
@@ -32,8 +33,9 @@ from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, no
 
 from .budget import Budget, format_bytes
 from .errors import BudgetError, PassError
-from .memory_plan import (ChainRecord, InplaceRecord, MemoryPlan, RecomputedNode, SavedTensor,
-                          SearchCandidate, SharingGroup, StorageRecord)
+from .memory_plan import (ChainRecord, InplaceRecord, MemoryPlan, RecomputedNode,
+                          ReversibleRecord, SavedTensor, SearchCandidate, SharingGroup,
+                          StorageRecord)
 
 log = logging.getLogger("memopt")
 
@@ -373,6 +375,12 @@ def plan_joint(
                 costs[site.fwd] = chain_pass.chunk_costs(joint, site)
                 chain_pass.apply([joint], site,
                                  chain_pass.configure(site, costs[site.fwd], site.steps, 1))
+    reversible: list[reversible_pass.ReversibleSite] = []
+    if reversible_pass.present(joint):
+        with _stage("reversible stacks", done):  # no slots to choose: charge the buffers
+            reversible = reversible_pass.find_reversible(joint)
+            for rev in reversible:
+                reversible_pass.apply([joint], rev)
     with _stage("baseline", done):
         baseline_peak = build(Mirror(), inplace=False).peak_bytes
     budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
@@ -414,6 +422,12 @@ def plan_joint(
             "recompute_flops": sum(r.flops for r in recomputed) + sum(
                 c.recompute_flops for c in chain_records),
             "search": search, "chains": chain_records,
+            "reversible": tuple(ReversibleRecord(
+                module=r.name, module_type=r.module_type, steps=r.steps, layers=r.layers,
+                max_forget_bits=r.max_forget_bits, stored_state_bytes=r.stored_state_bytes,
+                buffer_bound_bytes=r.buffer_bound_bytes, held_bytes=r.held_bytes,
+                forward_workspace_bytes=r.forward_workspace_bytes,
+                workspace_bytes=r.workspace_bytes) for r in reversible),
             "headroom_bytes": budget_bytes - target if target is not None else 0,
             "saved": tuple(
                 r.model_copy(update={"reason": "kept: a segment boundary of the Alg. 3 plan, "

@@ -117,5 +117,6 @@ def op_name(node: fx.Node) -> str:
         parent, index = node.args[0], node.args[1]
         return f"{op_name(parent)}[{index}]" if isinstance(parent, fx.Node) else "getitem"
     if isinstance(node.target, torch._ops.OpOverload):
-        return f"aten.{node.target._schema.name.split('::')[-1]}"
+        namespace, _, name = node.target._schema.name.rpartition("::")
+        return f"{namespace or 'aten'}.{name}"
     return str(getattr(node.target, "__name__", node.target))

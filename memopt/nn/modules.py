@@ -22,19 +22,16 @@ not transfer from nn.GRU / nn.LSTM.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ..budget import format_bytes
 from .buffer import BufferSize
 from .cells import ReversibleCell, RevGRUCell, RevLSTMCell, State
-from .sequence import autograd_sequence, reversible_sequence
-
-logger = logging.getLogger(__name__)
+from . import ops
+from .sequence import autograd_sequence, regroup
 
 
 class ReversibleRNN(nn.Module):
@@ -61,11 +58,22 @@ class ReversibleRNN(nn.Module):
             raise ValueError(f"{name}: dtype must be a floating-point type, got {dtype}")
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         self.bias, self.batch_first, self.max_forget_bits = bias, batch_first, max_forget_bits
-        self.cells = nn.ModuleList(
-            self.cell_type(input_size if layer == 0 else hidden_size, hidden_size, bias,
-                           max_forget_bits) for layer in range(num_layers))
-        self.to(device=device, dtype=dtype)
-        self.buffer_size: BufferSize | None = None  # set by each forward
+        spec = ops.StackSpec(self.cell_type, input_size, hidden_size, num_layers, bias,
+                             max_forget_bits)
+        self.cells = spec.build(device, dtype)
+        self._stack = ops.register(spec)
+        self._slot = ops.new_slot(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (copy.deepcopy, pickle) reports its own buffer size
+        super().__setstate__(state)
+        self._slot = ops.new_slot(self)
+
+    @property
+    def buffer_size(self) -> BufferSize | None:
+        """The information buffers' size after the last forward (what its backward
+        holds), None before the first."""
+        return ops.last_buffer_size(self._slot)
 
     def extra_repr(self) -> str:
         return (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, "
@@ -76,12 +84,11 @@ class ReversibleRNN(nn.Module):
         """As nn.GRU / nn.LSTM's forward; the backward reconstructs the hidden states
         from the final one and the information buffer (``self.buffer_size``)."""
         xs, init, unbatched = self._prepare(input, hx)
-        out, final, size = reversible_sequence(self.cells, xs, init)
-        self.buffer_size = size
-        logger.debug("%s: %d steps, batch %d: buffer %s, %d bits held, %.0f forgotten (eq. 17)",
-                     type(self).__name__, xs.shape[0], xs.shape[1], format_bytes(size.nbytes),
-                     size.bits, size.ideal_bits)
-        return self._finish(out, final, unbatched)
+        flat = [half for state in init for half in state]
+        out, *final = torch.ops.memopt.reversible_fwd(
+            self._stack, self._slot, torch.is_grad_enabled(), flat, xs,
+            list(self.cells.parameters()))[:-1]
+        return self._finish(out, regroup(self.cells, final), unbatched)
 
     def autograd_forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
         """The same forward under ordinary autograd, every step's graph held (the

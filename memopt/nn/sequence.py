@@ -13,7 +13,8 @@ roundings, as the authors' code does: the forget value's quantization to R_Z bit
 (so dz*/dz = 1 and d(z h)/dh = z*/2^R_Z), the update's rounding to R_H bits, and the
 noise Alg. 1 adds to h* (B mod z*, under 2^-13). ``autograd_sequence`` is that same
 fixed-point forward under ordinary autograd, holding every step's graph; the
-reversible backward must match its gradients.
+reversible backward must match its gradients. memopt.nn.ops runs the forward and
+``reversible_backward`` as two custom operators.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
-from .buffer import BufferSize, InformationBuffer
+from .buffer import InformationBuffer
 from .cells import ReversibleCell, State
 from .fixed_point import straight_through, to_fixed, to_float
 
@@ -72,25 +72,7 @@ def autograd_sequence(cells: Sequence[ReversibleCell], xs: Tensor, init: Sequenc
     return torch.stack(outputs), values
 
 
-def reversible_sequence(cells: nn.ModuleList, xs: Tensor, init: Sequence[State]
-                        ) -> tuple[Tensor, list[State], BufferSize]:
-    """The fixed-point forward whose backward reconstructs the states (see
-    ``_ReversibleSequence``). ``init`` is each layer's floating-point halves; returns
-    the outputs, the final floating-point halves and the buffers' size at the end of
-    the forward (what the backward holds)."""
-    report = _Report()
-    flat_init = [half for state in init for half in state]
-    out, *final = _ReversibleSequence.apply(cells, report, xs, *flat_init, *cells.parameters())
-    return out, _regroup(cells, final), report.size
-
-
-class _Report:
-    """Carries the buffers' size out of the autograd Function's forward."""
-
-    size = BufferSize()
-
-
-def _regroup(cells: Sequence[ReversibleCell], flat: Sequence[Any]) -> list[Any]:
+def regroup(cells: Sequence[ReversibleCell], flat: Sequence[Any]) -> list[Any]:
     """A flat list of every layer's halves -> one tuple per layer."""
     groups, start = [], 0
     for cell in cells:
@@ -99,78 +81,43 @@ def _regroup(cells: Sequence[ReversibleCell], flat: Sequence[Any]) -> list[Any]:
     return groups
 
 
-class _ReversibleSequence(torch.autograd.Function):
-    """Inputs: the cells, a ``_Report``, xs, every layer's initial halves, the cells'
-    parameters. Outputs: the top layer's outputs and every layer's final halves.
+def reversible_backward(cells: Sequence[ReversibleCell], xs: Tensor, init: Sequence[Tensor],
+                        final: Sequence[State], buffers: list[Buffers], grad_out: Tensor,
+                        grad_final: Sequence[Tensor], need_x: bool,
+                        params: Sequence[Tensor]
+                        ) -> tuple[list[Tensor], Tensor | None, list[Tensor]]:
+    """Backpropagate through ``run_fixed``'s forward without its hidden states (MacKay et
+    al. 2018, Sec. 3: reconstruct, then backpropagate one step). ``init``: every layer's
+    floating-point initial halves, flat; ``final``: the fixed-point h(T) of each layer;
+    ``buffers``: the filled buffers, consumed (popped) here; ``params``: the leaves the
+    cells compute with, whose gradients are returned. Returns (dL/d init, dL/d xs or
+    None, dL/d params).
 
-    Forward: ``run_fixed``, saving xs, the initial and final states and the buffers.
-
-    Backward (MacKay et al. 2018, Sec. 3: reconstruct, then backpropagate one step):
-    1. Start from h(T) (fixed point), dL/dh(T) and the buffers (rebuilt from the saved
-       words; popping them leaves the saved tensors as they were).
+    1. Start from h(T) (fixed point) and dL/dh(T).
     2. For t = T..1, reconstruct h(t-1) from h(t) and x(t), top layer first (its input,
        the layer below's output at t, is still at time t): ``cell.reverse``, Alg. 1
-       undone, popping the buffers.
+       undone, popping the buffers (their words are freed as they empty).
     3. Recompute step t from h(t-1) under autograd (``cell.tracked_step``, all layers).
     4. Backpropagate dL/dh(t), plus dL/d output(t) on the top layer, through that step:
        dL/dh(t-1) is carried on, dL/dx(t) stored, parameter gradients summed.
     5. Check that the reconstruction ended exactly at h(0) with empty buffers.
     """
-
-    @staticmethod
-    def forward(ctx: Any, cells: nn.ModuleList, report: _Report, xs: Tensor,
-                *tensors: Tensor) -> tuple[Tensor, ...]:
-        n_halves = sum(cell.n_halves for cell in cells)
-        init = _regroup(cells, tensors[:n_halves])
-        fixed = [tuple(to_fixed(half) for half in state) for state in init]
-        out, final, buffers = run_fixed(cells, xs, fixed)
-        flat_buffers = [b for layer in buffers for b in layer]
-        report.size = sum((b.size() for b in flat_buffers), BufferSize())
-        # Everything the backward reads goes through save_for_backward, so that autograd
-        # frees it after backward (words: each buffer's int64 words, then the current one).
-        saved_buffers = [b.saved() for b in flat_buffers]
-        ctx.cells, ctx.n_halves = cells, n_halves
-        ctx.buffer_layout = [(len(words), bookkeeping) for words, bookkeeping in saved_buffers]
-        ctx.save_for_backward(xs, *tensors[:n_halves], *(h for state in final for h in state),
-                              *(w for words, _ in saved_buffers for w in words))
-        return (out, *(to_float(h, xs.dtype) for state in final for h in state))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: Tensor, *grad_final: Tensor) -> tuple[Tensor | None, ...]:
-        cells: nn.ModuleList = ctx.cells
-        n_halves = ctx.n_halves
-        xs, *saved = ctx.saved_tensors
-        init, final, words = saved[:n_halves], saved[n_halves:2 * n_halves], saved[2 * n_halves:]
-        params = list(cells.parameters())
-        needs_x = ctx.needs_input_grad[2]
-        trained = [p for p, need in zip(params, ctx.needs_input_grad[3 + n_halves:]) if need]
-        # Step 1: h(T), dL/dh(T), the buffers.
-        states = _regroup(cells, final)
-        carried = list(grad_final)
-        buffers = _regroup(cells, _restore_buffers(words, ctx.buffer_layout))
-        grad_xs = torch.zeros_like(xs) if needs_x else None
-        grad_params = [torch.zeros_like(p) for p in trained]
-        for t in reversed(range(xs.shape[0])):
-            # Step 2: h(t-1) from h(t) and x(t), top layer first.
-            previous = _reconstruct(cells, xs[t], states, buffers)
-            # Steps 3-4: step t again under autograd, and backpropagate through it.
-            x_t = xs[t].detach().requires_grad_(needs_x)
-            carried, grad_x, grads = _backpropagate_step(cells, x_t, previous, states,
-                                                         [*carried, grad_out[t]], trained)
-            if needs_x:
-                grad_xs[t] = grad_x
-            for total, grad in zip(grad_params, grads):
-                total += grad
-            states = previous
-        # Step 5: the reversal must land on h(0) exactly.
-        _check_reversal(states, init, buffers)
-        grad_iter = iter(grad_params)
-        grad_params_all = [next(grad_iter) if need else None
-                           for need in ctx.needs_input_grad[3 + n_halves:]]
-        grad_init = [g if need else None
-                     for g, need in zip(carried, ctx.needs_input_grad[3:3 + n_halves])]
-        return (None, None, grad_xs, *grad_init, *grad_params_all)
+    states = list(final)                                             # Step 1
+    carried = list(grad_final)
+    grad_xs = torch.zeros_like(xs) if need_x else None
+    grad_params = [torch.zeros_like(p) for p in params]
+    for t in reversed(range(xs.shape[0])):
+        previous = _reconstruct(cells, xs[t], states, buffers)       # Step 2
+        x_t = xs[t].detach().requires_grad_(need_x)                  # Steps 3-4
+        carried, grad_x, grads = _backpropagate_step(cells, x_t, previous, states,
+                                                     [*carried, grad_out[t]], params)
+        if need_x:
+            grad_xs[t] = grad_x
+        for total, grad in zip(grad_params, grads):
+            total += grad
+        states = previous
+    _check_reversal(states, init, buffers)                           # Step 5
+    return carried, grad_xs, grad_params
 
 
 def _reconstruct(cells: Sequence[ReversibleCell], x: Tensor, states: Sequence[State],
@@ -196,7 +143,7 @@ def _backpropagate_step(cells: Sequence[ReversibleCell], x: Tensor, previous: Se
     with torch.enable_grad():
         leaves = [to_float(h, x.dtype).requires_grad_() for state in previous for h in state]
         inp, outputs = x, []
-        for cell, values, exact in zip(cells, _regroup(cells, leaves), states):
+        for cell, values, exact in zip(cells, regroup(cells, leaves), states):
             values = cell.tracked_step(inp, values, exact)
             outputs.extend(values)
             inp = cell.output(values)
@@ -206,16 +153,6 @@ def _backpropagate_step(cells: Sequence[ReversibleCell], x: Tensor, previous: Se
     n_halves = len(leaves)
     grad_x = grads[n_halves] if x.requires_grad else None
     return grads[:n_halves], grad_x, grads[n_halves + x.requires_grad:]
-
-
-def _restore_buffers(words: Sequence[Tensor], layout: Sequence[tuple[int, Any]]
-                     ) -> list[InformationBuffer]:
-    """The saved words, cut back into one InformationBuffer per state half."""
-    buffers, start = [], 0
-    for count, bookkeeping in layout:
-        buffers.append(InformationBuffer.restore(list(words[start:start + count]), bookkeeping))
-        start += count
-    return buffers
 
 
 def _check_reversal(states: Sequence[State], init: Sequence[Tensor],

@@ -1,0 +1,175 @@
+"""memopt.compile with reversible RNNs (MacKay et al. 2018, issue 5 part 4): the stacks
+run as two opaque ops, the plan shows them as reversible (no hidden-state slots, the
+buffers at their bound), gradients equal eager's, and the allocated bytes stay within
+the prediction and the budget."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+import memopt.nn
+from memopt.allocation import allocation_peak
+from memopt.nn import ops
+from memopt.nn.fixed_point import R_Z
+
+MODULES = {"gru": memopt.nn.RevGRU, "lstm": memopt.nn.RevLSTM}
+
+
+class _Regression(nn.Module):
+    """A reversible stack, a head and the MSE loss inside forward (planned with it)."""
+
+    def __init__(self, kind: str, steps: int, batch: int = 8, cap: int | None = 3) -> None:
+        super().__init__()
+        self.rnn = MODULES[kind](12, 32, num_layers=2, batch_first=True, max_forget_bits=cap)
+        self.head = nn.Linear(32, 5)
+        self.register_buffer("target", torch.randn(batch, steps, 5), persistent=False)
+
+    def forward(self, xs):
+        out, _ = self.rnn(xs)
+        return nn.functional.mse_loss(self.head(out), self.target)
+
+
+def _forget_everything(rnn) -> None:
+    """Forget gates near 0: every step forgets the cap's bits, the buffers' worst case."""
+    with torch.no_grad():
+        for cell in rnn.cells:
+            for gates in cell.gates:
+                h = cell.half_size
+                gates.bias[:h] = -30.0                    # RevGRU z / RevLSTM f
+                if isinstance(cell, memopt.nn.RevLSTMCell):
+                    gates.bias[3 * h:4 * h] = -30.0       # RevLSTM p
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_compiled_gradients_equal_eager(kind):
+    torch.manual_seed(0)
+    model = _Regression(kind, steps=15)
+    xs = torch.randn(8, 15, 12, requires_grad=True)
+    loss = model(xs)
+    grads = torch.autograd.grad(loss, [xs, *model.parameters()])
+    compiled = memopt.compile(model)
+    compiled_loss = compiled(xs)
+    compiled_grads = torch.autograd.grad(compiled_loss, [xs, *model.parameters()])
+    torch.testing.assert_close(compiled_loss, loss, rtol=0, atol=0)
+    for a, b in zip(compiled_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_plan_shows_a_reversible_stack(kind):
+    torch.manual_seed(0)
+    model = _Regression(kind, steps=40, batch=4)
+    xs = torch.randn(4, 40, 12)
+    plan = memopt.plan(model, xs)
+    (rev,) = plan.reversible
+    spec = ops.spec_of(model.rnn._stack)
+    assert (rev.module, rev.module_type, rev.steps, rev.layers) == (
+        "rnn", type(model.rnn).__name__, 40, 2)
+    assert not plan.chains
+    assert rev.buffer_bound_bytes == ops.buffer_bound_bytes(spec, 40, 4)
+    assert rev.held_bytes == rev.buffer_bound_bytes + ops.state_bytes(spec, 4)
+    # cap 3: 18 steps a word, 3 levels for 40 steps; plain BPTT stores 4 bytes a unit a step
+    units = 4 * 16 * spec.n_halves * 2
+    assert rev.buffer_bound_bytes == 3 * units * 8
+    assert rev.stored_state_bytes == 40 * units * 4
+    assert rev.workspace_bytes > 0 and rev.forward_workspace_bytes > 0
+    assert "reversible rnn" in plan.summary() and "no hidden-state slots" in plan.summary()
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 5, None])
+@pytest.mark.parametrize("steps", [1, 5, 19, 60])
+def test_buffer_bound_holds_and_is_reached(cap, steps):
+    """The bound (ops.buffer_bound_bytes) is never exceeded, and when every step forgets
+    the cap's bits the buffers come within one level of words of it (a word fills a
+    little slower than the bound's c bits a step: h(0) = 0 gives the first step's
+    multiplication nothing to store)."""
+    torch.manual_seed(steps)
+    rnn = memopt.nn.RevGRU(3, 8, max_forget_bits=cap)
+    xs = torch.randn(steps, 2, 3)
+    bound = ops.buffer_bound_bytes(ops.spec_of(rnn._stack), steps, 2)
+    rnn(xs)
+    assert rnn.buffer_size.nbytes <= bound
+    _forget_everything(rnn)
+    with torch.no_grad():
+        rnn.cells[0].gates[0].weight.zero_()
+        rnn.cells[0].gates[1].weight.zero_()
+    rnn(xs * 10)
+    assert rnn.buffer_size.nbytes <= bound
+    level = rnn.buffer_size.units * 8
+    assert bound - rnn.buffer_size.nbytes <= level, (rnn.buffer_size, bound)
+    if steps >= 3 * ((63 - R_Z) // (cap or R_Z) + 1):
+        assert rnn.buffer_size.nbytes >= 3 * level
+
+
+def _allocated_step(model, xs, resident: int) -> int:
+    for p in model.parameters():
+        p.grad = None
+    with allocation_peak("cpu") as seen:
+        model(xs).backward()
+    return seen.peak + resident
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_measured_allocations_within_prediction_and_budget(kind):
+    """The allocated peak of a compiled step is at most the predicted peak, and within
+    10% of it when the buffers reach their bound; a budget above memopt's minimum is
+    honored."""
+    torch.manual_seed(0)
+    model = _Regression(kind, steps=120, batch=16)
+    _forget_everything(model.rnn)
+    xs = torch.randn(16, 120, 12)
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), *model.buffers(), xs))
+    compiled = memopt.compile(model)
+    compiled(xs).backward()
+    measured = _allocated_step(compiled, xs, resident)
+    predicted = compiled.memopt_plan.predicted_peak_bytes
+    assert measured <= predicted * 1.02, (measured, predicted)
+    assert predicted - measured <= 0.10 * measured, (predicted, measured)
+    budget = int(predicted / (1 - 0.06)) + 4096
+    tight = memopt.compile(model, budget=budget)
+    tight(xs).backward()
+    assert _allocated_step(tight, xs, resident) <= budget
+
+
+def test_copies_compute_with_their_own_parameters():
+    torch.manual_seed(0)
+    rnn = memopt.nn.RevLSTM(4, 6)
+    twin = copy.deepcopy(rnn)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(-1)
+    xs = torch.randn(7, 2, 4)
+    out, _ = rnn(xs)
+    twin_out, _ = twin(xs)
+    assert not torch.equal(out, twin_out)
+    assert torch.equal(rnn(xs)[0], out)
+    assert twin._slot != rnn._slot and twin.buffer_size is not None
+
+
+def test_forward_without_backward_releases_its_buffers():
+    rnn = memopt.nn.RevGRU(3, 4)
+    xs = torch.randn(30, 2, 3)
+    before = len(ops._STASH)
+    with torch.no_grad():
+        rnn(xs)
+    assert len(ops._STASH) == before            # nothing kept without autograd
+    out, h_n = rnn(xs)
+    assert len(ops._STASH) == before + 1        # kept for backward
+    del out, h_n
+    gc.collect()
+    assert len(ops._STASH) == before            # freed with the graph
+    out, _ = rnn(xs)
+    out.sum().backward()
+    assert len(ops._STASH) == before            # consumed by backward
+
+
+def test_memopt_nn_is_an_attribute():
+    import importlib
+    assert importlib.import_module("memopt").nn is memopt.nn
