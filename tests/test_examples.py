@@ -11,7 +11,8 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("script", ["quickstart.py", "budget.py", "word_language_model.py"])
+@pytest.mark.parametrize("script", ["quickstart.py", "budget.py", "word_language_model.py",
+                                    "reversible_language_model.py"])
 def test_example_runs_and_matches_eager(script: str) -> None:
     proc = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True,
                           text=True, timeout=300)
