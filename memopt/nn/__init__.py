@@ -9,7 +9,11 @@ the hidden states instead of storing them.
 - ``buffer``: the information buffer, Alg. 1 with Sec. 5.1's overflow and vectorization.
 - ``stepping``, ``cells``: RevGRUCell (eq. 4-5), RevLSTMCell (eq. 11-14), stepped
   forward, in reverse, or under autograd.
-- ``sequence``: the reversible backward (an autograd Function) and its autograd reference.
+- ``sequence``: the fixed-point forward, the reversible backward and its autograd
+  reference.
+- ``ops``: the two custom operators the modules run through (memopt::reversible_fwd /
+  reversible_bwd), opaque to dynamo, so memopt.compile plans them as reversible stacks
+  (passes.reversible): no hidden-state slots, the buffers counted at their bound.
 - ``modules``: RevGRU, RevLSTM with nn.GRU / nn.LSTM's interface.
 """
 

@@ -14,7 +14,9 @@ Not supported, refused with ValueError: bidirectional=True (a reversible RNN run
 forward in time; run a second module on the flipped sequence), dropout > 0 between
 layers (MacKay et al. 2018 App. E rebuilds dropout masks in backward; not done here),
 proj_size > 0 (RevLSTM), PackedSequence input, odd hidden_size (the state is split in
-two halves). Added: ``max_forget_bits`` (None, or 1..10: at most this many bits
+two halves). Under autocast the module runs in its parameters' dtype (the input is cast
+to it). Double backward (``create_graph=True``) is not supported: the backward op has no
+derivative, and differentiating through it raises RuntimeError naming it. Added: ``max_forget_bits`` (None, or 1..10: at most this many bits
 forgotten per unit per step, Sec. 5.3; the paper uses 2, 3, 5). The cells and the state
 differ from nn.GRU's (eq. 4-5, 11-14: each half sees only the other half), so weights do
 not transfer from nn.GRU / nn.LSTM.
@@ -112,8 +114,12 @@ class ReversibleRNN(nn.Module):
                              f"got {input.shape[-1]}")
         dtype = next(self.parameters()).dtype
         if input.dtype != dtype:
-            raise ValueError(f"{name}: input dtype {input.dtype} differs from the "
-                             f"parameters' {dtype}")
+            if not torch.is_autocast_enabled(input.device.type):
+                raise ValueError(f"{name}: input dtype {input.dtype} differs from the "
+                                 f"parameters' {dtype}")
+            # autocast: the stack runs in its parameters' dtype (its fixed-point state is
+            # exact whatever the float type; the gates are computed in that dtype)
+            input = input.to(dtype)
         unbatched = input.dim() == 2
         if unbatched:
             xs = input.unsqueeze(1)

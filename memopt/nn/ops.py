@@ -118,11 +118,13 @@ class _Kept:
 
 def _with_params(stack: int, params: Sequence[Tensor], fn: Callable[[nn.ModuleList], Any]):
     """``fn(cells)`` with the template cells' parameters replaced by ``params`` (in the
-    order of ``cells.parameters()``)."""
+    order of ``cells.parameters()``), autocast off: the backward must compute every gate
+    exactly as the forward did, and runs outside the caller's autocast region."""
     template = _TEMPLATES[stack]
     names = [name for name, _ in template.named_parameters()]
-    return torch.func.functional_call(template, dict(zip(names, params, strict=True)), (fn,),
-                                      strict=True)
+    with torch.autocast(params[0].device.type, enabled=False):
+        return torch.func.functional_call(template, dict(zip(names, params, strict=True)),
+                                          (fn,), strict=True)
 
 
 class _Call(nn.Module):
