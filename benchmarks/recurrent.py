@@ -1,7 +1,8 @@
-"""Recurrent benchmarks: Gruslys et al. 2016's LSTM and the forum's word language model.
+"""Recurrent benchmarks: Gruslys et al. 2016's LSTM, the forum's word LM, reversible RNNs.
 
-    python -m benchmarks.recurrent                 # both parts, T in 128 256 512 1000 2000
-    python -m benchmarks.recurrent --quick         # T=128 and the LM's main rows (~2 min)
+    python -m benchmarks.recurrent                 # all parts, T in 128 256 512 1000 2000
+    python -m benchmarks.recurrent --quick         # T=128, the LM's main rows, reversible T=100
+    python -m benchmarks.recurrent --parts reversible
     python -m benchmarks.recurrent --T 1000 --parts gruslys
 
 Every cell is one training step measured in a fresh process (``memopt.measure``,
@@ -47,6 +48,14 @@ state (m = 1) and recompute O(t^2) steps; such a plan is run only if it recomput
 predicted peak and chain and says "not run". A cell that takes longer than
 ``--cell-timeout`` seconds (default 900) is reported as timed out.
 
+Part 3, MacKay et al. 2018's reversible RNNs (benchmarks/reversible.py, also runnable
+alone as ``python -m benchmarks.reversible``): ``memopt.nn.RevGRU`` / ``RevLSTM`` with the
+paper's forgetting cap of 3 bits against nn.GRU / nn.LSTM and against the same module under
+plain autograd, T in 100, 500, 1000 and hidden 256 to 1024 (``--quick``: T=100, hidden 256):
+the allocated bytes held for backward, the allocated peak of forward + backward, time ratios,
+and the information buffer's size and bits forgotten per unit per step (eq. 17). It runs
+on CPU whatever ``--device`` says, and ``--timed-steps`` sets its number of timed steps.
+
 The children run with ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment sets it): on
 this shared 2-core machine, with one other busy process, OpenMP's default spin-waiting made
 an eager LM step take 19-20 s instead of 2.4 s (with PASSIVE, or with one thread), which
@@ -70,6 +79,7 @@ from typing import Any
 from memopt.budget import format_bytes
 from memopt.measure import Measurement, measure_step
 
+from benchmarks.reversible import run_reversible
 from benchmarks.run import rss_cell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +90,7 @@ FRACTIONS = (0.25, 0.20, 0.15, 0.10, 0.05)
 """Budgets of Part 1, as fractions of eager's activation memory."""
 LM_FRACTIONS = (0.90, 0.85)
 """Budgets of Part 2 below the two-chunk method's peak, as fractions of that peak."""
+PARTS = ("gruslys", "lm", "reversible")
 
 
 # --------------------------------------------------------------------------
@@ -419,10 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--T", type=int, nargs="+", default=None,
                         help="sequence lengths of Part 1 (default "
                              f"{' '.join(map(str, DEFAULT_T))})")
-    parser.add_argument("--parts", nargs="+", default=["gruslys", "lm"], choices=["gruslys", "lm"])
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     parser.add_argument("--quick", action="store_true",
-                        help=f"T={' '.join(map(str, QUICK_T))} and the LM's eager, two-chunk, "
-                             "at-two-chunk-peak and minimum rows")
+                        help=f"T={' '.join(map(str, QUICK_T))}, the LM's eager, two-chunk, "
+                             "at-two-chunk-peak and minimum rows, and the reversible RNNs at "
+                             "T=100, hidden 256")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--timed-steps", type=int, default=3,
                         help="extra timed steps per cell (default 3)")
@@ -459,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"device={args.device} (one fresh process per cell, "
                 f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})\n",
                 markdown(rows, LM_HEADER)]
+    if "reversible" in args.parts:
+        out.append(run_reversible(quick=args.quick, repeats=args.timed_steps,
+                                  cell_timeout=args.cell_timeout))
     print("\n".join(out))
     if failures:
         print("\nFailures (each child's last stderr line):\n")

@@ -39,7 +39,6 @@ import copy
 import math
 import os
 import time
-from pathlib import Path
 
 # On a shared CPU, OpenMP threads that spin while they wait slow every kernel down many
 # times over when another process is busy. Sleeping threads avoid that; this must be set
@@ -53,26 +52,11 @@ from torch import nn  # noqa: E402
 import memopt  # noqa: E402
 import memopt.nn  # noqa: E402
 from memopt.budget import format_bytes  # noqa: E402
+from wikitext import DATA, batchify, load_corpus  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data" / "wikitext-2-valid-slice.txt"
 SMOOTH = 20  # the smoothed loss is the mean of the last SMOOTH steps' losses
 TRACK_RTOL = 0.10  # final smoothed losses within 10% of each other
 LEARNED = 0.8  # "well below ln(vocabulary)": under 0.8 ln(vocabulary)
-
-
-def load_corpus(path: Path) -> tuple[torch.Tensor, list[str]]:
-    """Token ids and vocabulary: whitespace-split words and an `<eos>` after each line."""
-    index: dict[str, int] = {}
-    ids = [index.setdefault(word, len(index))
-           for line in path.read_text(encoding="utf8").splitlines()
-           for word in [*line.split(), "<eos>"]]
-    return torch.tensor(ids), list(index)
-
-
-def batchify(ids: torch.Tensor, batch: int) -> torch.Tensor:
-    """(N,) -> (N // batch, batch): each column a contiguous stretch of the text."""
-    rows = ids.numel() // batch
-    return ids[: rows * batch].view(batch, rows).t().contiguous()
 
 
 class LanguageModel(nn.Module):

@@ -24,7 +24,6 @@ import copy
 import math
 import os
 import time
-from pathlib import Path
 
 # On a shared CPU, OpenMP threads that spin while they wait slow every kernel down many
 # times over when another process is busy (17 s instead of 0.3 s a step was seen here).
@@ -37,23 +36,7 @@ from torch import nn  # noqa: E402
 
 import memopt  # noqa: E402
 from memopt.measure import parse_budget  # noqa: E402
-
-DATA = Path(__file__).resolve().parent / "data" / "wikitext-2-valid-slice.txt"
-
-
-def load_corpus(path: Path) -> tuple[torch.Tensor, list[str]]:
-    """Token ids and vocabulary: whitespace-split words and an `<eos>` after each line."""
-    index: dict[str, int] = {}
-    ids = [index.setdefault(word, len(index))
-           for line in path.read_text(encoding="utf8").splitlines()
-           for word in [*line.split(), "<eos>"]]
-    return torch.tensor(ids), list(index)
-
-
-def batchify(ids: torch.Tensor, batch: int) -> torch.Tensor:
-    """(N,) -> (N // batch, batch): each column a contiguous stretch of the text."""
-    rows = ids.numel() // batch
-    return ids[: rows * batch].view(batch, rows).t().contiguous()
+from wikitext import DATA, batchify, load_corpus  # noqa: E402
 
 
 class RNNModel(nn.Module):

@@ -53,7 +53,7 @@ from memopt.allocation import AllocationPeak, allocation_peak, can_track
 from memopt.allocator.chain import Policy, solve
 from memopt.recurrent.ops import chunk_sizes
 
-from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value
+from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers
 
 log = logging.getLogger("memopt")
 
@@ -111,8 +111,7 @@ def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
     for node in nodes:
         if node.target is not fwd_op:
             continue
-        handles = {u for u in node.users if u.args[1] == len(fake_value(node)) - 1}
-        bwd_nodes = [n for n in nodes if n.target is bwd_op and n.args[_BWD_HANDLE] in handles]
+        bwd_nodes = handle_readers(nodes, node, bwd_op, _BWD_HANDLE)
         spec = ops.spec_of(node.args[_CHAIN])
         xs = fake_value(node.args[_FWD_XS])
         state = [fake_value(s) for s in node.args[_FWD_STATE]]

@@ -46,6 +46,16 @@ def tensor_value(node: fx.Node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def handle_readers(nodes: list[fx.Node], fwd: fx.Node, bwd_op: Any, handle_arg: int
+                   ) -> list[fx.Node]:
+    """The ``bwd_op`` nodes among ``nodes`` whose argument ``handle_arg`` is ``fwd``'s
+    last output: the handle of an opaque forward op (a recurrent chain, a reversible
+    stack) that its backward op reads."""
+    last = len(fake_value(fwd)) - 1
+    handles = {u for u in fwd.users if u.args[1] == last}
+    return [n for n in nodes if n.target is bwd_op and n.args[handle_arg] in handles]
+
+
 def held_bytes(node: fx.Node) -> dict[int, int]:
     return node.meta.get(HELD_BYTES, {})
 

@@ -38,7 +38,7 @@ from memopt._torch_compat import real_tensors
 from memopt.allocation import AllocationPeak, allocation_peak, can_track
 
 from .chains import Linear
-from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, user_module
+from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers, user_module
 
 log = logging.getLogger("memopt")
 
@@ -87,8 +87,7 @@ def find_reversible(joint: fx.GraphModule) -> list[ReversibleSite]:
     for node in nodes:
         if node.target is not fwd_op:
             continue
-        handles = {u for u in node.users if u.args[1] == len(fake_value(node)) - 1}
-        bwds = tuple(n.name for n in nodes if n.target is bwd_op and n.args[_BWD_HANDLE] in handles)
+        bwds = tuple(n.name for n in handle_readers(nodes, node, bwd_op, _BWD_HANDLE))
         spec = ops.spec_of(node.args[_STACK])
         xs = fake_value(node.args[_FWD_XS])
         steps, batch = int(xs.shape[0]), int(xs.shape[1])

@@ -286,3 +286,16 @@ CORPUS: tuple[Case, ...] = (
 )
 
 CASES: dict[str, Case] = {case.name: case for case in CORPUS}
+
+
+def allocated_step(model: nn.Module, xs: torch.Tensor, resident: int) -> int:
+    """One training step's allocated peak on CPU (memopt.allocation: what a budget
+    counts), ``resident`` bytes (parameters, buffers, inputs) included; ``model(xs)``
+    is the loss."""
+    from memopt.allocation import allocation_peak  # noqa: PLC0415
+
+    for p in model.parameters():
+        p.grad = None
+    with allocation_peak("cpu") as seen:
+        model(xs).backward()
+    return seen.peak + resident

@@ -15,6 +15,7 @@ from memopt.allocation import allocation_peak
 from memopt.passes.chains import (ChainSite, ChunkCosts, Linear, configure,
                                   longest_fitting_chunk)
 from memopt.recurrent import ops
+from models import allocated_step
 
 
 def _site(steps: int, hidden_bytes: int = 1000) -> ChainSite:
@@ -132,15 +133,6 @@ class _Regression(nn.Module):
         return nn.functional.mse_loss(self.rnn(xs)[0], self.target)
 
 
-def _allocated_step(model, xs, resident: int) -> int:
-    """The step's allocated peak, resident tensors included (memopt.allocation)."""
-    for p in model.parameters():
-        p.grad = None
-    with allocation_peak("cpu") as seen:
-        model(xs).backward()
-    return seen.peak + resident
-
-
 @pytest.mark.parametrize("fraction", [0.6, 0.35])
 def test_measured_allocations_stay_within_the_budget(fraction):
     """The allocated bytes of a step (what a budget counts and a GPU charges) stay
@@ -152,11 +144,11 @@ def test_measured_allocations_stay_within_the_budget(fraction):
     resident = sum(t.untyped_storage().nbytes()
                    for t in (*model.parameters(), *model.buffers(), xs))
     fixed = resident + sum(p.numel() * 4 for p in model.parameters())
-    eager = _allocated_step(model, xs, resident)
+    eager = allocated_step(model, xs, resident)
     budget = fixed + int(fraction * (eager - fixed))
     compiled = memopt.compile(model, budget=budget)
     compiled(xs).backward()  # compiles and plans (not under a profiler: they do not nest)
-    measured = _allocated_step(compiled, xs, resident)
+    measured = allocated_step(compiled, xs, resident)
     plan = compiled.memopt_plan
     (chain,) = plan.chains
     assert chain.t > 1, chain

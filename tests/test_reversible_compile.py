@@ -14,9 +14,9 @@ from torch import nn
 
 import memopt
 import memopt.nn
-from memopt.allocation import allocation_peak
 from memopt.nn import ops
 from memopt.nn.fixed_point import R_Z
+from models import allocated_step
 
 MODULES = {"gru": memopt.nn.RevGRU, "lstm": memopt.nn.RevLSTM}
 
@@ -107,14 +107,6 @@ def test_buffer_bound_holds_and_is_reached(cap, steps):
         assert rnn.buffer_size.nbytes >= 3 * level
 
 
-def _allocated_step(model, xs, resident: int) -> int:
-    for p in model.parameters():
-        p.grad = None
-    with allocation_peak("cpu") as seen:
-        model(xs).backward()
-    return seen.peak + resident
-
-
 @pytest.mark.parametrize("kind", MODULES)
 def test_measured_allocations_within_prediction_and_budget(kind):
     """The allocated peak of a compiled step is at most the predicted peak, and within
@@ -128,14 +120,14 @@ def test_measured_allocations_within_prediction_and_budget(kind):
                    for t in (*model.parameters(), *model.buffers(), xs))
     compiled = memopt.compile(model)
     compiled(xs).backward()
-    measured = _allocated_step(compiled, xs, resident)
+    measured = allocated_step(compiled, xs, resident)
     predicted = compiled.memopt_plan.predicted_peak_bytes
     assert measured <= predicted * 1.02, (measured, predicted)
     assert predicted - measured <= 0.10 * measured, (predicted, measured)
     budget = int(predicted / (1 - 0.06)) + 4096
     tight = memopt.compile(model, budget=budget)
     tight(xs).backward()
-    assert _allocated_step(tight, xs, resident) <= budget
+    assert allocated_step(tight, xs, resident) <= budget
 
 
 def test_copies_compute_with_their_own_parameters():
