@@ -36,6 +36,7 @@ from torch import fx
 
 from memopt._torch_compat import real_tensors
 from memopt.allocation import AllocationPeak, allocation_peak, can_track
+from memopt.budget import format_bytes
 
 from .chains import Linear
 from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers, user_module
@@ -100,6 +101,11 @@ def find_reversible(joint: fx.GraphModule) -> list[ReversibleSite]:
             buffer_bound_bytes=ops.buffer_bound_bytes(spec, steps, batch),
             held_bytes=ops.held_bytes(spec, steps, batch),
             forward_workspace_bytes=forward(steps), workspace_bytes=backward(steps)))
+        site = sites[-1]
+        log.info("memopt reversible %s (%s): T=%d, no hidden-state slots (BPTT would store "
+                 "%s), holds %s (buffers at most %s)", site.name, site.module_type, steps,
+                 format_bytes(site.stored_state_bytes), format_bytes(site.held_bytes),
+                 format_bytes(site.buffer_bound_bytes))
     return sites
 
 
