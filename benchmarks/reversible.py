@@ -38,10 +38,10 @@ time order, ``memopt.allocation.allocation_peak``; what a GPU allocator would ch
   the measure of the paper's Table 1 (10-15x at 2-3 bits, 5-7x with no cap, for
   *trained* models), and "states / buffer bound", the same over the buffer's bound
   (``memopt.nn.ops.buffer_bound_bytes``: every step forgetting the cap's bits), the
-  ratio no trained model goes below and what memopt.compile's planner charges. These models are untrained: their forget gates sit near 0.5, so
-  they forget about 1 bit per unit per step (less under the cap, which lifts the gate
-  to at least 1/8), while trained models forget more; the memory ratios here are those
-  of untrained weights.
+  ratio no trained model goes below and what memopt.compile's planner charges. These
+  models are untrained: their forget gates sit near 0.5, so they forget about 1 bit per
+  unit per step (less under the cap, which lifts the gate to at least 1/8), while
+  trained models forget more; the memory ratios here are those of untrained weights.
 
 The weights differ between standard and reversible modules (eq. 4-5, 11-14: each half
 of the state sees only the other half), so their times compare implementations, not

@@ -177,7 +177,8 @@ def main() -> None:
         torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6)
         for p, g in zip(rev.parameters(), eager_grads, strict=True))
     rev.zero_grad(set_to_none=True)
-    (line,) = [ln for ln in compiled.memopt_plan.summary().splitlines() if ln.strip().startswith("reversible")]
+    (line,) = [ln for ln in compiled.memopt_plan.summary().splitlines()
+               if ln.strip().startswith("reversible")]
     print(f"memopt.compile: {line.strip()}")
     print(f"compiled RevGRU gradients equal to eager's: {same_compiled}")
     if not same_compiled:

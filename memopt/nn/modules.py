@@ -16,8 +16,9 @@ layers (MacKay et al. 2018 App. E rebuilds dropout masks in backward; not done h
 proj_size > 0 (RevLSTM), PackedSequence input, odd hidden_size (the state is split in
 two halves). Under autocast the module runs in its parameters' dtype (the input is cast
 to it). Double backward (``create_graph=True``) is not supported: the backward op has no
-derivative, and differentiating through it raises RuntimeError naming it. Added: ``max_forget_bits`` (None, or 1..10: at most this many bits
-forgotten per unit per step, Sec. 5.3; the paper uses 2, 3, 5). The cells and the state
+derivative, and differentiating through it raises RuntimeError naming it. Added:
+``max_forget_bits`` (None, or 1..10: at most this many bits forgotten per unit per step,
+Sec. 5.3; the paper uses 2, 3, 5). The cells and the state
 differ from nn.GRU's (eq. 4-5, 11-14: each half sees only the other half), so weights do
 not transfer from nn.GRU / nn.LSTM.
 """
