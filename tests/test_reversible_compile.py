@@ -195,3 +195,44 @@ def test_autocast_runs_the_stack_in_its_parameters_dtype(kind):
     assert torch.equal(loss, compiled_loss)
     for a, b in zip(compiled_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+
+
+class _Mixed(nn.Module):
+    """Two reversible stacks around an nn.LSTM (a Gruslys chain), an initial state given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.rev_lstm = memopt.nn.RevLSTM(16, 24, num_layers=2)
+        self.lstm = nn.LSTM(24, 24)
+        self.rev_gru = memopt.nn.RevGRU(24, 8)
+        self.head = nn.Linear(8, 50)
+
+    def forward(self, tokens, targets, hx):
+        out, (h, c) = self.rev_lstm(self.emb(tokens), hx)
+        out, _ = self.rev_gru(self.lstm(out)[0])
+        loss = nn.functional.cross_entropy(self.head(out).flatten(0, 1), targets.flatten())
+        return loss + h.square().mean() + c.square().mean()
+
+
+def test_mixed_with_a_chain_and_new_lengths():
+    """Reversible stacks beside a chain, an initial state that needs its gradient, new
+    sequence lengths (planned again): eager's loss and gradients every time."""
+    torch.manual_seed(0)
+    model = _Mixed()
+    compiled = memopt.compile(model)
+    for steps in (20, 31):
+        tokens, targets = (torch.randint(0, 50, (steps, 3)) for _ in range(2))
+        hx = tuple(torch.randn(2, 3, 24, requires_grad=True) for _ in range(2))
+        wrt = [*hx, *model.parameters()]
+        loss = model(tokens, targets, hx)
+        grads = torch.autograd.grad(loss, wrt)
+        compiled_loss = compiled(tokens, targets, hx)
+        compiled_grads = torch.autograd.grad(compiled_loss, wrt)
+        assert torch.equal(loss, compiled_loss)
+        for a, b in zip(compiled_grads, grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        plan = compiled.memopt_plan
+        assert [(r.module, r.steps) for r in plan.reversible] == [
+            ("rev_lstm", steps), ("rev_gru", steps)]
+        assert [(c.module, c.steps) for c in plan.chains] == [("lstm", steps)]
