@@ -16,3 +16,13 @@ def _fresh_dynamo_and_seed():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: the reversible modules run many small ops per
+    time step, which threads slow down on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

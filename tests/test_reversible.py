@@ -37,12 +37,7 @@ CELLS = {"gru": RevGRUCell, "lstm": RevLSTMCell}
 MODULES = {"gru": RevGRU, "lstm": RevLSTM}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _random_hx(cell, batch: int, scale: float = 2.0):

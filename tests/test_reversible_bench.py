@@ -24,12 +24,7 @@ from benchmarks.reversible import HEADER, Config, run_reversible  # noqa: E402
 TINY = (Config("gru", 24, 16, batch=4), Config("lstm", 24, 16, batch=4))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _table(text: str) -> list[dict[str, str]]:
