@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +93,9 @@ def _quiet_stderr() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def maybe_allocation_peak(device: torch.device | str, tracked: bool):
+    """``allocation_peak(device)`` when ``tracked``, else a block whose AllocationPeak
+    stays at zero (the caller checked ``can_track`` and warned)."""
+    return allocation_peak(device) if tracked else nullcontext(AllocationPeak())

@@ -42,14 +42,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from memopt._torch_compat import autograd_inside_op, real_tensors, storage_key
-from memopt.allocation import AllocationPeak, allocation_peak, can_track
+from memopt.allocation import can_track, maybe_allocation_peak
 from memopt.allocator.chain import Policy, solve
 from memopt.recurrent.ops import chunk_sizes
 
@@ -288,7 +287,7 @@ def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[in
     """[saved, forward transient, backward transient] bytes (see ChunkCosts); the
     parameters, the inputs and the output sequence are the graph's own and not counted
     in ``saved``."""
-    with _tracking(device, tracked) as fwd:
+    with maybe_allocation_peak(device, tracked) as fwd:
         y, out = run.forward()
     if y.grad_fn is None:
         raise RuntimeError("memopt could not record autograd for a chain step while "
@@ -300,7 +299,7 @@ def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[in
         if storage_key(t) not in resident:
             seen[storage_key(t)] = t.untyped_storage().nbytes()
     grads = run.output_grads(y, out)  # the backward op's inputs, not its allocations
-    with _tracking(device, tracked) as bwd:
+    with maybe_allocation_peak(device, tracked) as bwd:
         run.backward(y, out, grads)
     return [sum(seen.values()), fwd.peak - fwd.end, bwd.peak]
 
@@ -326,10 +325,6 @@ def _clock(device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter_ns()
-
-
-def _tracking(device: torch.device, tracked: bool):
-    return allocation_peak(device) if tracked else nullcontext(AllocationPeak())
 
 
 def _saved_by_graph(outputs) -> list[torch.Tensor]:

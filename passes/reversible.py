@@ -28,14 +28,13 @@ by the partitioner like any other tensor.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from memopt._torch_compat import real_tensors
-from memopt.allocation import AllocationPeak, allocation_peak, can_track
+from memopt.allocation import can_track, maybe_allocation_peak
 from memopt.budget import format_bytes
 
 from .chains import Linear
@@ -156,15 +155,14 @@ def _run_ops(node: fx.Node, steps: int, backward: bool, tracked: bool) -> tuple[
     xs = real(fake_value(node.args[_FWD_XS]).narrow(0, 0, steps))
     init = [real(fake_value(h)) for h in node.args[_FWD_INIT]]
     params = [real(fake_value(p)) for p in node.args[_FWD_PARAMS]]
-    track = allocation_peak if tracked else (lambda device: nullcontext(AllocationPeak()))
     fwd_op = torch.ops.memopt.reversible_fwd.default
-    with track(xs.device) as fwd:
+    with maybe_allocation_peak(xs.device, tracked) as fwd:
         out = fwd_op(node.args[_STACK], 0, True, init, xs, params)
     forward = max(0, fwd.peak - fwd.end)
     if not backward:
         return forward, 0
     grads = [torch.zeros_like(t) for t in out[:-1]]  # the backward op's inputs
-    with track(xs.device) as bwd:
+    with maybe_allocation_peak(xs.device, tracked) as bwd:
         result = torch.ops.memopt.reversible_bwd.default(
             node.args[_STACK], True, out[-1], grads[0], grads[1:], init, xs, params)
     returned = sum(t.untyped_storage().nbytes() for t in result)

@@ -57,9 +57,8 @@ class InformationBuffer:
     """Per-unit stacks of int64 words for one state tensor (see the module docstring).
 
     ``multiply`` runs Alg. 1 and pushes what it discards; ``divide`` undoes the last
-    ``multiply`` and pops. ``saved`` and ``restore`` hand the words to autograd and
-    back (the reversible backward pops a restored buffer, leaving the saved words as
-    they were, so a backward with ``retain_graph`` can run again).
+    ``multiply`` and pops. ``saved`` and ``restore`` snapshot the words and rebuild a
+    buffer from them (popping the rebuilt one leaves the snapshot as it was).
     """
 
     def __init__(self, like: Tensor) -> None:
@@ -115,8 +114,7 @@ class InformationBuffer:
 
     def saved(self) -> tuple[list[Tensor], tuple[list[int], int]]:
         """The words (bottom to top, then the current one) and the bookkeeping needed to
-        rebuild this buffer with ``restore``: for an autograd Function's
-        ``save_for_backward``, so that autograd frees the words after backward."""
+        rebuild this buffer with ``restore``."""
         return [*self.words, self.top], (list(self.pushed_at), self.count)
 
     @classmethod

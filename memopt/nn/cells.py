@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .buffer import InformationBuffer
-from .fixed_point import check_forget_cap, quantize_forget, to_fixed, to_float
+from .fixed_point import check_forget_cap, quantize_forget, to_fixed
 from .stepping import FixedForward, FixedReverse, StepMode, Tracked
 
 State = tuple[Tensor, ...]
@@ -91,10 +91,6 @@ class ReversibleCell(nn.Module):
     def fixed_state(self, hx: Any) -> State:
         """The fixed-point state (int64 halves) nearest to a floating-point one."""
         return tuple(to_fixed(half) for half in self.split(hx))
-
-    def float_state(self, state: Sequence[Tensor]) -> Any:
-        """A fixed-point state as nn.GRUCell's h / nn.LSTMCell's (h, c)."""
-        return self.join([to_float(half, self._dtype()) for half in state])
 
     @staticmethod
     def new_buffers(state: Sequence[Tensor]) -> tuple[InformationBuffer, ...]:

@@ -270,9 +270,3 @@ def stored_state_bytes(spec: StackSpec, steps: int, batch: int, element_size: in
     layer (the slots a reversible stack does not need)."""
     return steps * batch * spec.hidden_size // 2 * spec.n_halves * spec.num_layers * element_size
 
-
-def buffer_of(handle: Tensor) -> list[Buffers] | None:
-    """The buffers a handle keeps (for tests), or None once backward consumed them."""
-    kept = _STASH.get(int(handle))
-    return None if kept is None else kept.buffers
-
