@@ -245,6 +245,22 @@ class _CheckpointSequential(torch.nn.Module):
         return checkpoint_sequential(self.model, self.segments, x, use_reentrant=False)
 
 
+class _InductorWithBudget(torch.nn.Module):
+    """torch.compile (inductor) with functorch's ``activation_memory_budget``, set only
+    while this module runs (where it compiles), through the config's scoped ``patch``."""
+
+    def __init__(self, model: torch.nn.Module, budget: float) -> None:
+        super().__init__()
+        self.model, self.budget = model, budget
+        self.compiled = torch.compile(model)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch._functorch.config as functorch_config  # noqa: PLC0415
+
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.compiled(*args, **kwargs)
+
+
 def _check_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
@@ -394,10 +410,7 @@ def _compile(model: torch.nn.Module, mode: str, budget: Any, options: dict | Non
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
     if mode.startswith("inductor:"):
-        import torch._functorch.config as functorch_config  # noqa: PLC0415
-
-        functorch_config.activation_memory_budget = float(mode.split(":", 1)[1])
-        return torch.compile(model)
+        return _InductorWithBudget(model, float(mode.split(":", 1)[1]))
     import memopt  # noqa: PLC0415 (the package may be partly written)
 
     return memopt.compile(model, budget=budget, **(options or {}))

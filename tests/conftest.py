@@ -1,21 +1,108 @@
-"""Shared test setup.
+"""Shared test setup, and a guard against global state leaking from one test into the next.
 
 Dynamo caches compiled code per Python code object and stops recompiling a code
 object after `recompile_limit` entries; the corpus compiles many instances of the
 same model classes, so every test starts from a clean dynamo cache and a fixed seed.
+
+The guard (issue 13): a test that changes process-wide state and leaves it changed
+makes every later test run under conditions its author never saw, and the failure
+shows up far from its cause (a `monkeypatch.setattr` on `torch._dynamo.config` once
+broke 115 later tests under a newer pytest). So each test is compared before and after
+against a snapshot of dynamo's, functorch's and inductor's configs, the default dtype,
+Python's recursion limit, the intra-op thread count, grad mode, deterministic
+algorithms, anomaly mode and autocast; a test that leaves any of them changed fails
+at teardown, naming what changed, and the state is put back so that the failure stays
+with its cause instead of spreading to the tests after it. Change torch config only with its scoped
+`config.patch(...)`. The global RNG is not compared (every test draws from it): it is
+seeded before each test and restored after, so no test sees another's draws.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 import pytest
 import torch
 
 
+def _config_modules() -> dict[str, Any]:
+    import torch._dynamo.config as dynamo_config  # noqa: PLC0415
+    import torch._functorch.config as functorch_config  # noqa: PLC0415
+
+    modules = {"torch._dynamo.config": dynamo_config, "torch._functorch.config": functorch_config}
+    inductor = sys.modules.get("torch._inductor.config")  # only once something imported it
+    if inductor is not None:
+        modules["torch._inductor.config"] = inductor
+    return modules
+
+
+def _configs() -> dict[str, dict[str, Any]]:
+    return {name: module.get_config_copy() for name, module in _config_modules().items()}
+
+
+def global_state() -> dict[str, Any]:
+    """Process-wide settings a test must leave as it found them."""
+    state: dict[str, Any] = {
+        "torch.get_default_dtype()": torch.get_default_dtype(),
+        "sys.getrecursionlimit()": sys.getrecursionlimit(),
+        "torch.get_num_threads()": torch.get_num_threads(),
+        "torch.is_grad_enabled()": torch.is_grad_enabled(),
+        "torch.are_deterministic_algorithms_enabled()":
+            torch.are_deterministic_algorithms_enabled(),
+        "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
+        "torch.is_autocast_enabled('cpu')": torch.is_autocast_enabled("cpu"),
+    }
+    for name, values in _configs().items():
+        for key, value in values.items():
+            state[f"{name}.{key}"] = value
+    return state
+
+
+def changed_state(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """One line per setting that differs (or appeared, or vanished)."""
+    lines = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, "<absent>"), after.get(key, "<absent>")
+        try:
+            same = bool(old == new)
+        except Exception:  # values whose == is not a bool (tensors): compare identity
+            same = old is new
+        if not same:
+            lines.append(f"{key}: {old!r} -> {new!r}")
+    return lines
+
+
+def _restore(before: dict[str, Any]) -> None:
+    """Put back what a failing test changed, so that only that test fails."""
+    for name, module in _config_modules().items():
+        module.load_config({key: before[f"{name}.{key}"] for key, value
+                            in module.get_config_copy().items()
+                            if f"{name}.{key}" in before and before[f"{name}.{key}"] != value})
+    torch.set_default_dtype(before["torch.get_default_dtype()"])
+    sys.setrecursionlimit(before["sys.getrecursionlimit()"])
+    torch.set_num_threads(before["torch.get_num_threads()"])
+    torch.set_grad_enabled(before["torch.is_grad_enabled()"])
+    torch.use_deterministic_algorithms(before["torch.are_deterministic_algorithms_enabled()"])
+    torch.set_anomaly_enabled(before["torch.is_anomaly_enabled()"])
+    torch.set_autocast_enabled("cpu", before["torch.is_autocast_enabled('cpu')"])
+
+
 @pytest.fixture(autouse=True)
-def _fresh_dynamo_and_seed():
-    torch.manual_seed(0)
-    yield
+def _fresh_dynamo_seed_and_global_state_guard(request):
+    before = global_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
     torch._dynamo.reset()
+    changes = changed_state(before, global_state())
+    if changes:
+        _restore(before)
+        pytest.fail(
+            f"{request.node.nodeid} left global state changed (use the scoped "
+            f"`config.patch(...)` / a context manager instead):\n  " + "\n  ".join(changes),
+            pytrace=False,
+        )
 
 
 @pytest.fixture
