@@ -80,6 +80,17 @@ def is_tangent(node: fx.Node) -> bool:
 
 
 
+def engine_will_accumulate(param: torch.Tensor) -> bool:
+    """Whether the backward now running will run `param`'s AccumulateGrad node (called
+    from inside a backward). False inside ``torch.autograd.grad``, which captures the
+    gradient instead (the engine's private query raises there for a leaf's node)."""
+    try:
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
 def unwrap_backend_error(err: BaseException) -> BaseException:
     """Return the exception a torch.compile backend raised, unwrapped from dynamo's wrapper."""
     inner: BaseException | None = err

@@ -14,7 +14,9 @@ backward.
 
 from __future__ import annotations
 
+import copy
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,8 +26,9 @@ from memopt.passes.loops import chain_loops
 
 from ._torch_compat import aot_module_simplified, loss_decompositions, make_boxed
 from .budget import Budget, parse_budget
-from .errors import PassError
-from .pipeline import Options, plan_joint
+from .errors import CaptureError, PassError
+from .grads import GradSink
+from .pipeline import ExistingGrads, Options, plan_joint
 from .memory_plan import MemoryPlan
 
 log = logging.getLogger("memopt")
@@ -79,21 +82,39 @@ def _chain_loops(gm: fx.GraphModule) -> None:
         raise PassError("recurrent loops", ("capture",), exc) from exc
 
 
+@dataclass
+class _PlanLog:
+    """Plans in capture order and the plan of the graph that ran last, shared by a
+    backend and its `with_existing_grads` twin."""
+
+    plans: list[MemoryPlan] = field(default_factory=list)
+    last: MemoryPlan | None = None
+    graphs: dict[bool, int] = field(default_factory=dict)  # captured, by existing_grads
+    graph_limit: int = 8  # the most graphs of one kind (torch._dynamo.config.recompile_limit)
+
+
 class MemoptBackend:
     """A torch.compile backend that plans every captured training graph.
 
     `budget` is parsed once here (see memopt.budget for what it counts). Plans
     are kept in `self.plans` in capture order; `self.last_plan` is the plan of
-    the graph that ran most recently.
+    the graph that ran most recently. `existing_grads=True` plans the step in which
+    the parameters' `.grad` tensors already exist (memopt.grads): `memopt.compile`
+    runs such a twin for the steps that find gradients kept from earlier ones.
     """
 
     def __init__(self, budget: object = None, *, inplace: bool = True,
                  mirror: object = None, headroom: float = Options.headroom,
-                 plan_only: bool = False, loops: bool = True) -> None:
+                 plan_only: bool = False, loops: bool = True,
+                 existing_grads: bool = False) -> None:
         self.budget: Budget | None = parse_budget(budget)
-        if not isinstance(loops, bool):
-            raise ValueError(f"loops must be True or False, got {loops!r}")
+        for name, flag in (("loops", loops), ("existing_grads", existing_grads),
+                           ("inplace", inplace)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loops = loops
+        self.existing_grads = existing_grads
+        self._log = _PlanLog()
         if mirror is not None and mirror != "all":
             mirror = frozenset(mirror)
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
@@ -101,15 +122,54 @@ class MemoptBackend:
             raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
         self.options = Options(inplace=inplace, mirror=mirror, headroom=float(headroom))
         self.plan_only = plan_only
-        self.plans: list[MemoryPlan] = []
-        self.last_plan: MemoryPlan | None = None
+
+    @property
+    def plans(self) -> list[MemoryPlan]:
+        return self._log.plans
+
+    @property
+    def last_plan(self) -> MemoryPlan | None:
+        return self._log.last
+
+    @property
+    def graph_limit(self) -> int:
+        return self._log.graph_limit
+
+    @graph_limit.setter
+    def graph_limit(self, value: int) -> None:
+        self._log.graph_limit = value
+
+    def _count_graph(self) -> None:
+        """One more captured graph: refuse past the limit, naming the fix."""
+        count = self._log.graphs.get(self.existing_grads, 0) + 1
+        if count > self.graph_limit:
+            raise CaptureError(
+                f"memopt plans each input shape / dtype / train-eval mode separately and this "
+                f"module has now seen more than torch._dynamo.config.recompile_limit = "
+                f"{self.graph_limit} of them. Pad inputs to a few bucket sizes, or raise "
+                f"that limit (torch._dynamo.config.patch(recompile_limit=...)) if every "
+                f"shape really needs its own plan.")
+        self._log.graphs[self.existing_grads] = count
+
+    def with_existing_grads(self) -> "MemoptBackend":
+        """A twin with the same budget and options, for the steps whose parameters
+        already hold `.grad`; it records its plans in this backend's log."""
+        twin = copy.copy(self)
+        twin.existing_grads = True
+        return twin
 
     def __repr__(self) -> str:
         return (f"MemoptBackend(budget={self.budget}, options={self.options}"
-                f"{'' if self.loops else ', loops=False'})")
+                f"{'' if self.loops else ', loops=False'}"
+                f"{', existing_grads=True' if self.existing_grads else ''})")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:
+        self._count_graph()
         kinds = _primal_kinds(gm, example_inputs)
+        attributes = [*gm.parameters(), *gm.buffers()]  # AOTAutograd's first primals
+        sink, grads = None, None
+        if self.existing_grads:
+            sink, grads = _grad_sink(kinds, [*attributes, *example_inputs])
         planned: list[MemoryPlan] = []
         if self.loops:
             _chain_loops(gm)
@@ -117,9 +177,9 @@ class MemoptBackend:
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             fw, bw, plan = plan_joint(joint, num_fwd_outputs, primal_kinds=kinds,
-                                      budget=self.budget, options=self.options)
+                                      budget=self.budget, options=self.options, grads=grads)
             planned.append(plan)
-            self.plans.append(plan)
+            self._log.plans.append(plan)
             if self.plan_only:  # stop before AOTAutograd builds its runtime wrappers
                 from .api import _PlanOnly
 
@@ -143,10 +203,23 @@ class MemoptBackend:
         plan = planned[-1]
 
         def run(*args: Any) -> Any:
-            self.last_plan = plan
+            self._log.last = plan
+            if sink is not None:
+                sink.bind([*attributes, *args])
             return compiled(*args)
 
         return run
+
+
+def _grad_sink(kinds: dict[str, str], inputs: Sequence[Any]) -> tuple[GradSink, ExistingGrads]:
+    """The runtime sink and the plan's view of the `.grad` tensors of every parameter that
+    requires grad (primal `primals_{i+1}` is `inputs[i]`)."""
+    slots = {name: i for i, (name, kind) in enumerate(kinds.items())
+             if kind == "parameter" and i < len(inputs)
+             and isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad}
+    sink = GradSink(slots)
+    nbytes = {name: inputs[i].numel() * inputs[i].element_size() for name, i in slots.items()}
+    return sink, ExistingGrads(nbytes=nbytes, add=sink.add)
 
 
 def memopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Callable:

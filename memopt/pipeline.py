@@ -15,19 +15,24 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from torch import fx
+
+from memopt._torch_compat import is_tangent
 
 from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_live_bytes
 from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_by_tags,
                               split_candidates)
 from memopt.passes import chains as chain_pass
 from memopt.passes import reversible as reversible_pass
+from memopt.passes.gradients import accumulate_in_place
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
 from memopt.passes.partition import find_cut, forward_region, partition, read_concat_views
-from memopt.passes.meta import mirror_level, recomputed_from
+from memopt.passes.meta import accumulates_into, mirror_level, recomputed_from
+from memopt.passes.workspace import measure_workspaces
 from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, node_flops,
                                      storage_sizes)
 
@@ -39,7 +44,19 @@ from .memory_plan import (ChainRecord, InplaceRecord, MemoryPlan, RecomputedNode
 
 log = logging.getLogger("memopt")
 
-RESIDENT_KINDS = ("parameter", "buffer", "input")
+RESIDENT_KINDS = ("parameter", "buffer", "input", "existing_grad")
+
+
+@dataclass(frozen=True)
+class ExistingGrads:
+    """The step in which parameters' `.grad` tensors already exist (gradients kept between
+    steps, gradient accumulation: memopt.grads). `nbytes` maps each parameter primal to its
+    `.grad`'s bytes, resident for the whole step; `add` is the runtime's
+    `GradSink.add`, which the backward calls with each new gradient as soon as it is
+    complete (passes.gradients)."""
+
+    nbytes: dict[str, int]
+    add: Callable[[str, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -110,8 +127,10 @@ class Mirror:
 
 
 def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
-           inplace: bool, primal_kinds: dict[str, str], done: list[str]) -> _Built:
-    """Partition (recomputing `mirror`), place recomputation, rewrite in place, analyze."""
+           inplace: bool, primal_kinds: dict[str, str], grads: ExistingGrads | None,
+           done: list[str]) -> _Built:
+    """Partition (recomputing `mirror`), place recomputation, add gradients into existing
+    `.grad` tensors, rewrite in place, analyze."""
     with _stage("partition", done):
         if mirror.names:
             joint = add_mirror_nodes(joint, num_fwd_outputs, mirror.names,
@@ -121,17 +140,28 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
         recomputed = frozenset(n.name for n in bw.graph.nodes if recomputed_from(n))
         # the extraction drops saved values the backward never reads
         saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}
+    if grads is not None:
+        with _stage("gradient accumulation", done):
+            primals = [n.name for n in joint.graph.find_nodes(op="placeholder")
+                       if not is_tangent(n)]
+            accumulate_in_place(bw, primals, frozenset(grads.nbytes), grads.add)
     rewrites: list[InplaceRecord] = []
     if inplace:
         with _stage("in-place", done):
             for graph_name, gm in (("fw", fw), ("bw", bw)):
                 result: InplaceResult = reinplace(gm)
                 rewrites += [InplaceRecord(graph=graph_name, **r.__dict__) for r in result.rewrites]
+    with _stage("kernel workspaces", done):  # measured once per op and shape, then cached
+        measure_workspaces([fw, bw])
     with _stage("liveness", done):
         schedule = analyze_liveness(fw, bw, saved=saved_names, num_user_outputs=num_fwd_outputs,
-                                    primal_kinds=primal_kinds)
+                                    primal_kinds=primal_kinds, existing_grads=_nbytes(grads))
     peak = _peak_bytes(schedule, allocation_granularity(_device_of(fw)))
     return _Built(joint, fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak)
+
+
+def _nbytes(grads: ExistingGrads | None) -> dict[str, int] | None:
+    return grads.nbytes if grads is not None else None
 
 
 def _mutable_inputs(primal_kinds: dict[str, str]) -> frozenset[str]:
@@ -244,7 +274,8 @@ class _ChainChoice:
 def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                    num_fwd_outputs: int, target: int | None,
                    primal_kinds: dict[str, str], build,
-                   costs: dict[str, chain_pass.ChunkCosts]) -> list[_ChainChoice]:
+                   costs: dict[str, chain_pass.ChunkCosts],
+                   grads: ExistingGrads | None) -> list[_ChainChoice]:
     """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
     Chen's planner sees the rest of the graph.
 
@@ -283,7 +314,8 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                 chain_pass.apply([built.fw, built.bw], site, config)
                 schedule = analyze_liveness(built.fw, built.bw, saved=built.saved_names,
                                             num_user_outputs=num_fwd_outputs,
-                                            primal_kinds=primal_kinds)
+                                            primal_kinds=primal_kinds,
+                                            existing_grads=_nbytes(grads))
                 peaks[key] = _peak_bytes(schedule, gran)
             return peaks[key]
 
@@ -349,8 +381,10 @@ def plan_joint(
     primal_kinds: dict[str, str],
     budget: Budget | None,
     options: Options = Options(),
+    grads: ExistingGrads | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
     """Run memopt's passes on `joint`; return the forward, backward and the plan.
+    `grads`: plan the step in which parameters' `.grad` already exist (ExistingGrads).
 
     Step 1: declare minimum dependencies (passes.partition.read_concat_views).
     Step 2: the baseline: no in-place, no recomputation.
@@ -365,7 +399,7 @@ def plan_joint(
 
     def build(mirror: Mirror, inplace: bool = options.inplace) -> _Built:
         return _build(joint, num_fwd_outputs, mirror, inplace=inplace,
-                      primal_kinds=primal_kinds, done=[])
+                      primal_kinds=primal_kinds, grads=grads, done=[])
 
     costs: dict[str, chain_pass.ChunkCosts] = {}
     sites = chain_pass.find_chains(joint)
@@ -392,7 +426,7 @@ def plan_joint(
     if sites:
         with _stage("recurrent chain policies", done):
             chains = _choose_chains(sites, joint, num_fwd_outputs, target, primal_kinds,
-                                    build, costs)
+                                    build, costs, grads)
     mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":
@@ -407,7 +441,7 @@ def plan_joint(
                 mirror, search = _choose_mirror(joint, num_fwd_outputs, target,
                                                primal_kinds, build)
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
-                   primal_kinds=primal_kinds, done=done)
+                   primal_kinds=primal_kinds, grads=grads, done=done)
     recomputed = _recomputed_nodes(final)
     chain_records = _chain_records(chains)
     forward_flops = _forward_flops(joint, num_fwd_outputs) + sum(
@@ -429,6 +463,8 @@ def plan_joint(
                 forward_workspace_bytes=r.forward_workspace_bytes,
                 workspace_bytes=r.workspace_bytes) for r in reversible),
             "headroom_bytes": budget_bytes - target if target is not None else 0,
+            "existing_grad_bytes": sum(grads.nbytes.values()) if grads is not None else 0,
+            "grads_added_in_place": sum(1 for n in final.bw.graph.nodes if accumulates_into(n)),
             "saved": tuple(
                 r.model_copy(update={"reason": "kept: a segment boundary of the Alg. 3 plan, "
                                                "read by backward or by recomputation"})
@@ -449,6 +485,9 @@ def plan_joint(
             baseline_bytes=plan.baseline_peak_bytes,
             budget=str(budget),
             headroom=headroom,
+            byte_headroom=options.headroom,
+            step=" (the step that finds .grad kept from earlier steps: gradient accumulation, "
+                 "zero_grad(set_to_none=False))" if grads is not None else "",
         )
     return final.fw, final.bw, plan
 

@@ -20,7 +20,9 @@ Algorithm:
         outputs are held by the caller until the step ends, and so are the
         gradients the backward returns (autograd accumulates them into `.grad`).
         Saved tensors die at their last backward use (the boxed backward frees
-        them as it goes).
+        them as it goes). Parameter gradients that already exist before the step
+        (`existing_grads`: `.grad` kept between steps, memopt.grads) are resident for
+        the whole step; the new gradients added into them die at their last reader.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from memopt._torch_compat import is_tangent, storage_key
 from .meta import fake_value, held_bytes, inplace_source, workspace_bytes
 
 #: Storage kinds, in the order a plan lists them.
-KINDS = ("parameter", "buffer", "input", "activation", "saved", "output", "tangent",
-         "backward", "gradient")
+KINDS = ("parameter", "buffer", "input", "existing_grad", "activation", "saved", "output",
+         "tangent", "backward", "gradient")
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,12 @@ def analyze_liveness(
     saved: frozenset[str],
     num_user_outputs: int,
     primal_kinds: dict[str, str] | None = None,
+    existing_grads: dict[str, int] | None = None,
 ) -> StepSchedule:
     """Lifetimes of every storage of a training step. `saved`: names of saved values;
     the forward returns `num_user_outputs` outputs for the caller, then the saved values
-    (AOTAutograd's convention). A value can be both: the caller still holds it."""
+    (AOTAutograd's convention). A value can be both: the caller still holds it.
+    `existing_grads`: bytes of the `.grad` each parameter primal already holds."""
     primal_kinds = primal_kinds or {}
     stores = _Storages()
     node_keys: dict[tuple[str, str], list[object]] = {}
@@ -231,6 +235,9 @@ def analyze_liveness(
             name=names[0] if names else "?", nodes=names, nbytes=stores.nbytes[key],
             start=-1 if key in resident_kind else start, end=max(end, start), kind=kind,
         ))
+    for primal, nbytes in (existing_grads or {}).items():
+        lives.append(StorageLife(name=f"grad.{primal}", nodes=(), nbytes=nbytes, start=-1,
+                                 end=end_of_step, kind="existing_grad"))
     lives.sort(key=lambda s: (s.start, s.name))
     return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives))
 

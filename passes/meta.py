@@ -29,6 +29,10 @@ HELD_BYTES = "memopt.held_bytes"
 #: slots in backward. Set by passes.chains; liveness adds them at the op's step.
 WORKSPACE_BYTES = "memopt.workspace_bytes"
 
+#: Name of the parameter primal whose existing `.grad` a backward node adds a gradient
+#: into (str). Set by passes.gradients.
+ACCUMULATES = "memopt.accumulates_into"
+
 #: Keys written by PyTorch's tracers that memopt reads.
 VAL = "val"
 NN_MODULE_STACK = "nn_module_stack"
@@ -62,6 +66,11 @@ def held_bytes(node: fx.Node) -> dict[int, int]:
 
 def workspace_bytes(node: fx.Node) -> int:
     return node.meta.get(WORKSPACE_BYTES, 0)
+
+
+def accumulates_into(node: fx.Node) -> str | None:
+    """The parameter primal whose `.grad` this node adds a gradient into, if any."""
+    return node.meta.get(ACCUMULATES)
 
 
 def inplace_source(node: fx.Node) -> str | None:

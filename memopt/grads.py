@@ -1,0 +1,81 @@
+"""Adding parameter gradients into existing `.grad` tensors inside the compiled backward.
+
+A compiled backward returns every gradient at once, and autograd's AccumulateGrad then
+adds each into its parameter's `.grad`. When `.grad` already holds a tensor
+(`optimizer.zero_grad(set_to_none=False)`, every micro-step after the first of gradient
+accumulation, DDP's `no_sync`), the step holds two full copies of the gradients for a
+moment: the ones in `.grad` and the ones just returned (issue 13 measured a vision
+transformer 1.17x over its budget this way). memopt plans that step separately
+(`existing_grads=True`): its backward graph adds each parameter's gradient into `.grad`
+the moment the gradient is complete (passes.gradients places the node), so only one
+parameter's new gradient exists at a time, less than eager's own AccumulateGrad holds.
+
+`GradSink` is the runtime side: the forward binds the parameter tensors of the call, and
+the backward's `add` nodes write into them. It falls back to returning the gradient to
+autograd, exactly as a plain compiled backward does, whenever writing it itself could
+differ from what AccumulateGrad would do:
+
+- the parameter has no `.grad` at backward time (AccumulateGrad steals the new tensor);
+- autograd does not run the parameter's AccumulateGrad in this backward
+  (`torch.autograd.grad(...)`, `backward(inputs=...)` without it);
+- a higher-order backward (`create_graph=True`: grad mode is on in backward);
+- the parameter has tensor hooks (`register_hook`, `register_post_accumulate_grad_hook`),
+  which must see the new gradient; hooks on the AccumulateGrad node itself (DDP's
+  reducer) still run, after `.grad` is updated, as they do in eager;
+- `.grad` and the new gradient differ in shape, dtype, device or layout.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+import torch
+
+from ._torch_compat import engine_will_accumulate
+
+
+class GradSink:
+    """Parameters of the latest forward call, by primal name, for the backward's `add` nodes.
+
+    `slots` maps a joint-graph primal name ("primals_3") to its index among the
+    compiled function's flat inputs. The sink holds weak references: a compiled graph
+    outlives nothing of the user's model.
+    """
+
+    def __init__(self, slots: dict[str, int]) -> None:
+        self.slots = dict(slots)
+        self._params: dict[str, weakref.ref] = {}
+        self.added = 0       # gradients added in place (for tests and the plan's evidence)
+        self.returned = 0    # gradients handed back to autograd instead
+
+    def bind(self, flat_inputs: Sequence[Any]) -> None:
+        """Remember the parameter tensors of this forward call."""
+        self._params = {name: weakref.ref(flat_inputs[i]) for name, i in self.slots.items()
+                        if i < len(flat_inputs) and isinstance(flat_inputs[i], torch.Tensor)}
+
+    def add(self, name: str, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Add `grad` into parameter `name`'s `.grad` and return None, or return `grad`
+        for autograd to accumulate (see the module docstring for when)."""
+        ref = self._params.get(name)
+        param = ref() if ref is not None else None
+        if grad is None or param is None or not _can_add(param, grad):
+            self.returned += grad is not None
+            return grad
+        with torch.no_grad():
+            param.grad.add_(grad)
+        self.added += 1
+        return None
+
+
+def _can_add(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    existing = param.grad
+    if existing is None or torch.is_grad_enabled():
+        return False
+    if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
+        return False
+    if (existing.shape != grad.shape or existing.dtype != grad.dtype
+            or existing.device != grad.device or existing.layout != torch.strided
+            or grad.layout != torch.strided or existing.requires_grad):
+        return False
+    return engine_will_accumulate(param)

@@ -1,0 +1,286 @@
+"""Kernel workspaces: what an op allocates for itself beyond its outputs, measured.
+
+A FakeTensor says what an op returns, not what its kernel allocates while it runs.
+Some kernels allocate a lot: on CPU, ``convolution_backward`` of a depthwise or
+channels-last convolution computes its gradients in another layout and copies them
+(12 MiB at once in a small ConvNeXt, beside outputs of 4 MiB), BatchNorm and
+LayerNorm backward keep per-thread partial sums, ``native_dropout`` draws its mask
+through a float buffer, and an ``out=`` variant with no kernel of its own (``clone.out``,
+``native_dropout_backward.out``, written by passes.inplace) computes the result aside
+and copies it. On CUDA, cuDNN's workspaces come from the caching allocator and are
+freed when the op returns. None of this is in the graph, so a plan that leaves it out
+undercounts the step's peak at exactly the ops where it is highest (convolution
+backward in a CNN). This pass measures it, once per op and shape, and records it where
+liveness charges it.
+
+Requires: forward and/or backward GraphModules after passes.partition and
+passes.inplace (the variants that will run), with FakeTensors in ``node.meta['val']``.
+Run right before passes.liveness, which adds ``WORKSPACE_BYTES`` at the op's step.
+
+Ensures: every measured node whose kernel allocated more than it returned carries
+``memopt.workspace_bytes`` (passes.meta.WORKSPACE_BYTES) = the most bytes live at
+once during the call minus those still live after it (its new outputs): with the
+op's outputs charged at its step as well, liveness then sees the op's real peak.
+Nodes that already carry the key (memopt's own chain and reversible ops, priced by
+passes.chains and passes.reversible) are left as they are. The graphs are not
+otherwise changed, and the caller's RNG state is not moved.
+
+Which ops: every aten op on tensors whose inputs and outputs together reach
+``MIN_BYTES``, except views (``OpOverload.is_view``: they allocate nothing) and ops
+of the ``memopt`` namespace. Measuring all of them rather than a named list costs
+little (each distinct op and shape runs once per process: about one training step
+of compute, plus ~0.5 ms of profiler start/stop per distinct op on CPU) and finds
+workspaces nobody thought to list.
+
+Algorithm:
+    Step 1: key each node by its op overload, its arguments (tensors by shape,
+        strides, storage offset, dtype, and which of them share a storage), the
+        device and the intra-op thread count (CPU kernels size per-thread buffers
+        by it); look the key up in the cache (a candidate plan rebuilds the same
+        graphs many times: memopt.pipeline).
+    Step 2: for each key not yet measured: real zero-filled storages of the
+        FakeTensors' storage sizes (storages shared as in the graph), the op's
+        tensors as strided views of them, and one call of the op under allocation
+        tracking (memopt.allocation), with gradients off and autocast off; on CUDA
+        one untimed call first, so that cuDNN's algorithm search (benchmark mode)
+        and cuBLAS's handle workspace, allocated once per process, are not taken for
+        a per-call workspace. An op that fails on zeros (none known) is charged 0.
+    Step 3: record the bytes on every node of that key.
+
+Where allocations cannot be tracked (a profiler is already recording on CPU) nothing
+is measured, and a warning says the plan may undercount. A plan on the meta device
+(shapes only, e.g. benchmarks/chen_resnet.py) measures nothing either: its peak leaves
+workspaces out. On CUDA the same code reads
+the caching allocator's counters (``torch.cuda.max_memory_allocated``); it has not
+been run on a GPU yet. Not counted: allocations made outside PyTorch's allocator
+(oneDNN's scratchpads on CPU, cuBLAS's workspace, which is allocated once and kept),
+and workspaces that depend on tensor values rather than shapes (none seen; inputs are
+zeros).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from memopt._torch_compat import real_tensors, storage_key
+from memopt.allocation import allocation_peak, can_track
+from memopt.budget import format_bytes
+
+from .meta import WORKSPACE_BYTES, fake_value
+
+log = logging.getLogger("memopt")
+
+#: Ops whose tensor inputs and outputs together are smaller than this are not measured:
+#: a kernel's workspace scales with its operands, and below 64 KiB it cannot move a
+#: plan's peak.
+MIN_BYTES = 64 * 1024
+
+
+@dataclass
+class WorkspaceCache:
+    """Measured workspace bytes by key (Step 1), shared by every build of a process;
+    ``hits`` / ``misses`` / ``seconds`` count lookups and the time spent measuring."""
+
+    max_entries: int = 1 << 16
+    bytes_of: dict[tuple, int] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+    seconds: float = 0.0
+
+    def clear(self) -> None:
+        self.bytes_of.clear()
+        self.hits = self.misses = 0
+        self.seconds = 0.0
+
+
+#: The process-wide cache memopt.pipeline uses.
+CACHE = WorkspaceCache()
+
+
+@dataclass(frozen=True)
+class WorkspaceResult:
+    """What one call of ``measure_workspaces`` did."""
+
+    charged: int           # nodes given WORKSPACE_BYTES > 0
+    measured: int          # keys run on real tensors in this call (cache misses)
+    hits: int              # nodes whose key was already measured
+    seconds: float         # wall time spent measuring
+    total_bytes: int       # sum of the bytes charged (each node once)
+
+
+def measure_workspaces(graphs: Sequence[fx.GraphModule], cache: WorkspaceCache = CACHE
+                       ) -> WorkspaceResult:
+    """Measure (or look up) and record the workspace of every eligible node of
+    ``graphs`` (see the module docstring)."""
+    t0 = time.perf_counter()
+    # Step 1: keys, and what is not measured yet.
+    keyed: list[tuple[fx.Node, tuple]] = []
+    todo: dict[tuple, fx.Node] = {}
+    hits = 0
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if not _eligible(node):
+                continue
+            key = _key(node)
+            if key is None:
+                continue
+            keyed.append((node, key))
+            if key in cache.bytes_of:
+                hits += 1
+            else:
+                todo.setdefault(key, node)
+    measured = 0
+    if todo:
+        device = torch.device(next(iter(todo))[-2])
+        if device.type not in ("cpu", "cuda"):  # meta: a plan of shapes, nothing to run
+            log.info("memopt: planning on %s: kernel workspaces are not measured", device)
+            todo = {}
+        elif not can_track(device):
+            log.warning("memopt: cannot track allocations while planning (a profiler is "
+                        "recording); kernel workspaces are not counted in this plan")
+            todo = {}
+        if len(cache.bytes_of) + len(todo) > cache.max_entries:
+            cache.bytes_of.clear()
+        # Step 2: run each new key once.
+        with real_tensors(), torch.random.fork_rng(devices=_cuda_devices(device)):
+            for key, node in todo.items():
+                cache.bytes_of[key] = _run(node, device)
+                measured += 1
+    # Step 3: record.
+    charged = total = 0
+    for node, key in keyed:
+        nbytes = cache.bytes_of.get(key, 0)
+        if nbytes > 0:
+            node.meta[WORKSPACE_BYTES] = nbytes
+            charged += 1
+            total += nbytes
+    seconds = time.perf_counter() - t0
+    cache.hits += hits
+    cache.misses += measured
+    cache.seconds += seconds
+    if measured:
+        log.debug("memopt workspaces: %d ops measured (%d cached) in %.2fs; %d nodes "
+                  "charged %s", measured, hits, seconds, charged, format_bytes(total))
+    return WorkspaceResult(charged=charged, measured=measured, hits=hits, seconds=seconds,
+                           total_bytes=total)
+
+
+def _eligible(node: fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target.namespace == "memopt" or node.target.is_view or WORKSPACE_BYTES in node.meta:
+        return False
+    outputs = _tensors(fake_value(node))
+    if not outputs:
+        return False
+    inputs = [t for arg in node.all_input_nodes for t in _tensors(fake_value(arg))]
+    return sum(t.untyped_storage().nbytes() for t in (*inputs, *outputs)) >= MIN_BYTES
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _key(node: fx.Node) -> tuple | None:
+    """Step 1: (op, arguments, kwargs, device, threads); None if an argument cannot be
+    keyed (then the node is not measured)."""
+    storages: dict[Any, int] = {}
+    devices: set[str] = set()
+
+    def freeze(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            value = fake_value(value)
+            if isinstance(value, torch.Tensor):
+                index = storages.setdefault(storage_key(value), len(storages))
+                devices.add(str(value.device))
+                return ("tensor", index, tuple(value.shape), tuple(value.stride()),
+                        int(value.storage_offset()), str(value.dtype),
+                        value.untyped_storage().nbytes())
+            return freeze(value)
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, *(freeze(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", *((k, freeze(v)) for k, v in sorted(value.items())))
+        if isinstance(value, torch.Tensor):
+            raise _Unkeyable  # a constant tensor in the graph: not worth measuring
+        if value is None or isinstance(value, (bool, int, float, str, torch.dtype,
+                                               torch.device, torch.layout,
+                                               torch.memory_format)):
+            return value
+        raise _Unkeyable
+
+    try:
+        args, kwargs = freeze(node.args), freeze(node.kwargs)
+    except _Unkeyable:
+        return None
+    if len(devices) != 1:
+        return None
+    return (str(node.target), args, kwargs, devices.pop(), torch.get_num_threads())
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _cuda_devices(device: torch.device) -> list[int]:
+    return [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+
+
+def _run(node: fx.Node, device: torch.device) -> int:
+    """Step 2: the op's transient bytes on zeros of its inputs' layout (inside
+    real_tensors)."""
+    bases: dict[Any, torch.UntypedStorage] = {}
+
+    def real(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return real(fake_value(value))
+        if isinstance(value, torch.Tensor):
+            key = storage_key(value)
+            if key not in bases:
+                bases[key] = torch.zeros(value.untyped_storage().nbytes(), dtype=torch.uint8,
+                                         device=value.device).untyped_storage()
+            t = torch.empty(0, dtype=value.dtype, device=value.device)
+            return t.set_(bases[key], value.storage_offset(), value.shape, value.stride())
+        if isinstance(value, (tuple, list)):
+            return type(value)(real(v) for v in value)
+        if isinstance(value, dict):
+            return {k: real(v) for k, v in value.items()}
+        return value
+
+    try:
+        args, kwargs = real(node.args), real(node.kwargs)
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            if device.type == "cuda":
+                node.target(*args, **kwargs)
+            with allocation_peak(device) as seen:
+                out = node.target(*args, **kwargs)
+            del out
+    except Exception as exc:  # an op that cannot run on zeros: no workspace known
+        log.debug("memopt workspaces: %s could not run on zeros (%s: %s); charged 0",
+                  node.target, type(exc).__name__, exc)
+        return 0
+    return max(0, seen.peak - seen.end)
+
+
+def workspace_summary(graphs: Iterable[fx.GraphModule]) -> dict[str, int]:
+    """{op: the largest workspace charged to a node of that op} over ``graphs``."""
+    largest: dict[str, int] = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            nbytes = node.meta.get(WORKSPACE_BYTES, 0)
+            if nbytes and isinstance(node.target, torch._ops.OpOverload):
+                name = str(node.target)
+                largest[name] = max(largest.get(name, 0), nbytes)
+    return largest
