@@ -7,6 +7,12 @@ Both capture the model with torch.compile (dynamo, static shapes, one graph),
 then AOTAutograd with memopt's partition function (memopt.backend). A compiled
 module re-plans for every new input shape, dtype, device, train/eval mode and
 autocast state (dynamo's guards), and caches each plan.
+
+Bad input is refused with a typed error (memopt.errors) that names the fix, before the
+user's model changes: a malformed budget (BudgetFormatError, at once), weights on the
+meta device (InputError, in `compile`), inputs on another device or of another floating
+dtype than the parameters (InputError, at the call), a budget below reach (BudgetError,
+at the first call). See README.md, "Bad input".
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ._torch_compat import FailOnRecompileLimitHit, recompile_limit, unwrap_backend_error
 from .backend import MemoptBackend
-from .errors import CaptureError, MemoptError
+from .errors import CaptureError, InputError, MemoptError
 from .memory_plan import MemoryPlan
 from .recurrent.modules import substitute_rnns
 
@@ -28,17 +35,29 @@ _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers
 
 
 class _PlanOnly(Exception):
-    """Raised by the backend in plan-only mode, carrying the plan out of torch.compile."""
+    """Raised by the backend in plan-only mode, carrying the plan out of torch.compile
+    (None: the captured graph was an inference graph, with no backward to plan)."""
 
-    def __init__(self, plan: MemoryPlan) -> None:
+    def __init__(self, plan: MemoryPlan | None) -> None:
         super().__init__("plan ready")
         self.plan = plan
 
 
-def _run_captured(fn: Any, args: tuple, kwargs: dict) -> Any:
-    """Call a torch.compile'd function; surface memopt's own errors and name capture failures."""
+#: Dynamo's recompile limits while memopt's compiled steps run. Dynamo counts the graphs
+#: of one code object across every module and backend in the process (every compiled
+#: module's frame is the same wrapper code), so its own limit of 8 would stop the ninth
+#: model a process compiles. memopt counts each module's graphs itself instead
+#: (MemoptBackend.graph_limit, the user's `recompile_limit`).
+_DYNAMO_LIMITS = {"recompile_limit": 1 << 20, "accumulated_recompile_limit": 1 << 20}
+
+
+def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
+                  model: nn.Module) -> Any:
+    """Call a torch.compile'd function; surface memopt's own errors and name capture failures
+    (inputs that do not match `model`'s device or dtype as InputError)."""
+    backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS):
             return fn(*args, **kwargs)
     except (MemoptError, _PlanOnly):
         raise
@@ -46,12 +65,10 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict) -> Any:
         inner = unwrap_backend_error(err)
         if isinstance(inner, (MemoptError, _PlanOnly)):
             raise inner from None
-        if isinstance(err, FailOnRecompileLimitHit):
+        if isinstance(err, FailOnRecompileLimitHit):  # only with a user's own lower limit
             raise CaptureError(
-                f"memopt plans each input shape / dtype / train-eval mode separately and this "
-                f"module has now seen more than torch._dynamo.config.recompile_limit = "
-                f"{recompile_limit()} of them. Pad inputs to a few bucket sizes, or raise "
-                f"that limit if every shape really needs its own plan."
+                f"dynamo's recompile limit was hit while memopt compiled this module "
+                f"(torch._dynamo.config.recompile_limit = {recompile_limit()})"
             ) from err
         if isinstance(inner, RecursionError):
             raise CaptureError(
@@ -59,9 +76,49 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict) -> Any:
                 f"step ({inner}); very deep models (e.g. ResNets of ~1000 layers) need "
                 "sys.setrecursionlimit(20000) or more before memopt.compile / memopt.plan"
             ) from err
+        mismatch = _input_mismatch(model, args, kwargs, err)
+        if mismatch is not None:  # the message quotes err; its traceback is torch's internals
+            raise mismatch from None
         if type(err).__module__.startswith("torch._dynamo"):
             raise CaptureError(_capture_message(err)) from err
         raise
+
+
+def _input_mismatch(model: nn.Module, args: tuple, kwargs: dict,
+                    err: BaseException) -> InputError | None:
+    """After a failed call: an InputError when the tensor inputs sit on a device the model's
+    parameters and buffers do not, or have a floating dtype they do not; else None.
+
+    Only a failed call is diagnosed, so a model that moves or casts its inputs itself
+    (`x.to(self.weight)`, CPU token ids for a CUDA embedding) runs as in eager. The
+    original error is quoted in the message and kept as the InputError's `cause`."""
+    state = [*model.parameters(), *model.buffers()]
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    first = (str(err).strip().splitlines() or [""])[0]
+    failed = f"the call failed ({type(err).__name__}: {first})"
+    model_devices = {str(t.device) for t in state}
+    input_devices = {str(t.device) for t in inputs}
+    if len(model_devices) == 1 and input_devices - model_devices:
+        (device,) = model_devices
+        fix = (f"materialize the weights first: model.to_empty(device=...) and load or "
+               f"initialize them" if device == "meta" else f"move the inputs with "
+               f".to({device!r}), or the model with model.to(...), before the call")
+        return InputError(
+            f"{failed}: the inputs are on {', '.join(sorted(input_devices))} but the model's "
+            f"parameters and buffers are on {device}. memopt runs the step where the model "
+            f"is: {fix}.", cause=err)
+    model_dtypes = {t.dtype for t in state if t.is_floating_point()}
+    input_dtypes = {t.dtype for t in inputs if t.is_floating_point()}
+    if len(model_dtypes) == 1 and input_dtypes - model_dtypes:
+        (dtype,) = model_dtypes
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in input_dtypes))
+        short = str(dtype).replace("torch.", "")
+        return InputError(
+            f"{failed}: the floating-point inputs are {names} but the model's parameters and "
+            f"buffers are {short}. Cast the inputs (x.to(torch.{short})) or the model "
+            f"(model.to(<dtype>)) so that they agree; memopt plans each dtype separately, so "
+            f"either works, as does casting inside forward.", cause=err)
+    return None
 
 
 def _capture_message(err: BaseException) -> str:
@@ -100,8 +157,11 @@ class CompiledModule(nn.Module):
         # module tree is a shallow copy with those wrapped; the model is not modified.
         traced, pairs = substitute_rnns(model)
         object.__setattr__(self, "_memopt_pairs", pairs)
-        compiled = torch.compile(traced, backend=backend, dynamic=False, fullgraph=True)
-        object.__setattr__(self, "_memopt_compiled", compiled)
+        object.__setattr__(self, "_memopt_traced", traced)
+        # One compiled step per gradient state (memopt.grads): .grad absent, or kept from
+        # earlier steps (gradient accumulation), which is planned with those tensors
+        # resident and adds the new gradients into them in place. Built when first needed.
+        object.__setattr__(self, "_memopt_compiled", {False: _compile_step(traced, backend)})
         self.training = model.training
 
     @property
@@ -121,7 +181,13 @@ class CompiledModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         for original, copy in self._memopt_pairs:  # train()/eval() on the user's model
             copy.training = original.training
-        return _run_captured(self._memopt_compiled, args, kwargs)
+        existing = torch.is_grad_enabled() and _has_grads(self._memopt_model)
+        compiled = self._memopt_compiled.get(existing)
+        if compiled is None:
+            compiled = _compile_step(self._memopt_traced,
+                                     self._memopt_backend.with_existing_grads())
+            self._memopt_compiled[existing] = compiled
+        return _run_captured(compiled, args, kwargs, self._memopt_backend, self._memopt_model)
 
     def train(self, mode: bool = True) -> "CompiledModule":
         self._memopt_model.train(mode)
@@ -136,6 +202,15 @@ class CompiledModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"memopt: {self._memopt_backend!r}"
+
+
+def _compile_step(traced: nn.Module, backend: MemoptBackend) -> Any:
+    return torch.compile(traced, backend=backend, dynamic=False, fullgraph=True)
+
+
+def _has_grads(model: nn.Module) -> bool:
+    """Whether any trainable parameter holds a `.grad` (kept from an earlier step)."""
+    return any(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def compile(model: nn.Module, budget: object = None, **options: Any) -> CompiledModule:
@@ -157,15 +232,40 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             `memopt.recurrent.Recurrent` (Gruslys et al. 2016, Sec. 3.1; see
             memopt.passes.loops for what is detected and what is left unrolled).
 
-    Returns a module that trains in the user's loop and computes eager's gradients.
-    Raises ValueError for a malformed budget, memopt.BudgetError (at the first
-    call) when the budget is below what memopt can reach.
+    Returns a module that trains in the user's loop and computes eager's gradients; a
+    call with nothing to differentiate (no_grad, no parameter or input requiring grad, or
+    a forward returning no tensor) runs the forward as eager does, with no plan.
+    Raises memopt.BudgetFormatError (a ValueError) for a malformed budget and
+    memopt.InputError (a ValueError) for a model whose parameters or buffers are on the
+    meta device, both at once; memopt.BudgetError at the first call when the budget is
+    below what memopt can reach, and memopt.InputError at a call whose inputs are on
+    another device, or of another floating dtype, than the model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memopt.compile expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, CompiledModule):
         raise TypeError("this module is already compiled by memopt; pass its original_module")
-    return CompiledModule(model, MemoptBackend(budget, **options))
+    if "existing_grads" in options:
+        raise TypeError("memopt.compile plans the steps with and without existing .grad "
+                        "tensors by itself; existing_grads is an option of memopt.plan")
+    backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
+    _refuse_meta(model)
+    return CompiledModule(model, backend)
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """memopt.compile runs the model, so its weights must exist (memopt.plan does not: it
+    plans a meta model on meta inputs, e.g. benchmarks/chen_resnet.py)."""
+    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_meta]
+    if meta:
+        more = f" and {len(meta) - 1} more" if len(meta) > 1 else ""
+        raise InputError(
+            f"memopt.compile needs the model's weights in memory, but {meta[0]!r}{more} "
+            f"{'is' if len(meta) == 1 else 'are'} on the meta device (shapes without data). "
+            f"Materialize them first: model.to_empty(device='cpu' or 'cuda'), then load a "
+            f"state_dict or initialize them, and compile that model. To plan a meta model "
+            f"without weights, memopt.plan(model, *meta_inputs) works.")
 
 
 def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
@@ -173,18 +273,38 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
     """Plan one training step of `model` on `example_inputs` without running it.
 
     Activations exist only as FakeTensors while planning; the model is not
-    executed and no parameter, buffer or gradient changes.
+    executed and no parameter, buffer or gradient changes. `existing_grads=True`
+    plans a step that finds every trainable parameter's `.grad` already allocated
+    (gradient accumulation; memopt.compile plans both kinds of step as it meets them).
+    A model on the meta device plans on meta inputs. Raises memopt.InputError when
+    there is no backward to plan, or the inputs do not match the model's device or dtype.
     """
     if isinstance(model, CompiledModule):
         model = model.original_module
     backend = MemoptBackend(budget, plan_only=True, **options)
     traced, _ = substitute_rnns(model)
-    compiled = torch.compile(traced, backend=backend, dynamic=False, fullgraph=True)
+    compiled = _compile_step(traced, _never_run(backend))
     try:
-        _run_captured(compiled, example_inputs, example_kwargs or {})
+        _run_captured(compiled, example_inputs, example_kwargs or {}, backend, model)
     except _PlanOnly as ready:
-        return ready.plan
-    raise ValueError(
-        "memopt.plan found no training graph: no parameter or input requires grad "
-        "(or grad mode is disabled), so there is no backward pass to plan"
+        if ready.plan is not None:
+            return ready.plan
+    raise InputError(
+        "memopt.plan found no training graph: nothing the forward returns needs a gradient "
+        "(no parameter or input requires grad, grad mode is disabled, or forward returns no "
+        "tensor), so there is no backward pass to plan. Plan with grad enabled and a "
+        "parameter with requires_grad=True, and make forward return the loss or an output "
+        "tensor; memopt.compile runs such a forward as eager does, with no plan."
     )
+
+
+def _never_run(backend: MemoptBackend) -> Any:
+    """The plan-only backend stops a training graph in its partition function; this stops
+    an inference graph too, which dynamo would otherwise run for real (updating, e.g.,
+    BatchNorm's statistics), so that memopt.plan never executes the model."""
+
+    def compile_fn(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        backend(gm, example_inputs, **kwargs)
+        raise _PlanOnly(None)
+
+    return compile_fn

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from .errors import BudgetFormatError
+
 ACCEPTED = (
-    'a size string such as "4GB", "4GiB", "512MB" or "1.5 GiB"; an int number of bytes; '
-    "or a float fraction of the eager baseline peak in (0, 1]"
+    'a size string such as "4GB", "4 GB", "4GiB", "512MB" or "1.5 GiB" (GB = 10^9 bytes, '
+    "GiB = 2^30); an int number of bytes (> 0); or a float fraction in (0, 1] of memopt's "
+    "predicted peak for the step with no recomputation and no in-place rewrites"
 )
 
 _BYTESIZE = TypeAdapter(ByteSize)
@@ -41,27 +44,30 @@ class Budget:
     def __str__(self) -> str:
         if self.nbytes is not None:
             return f"{self.nbytes} bytes ({format_bytes(self.nbytes)})"
-        return f"{self.fraction:g} of the baseline peak"
+        return f"{self.fraction:g} of the predicted peak without recomputation or in-place rewrites"
 
 
 def parse_budget(budget: object) -> Budget | None:
-    """`None` -> None; "4GB" / "4GiB" / int bytes -> absolute; float in (0, 1] -> fraction.
+    """`None` -> None; "4GB" / "4 GB" / "4GiB" / int bytes -> absolute; float in (0, 1] ->
+    a fraction. A space between number and unit is allowed ("4 GB" is 4 * 10^9 bytes).
 
-    Raises ValueError naming the accepted forms for anything else.
+    Raises memopt.BudgetFormatError (a ValueError) naming the value and the accepted forms
+    for anything else: booleans, zero or negative sizes, unknown units ("4XB"), floats
+    outside (0, 1] (1.5, nan, inf), the empty string, other types.
     """
     if budget is None:
         return None
     if isinstance(budget, bool):
-        raise ValueError(f"budget={budget!r} is not a memory budget; expected {ACCEPTED}")
+        raise BudgetFormatError(budget, "is a bool, not a memory budget", ACCEPTED)
     if isinstance(budget, int):
         if budget <= 0:
-            raise ValueError(f"budget={budget!r} must be a positive number of bytes; "
-                             f"expected {ACCEPTED}")
+            raise BudgetFormatError(budget, "must be a positive number of bytes", ACCEPTED)
         return Budget(nbytes=budget)
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
-            raise ValueError(f"budget={budget!r}: a float budget is a fraction of the baseline "
-                             f"peak and must be in (0, 1]; expected {ACCEPTED}")
+            raise BudgetFormatError(
+                budget, "is a float, so a fraction of the predicted peak, and must be in (0, 1]",
+                ACCEPTED)
         return Budget(fraction=budget)
     if isinstance(budget, str) and _SIZE.match(budget):
         try:
@@ -70,7 +76,7 @@ def parse_budget(budget: object) -> Budget | None:
             nbytes = None
         if nbytes:
             return Budget(nbytes=nbytes)
-    raise ValueError(f"budget={budget!r} is not understood; expected {ACCEPTED}")
+    raise BudgetFormatError(budget, "is not understood", ACCEPTED)
 
 
 def format_bytes(n: int | float) -> str:

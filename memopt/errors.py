@@ -1,31 +1,128 @@
-"""memopt's typed errors. Callers match on the type and its fields, never on the message."""
+"""memopt's typed errors. Callers match on the type and its fields, never on the message.
+
+    MemoptError                      every error memopt raises on purpose
+    ├── BudgetFormatError            (also a ValueError) a budget memopt cannot parse
+    ├── BudgetError                  a budget below the smallest peak memopt can reach
+    ├── InputError                   (also a ValueError) a model or inputs memopt cannot run
+    ├── CaptureError                 the forward does not capture as one training graph
+    └── PassError                    a memopt pass failed
+
+Every one of them is raised before the user's model changes: no parameter, buffer,
+`.grad` or train/eval flag is touched by a call that raises one.
+"""
 
 from __future__ import annotations
 
-from .budget import format_bytes
+import math
 
 
 class MemoptError(Exception):
     """Base class of every error memopt raises on purpose."""
 
 
+class BudgetFormatError(MemoptError, ValueError):
+    """A budget that is not one of the accepted forms (memopt.budget.ACCEPTED).
+
+    Raised by `memopt.parse_budget`, so by `memopt.compile` and `memopt.plan` at once,
+    before anything is captured. `value` is what was passed. A ValueError too, so code
+    written against the plain ValueError memopt raised before keeps working.
+    """
+
+    def __init__(self, value: object, problem: str, accepted: str) -> None:
+        self.value = value
+        self._parts = (value, problem, accepted)
+        super().__init__(f"budget={value!r} {problem}; expected {accepted}")
+
+    def __reduce__(self) -> tuple:  # pickle (multiprocessing) rebuilds from the parts
+        return type(self), self._parts
+
+
 class BudgetError(MemoptError):
-    """The requested budget is below the smallest peak memopt can reach for this step."""
+    """The requested budget is below the smallest peak memopt can reach for this step.
+
+    Fields: `budget_bytes` (the budget, resolved to bytes); `minimum_bytes` (the smallest
+    budget memopt accepts for this step in the form given, resolved to bytes: headroom
+    included for a byte budget); `baseline_bytes` (memopt's *predicted* peak of the same
+    step with no recomputation and no in-place rewrites, `MemoryPlan.baseline_peak_bytes`;
+    not a measurement of eager PyTorch, whose peak can differ from it by 10-20%); and the
+    two ways to pass a budget that fits: `smallest_byte_budget` (an int of bytes, the
+    headroom a byte budget keeps free included) and `smallest_fraction` (a float budget,
+    None when no fraction in (0, 1] fits). `step` names the kind of step that did not fit
+    when it is not a first step: a step that finds `.grad` kept from earlier steps holds
+    those gradients from its start, so it can need more than the first step did.
+    """
 
     def __init__(self, *, budget_bytes: int, minimum_bytes: int, baseline_bytes: int,
-                 budget: str = "", headroom: float = 0.0) -> None:
+                 budget: str = "", headroom: float = 0.0,
+                 byte_headroom: float | None = None, step: str = "") -> None:
+        from .budget import format_bytes  # noqa: PLC0415 - memopt.budget imports this module
+
         self.budget_bytes = budget_bytes
-        self.minimum_bytes = minimum_bytes  # the smallest budget memopt accepts
+        self.minimum_bytes = minimum_bytes
         self.baseline_bytes = baseline_bytes
+        self.headroom = headroom  # kept free of this budget (0 for a fraction budget)
+        self._budget = budget
+        self._byte_headroom = byte_headroom
+        self.step = step  # which kind of step did not fit ("" for a first step)
+        # A byte budget keeps `headroom` free, a fraction budget nothing (memopt.pipeline):
+        # the step's peak fits in minimum_bytes * (1 - headroom) bytes.
+        peak = math.floor(minimum_bytes * (1 - headroom) + 1e-6)  # rounding: never below
+        self.smallest_byte_budget = (
+            minimum_bytes if headroom or not byte_headroom
+            else math.ceil(peak / (1 - byte_headroom)))
+        self.smallest_fraction = _smallest_fraction(peak, baseline_bytes)
         asked = f"{budget} = " if budget and not budget.startswith(str(budget_bytes)) else ""
-        kept = f", with {headroom:.0%} of it kept free as headroom" if headroom else ""
+        kept = (f", with {headroom:.0%} of it kept free as headroom" if headroom
+                else ", as a fraction budget, which keeps no headroom" if byte_headroom else "")
+        how = f"budget={self.smallest_byte_budget} (bytes) or more"
+        if self.smallest_fraction is not None:
+            how += f", or a fraction budget from {self.smallest_fraction!r} to 1.0,"
         super().__init__(
             f"memory budget {asked}{format_bytes(budget_bytes)} ({budget_bytes} bytes) is below "
-            f"the minimum memopt can reach for this training step, "
-            f"{format_bytes(minimum_bytes)} ({minimum_bytes} bytes{kept}); the baseline peak without "
-            f"memopt is {format_bytes(baseline_bytes)} ({baseline_bytes} bytes). Raise the "
-            f"budget, or reduce the batch size or sequence length."
+            f"the smallest budget memopt accepts for this training step{step}, "
+            f"{format_bytes(minimum_bytes)} ({minimum_bytes} bytes{kept}). Pass {how} to "
+            f"memopt.compile / memopt.plan, or reduce the batch size or sequence length. "
+            f"For scale: memopt's predicted peak for this step with no recomputation and no "
+            f"in-place rewrites is {format_bytes(baseline_bytes)} ({baseline_bytes} bytes); "
+            f"that is memopt's prediction, not a measurement of eager PyTorch, whose peak "
+            f"can differ from it by 10-20%."
         )
+
+    def __reduce__(self) -> tuple:  # keyword-only __init__: pickle (multiprocessing) needs this
+        return _rebuild_budget_error, (self.budget_bytes, self.minimum_bytes, self.baseline_bytes,
+                                       self._budget, self.headroom, self._byte_headroom,
+                                       self.step)
+
+
+def _rebuild_budget_error(budget_bytes: int, minimum_bytes: int, baseline_bytes: int,
+                          budget: str, headroom: float, byte_headroom: float | None,
+                          step: str) -> BudgetError:
+    return BudgetError(budget_bytes=budget_bytes, minimum_bytes=minimum_bytes,
+                       baseline_bytes=baseline_bytes, budget=budget, headroom=headroom,
+                       byte_headroom=byte_headroom, step=step)
+
+
+def _smallest_fraction(peak: int, baseline: int) -> float | None:
+    """The smallest fraction f, in thousandths, with int(f * baseline) >= peak (how a
+    fraction budget resolves: memopt.budget.Budget), or None above 1."""
+    if baseline <= 0:
+        return None
+    thousandths = -(-peak * 1000 // baseline)
+    while int(thousandths / 1000 * baseline) < peak:  # float rounding
+        thousandths += 1
+    return thousandths / 1000 if 0 < thousandths <= 1000 else None
+
+
+class InputError(MemoptError, ValueError):
+    """A model or inputs memopt cannot run, and what to change: weights on the meta device
+    given to `memopt.compile`, inputs on another device or of another floating dtype than
+    the parameters, or a step with nothing for `memopt.plan` to plan. A ValueError too.
+    `cause` is the error the call failed with, where one did (its first line is quoted in
+    the message; its traceback, deep inside torch, is not shown)."""
+
+    def __init__(self, message: str, *, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class PassError(MemoptError):

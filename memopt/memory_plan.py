@@ -1,17 +1,28 @@
 """The memory plan: what a training step keeps, when each storage lives, where it sits.
 
 A `MemoryPlan` is data (STYLE.md, section 4): a frozen pydantic model with a JSON
-round trip (`plan.model_dump_json()` / `MemoryPlan.model_validate_json(text)`),
-built once by the pipeline and read by people (`plan.summary()`) and tests.
+round trip (`plan.to_json()` / `MemoryPlan.from_json(text)`), built once by the
+pipeline and read by people (`plan.summary()`) and tests.
+
+A plan read back is validated, so a hand-edited one is refused with
+`pydantic.ValidationError` (a ValueError) rather than half-read: every model forbids
+unknown keys, every field without a default is required, byte counts, FLOP counts and
+step counts are non-negative ints, and `from_json` is strict about types ("12" is not
+12). Plans travel as JSON only; nothing here unpickles.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from .budget import format_bytes
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+#: Byte counts, and counts of FLOPs, steps and slots: never negative, also in a plan read
+#: back from JSON.
+Bytes = NonNegativeInt
+Count = NonNegativeInt
 
 
 class StorageRecord(BaseModel):
@@ -21,11 +32,11 @@ class StorageRecord(BaseModel):
     name: str                  # "fw.addmm": graph and node that produced it
     kind: str                  # parameter, buffer, input, activation, saved, output, tangent,
                                # backward, gradient
-    nbytes: int
+    nbytes: Bytes
     start: int                 # first live step (-1: before the step begins)
     end: int                   # last live step (inclusive)
     nodes: tuple[str, ...]     # every node whose value lives in it
-    offset: int | None = None  # arena offset from the allocator (None for resident storages)
+    offset: Bytes | None = None  # arena offset from the allocator (None for resident storages)
     tag: int | None = None     # Chen's sharing tag
 
 
@@ -39,7 +50,7 @@ class SavedTensor(BaseModel):
     module_type: str           # "Linear"
     shape: tuple[int, ...]
     dtype: str
-    nbytes: int
+    nbytes: Bytes
     decision: str              # "saved" (later: "recomputed")
     reason: str
 
@@ -51,7 +62,7 @@ class InplaceRecord(BaseModel):
     op: str
     inplace_op: str
     writes_into: str
-    nbytes: int
+    nbytes: Bytes
 
 
 class SharingGroup(BaseModel):
@@ -59,7 +70,7 @@ class SharingGroup(BaseModel):
 
     model_config = _FROZEN
     tag: int
-    nbytes: int
+    nbytes: Bytes
     storages: tuple[str, ...]
 
 
@@ -72,9 +83,9 @@ class RecomputedNode(BaseModel):
     module: str
     module_type: str
     shape: tuple[int, ...]
-    nbytes: int
-    flops: int                     # of all its recomputations
-    times: int = 1                 # m(v): 2 under Sec. 4.4's recursion
+    nbytes: Bytes
+    flops: Count                   # of all its recomputations
+    times: PositiveInt = 1         # m(v): 2 under Sec. 4.4's recursion
 
 
 class SearchCandidate(BaseModel):
@@ -83,9 +94,9 @@ class SearchCandidate(BaseModel):
     model_config = _FROZEN
     level: int = 1                 # 1: Alg. 3, m(v) <= 1; 2: inside level 1's segments
                                    # (Sec. 4.4); 0: Sec. 4.2, every cheap op dropped (B unused)
-    segment_budget_bytes: int      # Alg. 3's B
-    predicted_peak_bytes: int      # the simulator's peak for the plan Alg. 3 made with B
-    recompute_flops: int           # the forward work it recomputes
+    segment_budget_bytes: Bytes    # Alg. 3's B
+    predicted_peak_bytes: Bytes    # the simulator's peak for the plan Alg. 3 made with B
+    recompute_flops: Count         # the forward work it recomputes
     fits: bool                     # peak within the budget (less the headroom)
 
 
@@ -96,20 +107,20 @@ class ChainRecord(BaseModel):
     model_config = _FROZEN
     module: str
     module_type: str
-    steps: int                     # T: time steps of the sequence
-    chunk: int                     # time steps per chunk (one call of the step)
-    t: int                         # chunks: the chain's length
-    m: int                         # hidden-state slots (BPTT-HSM's m, h_0 included)
+    steps: Count                   # T: time steps of the sequence
+    chunk: Count                   # time steps per chunk (one call of the step)
+    t: Count                       # chunks: the chain's length
+    m: Count                       # hidden-state slots (BPTT-HSM's m, h_0 included)
     strategy: str                  # "hsm" (Sec. 3.1)
-    cost: int                      # C(t, m): chunk forwards, the first pass included
-    recompute_steps: int           # time steps run again in backward
-    estimated_seconds: float       # the chain's forward + backward, at measured chunk costs
-    recompute_flops: int
-    hidden_bytes: int              # one hidden state
-    internal_bytes: int            # one chunk's internal state (its backward graph)
-    held_bytes: int                # kept from forward to backward
-    forward_workspace_bytes: int   # allocated by the forward op while it runs
-    workspace_bytes: int           # allocated by the backward op while it runs
+    cost: Count                    # C(t, m): chunk forwards, the first pass included
+    recompute_steps: Count         # time steps run again in backward
+    estimated_seconds: NonNegativeFloat  # the chain's forward + backward, at measured chunk costs
+    recompute_flops: Count
+    hidden_bytes: Bytes            # one hidden state
+    internal_bytes: Bytes          # one chunk's internal state (its backward graph)
+    held_bytes: Bytes              # kept from forward to backward
+    forward_workspace_bytes: Bytes  # allocated by the forward op while it runs
+    workspace_bytes: Bytes         # allocated by the backward op while it runs
     reason: str
 
 
@@ -121,14 +132,14 @@ class ReversibleRecord(BaseModel):
     model_config = _FROZEN
     module: str
     module_type: str
-    steps: int                     # T: time steps of the sequence
-    layers: int
+    steps: Count                   # T: time steps of the sequence
+    layers: Count
     max_forget_bits: int | None    # the cap on bits forgotten per unit per step (Sec. 5.3)
-    stored_state_bytes: int        # the hidden states plain BPTT would store (not stored)
-    buffer_bound_bytes: int        # the information buffers, at most (Alg. 1, Sec. 5.1)
-    held_bytes: int                # kept from forward to backward: buffers + final state
-    forward_workspace_bytes: int   # allocated by the forward op while it runs
-    workspace_bytes: int           # allocated by the backward op while it runs
+    stored_state_bytes: Bytes      # the hidden states plain BPTT would store (not stored)
+    buffer_bound_bytes: Bytes      # the information buffers, at most (Alg. 1, Sec. 5.1)
+    held_bytes: Bytes              # kept from forward to backward: buffers + final state
+    forward_workspace_bytes: Bytes  # allocated by the forward op while it runs
+    workspace_bytes: Bytes         # allocated by the backward op while it runs
 
 
 class MemoryPlan(BaseModel):
@@ -136,29 +147,48 @@ class MemoryPlan(BaseModel):
 
     model_config = _FROZEN
     device: str
-    budget_bytes: int | None
-    baseline_peak_bytes: int       # memopt's passes off: same graphs, no in-place, no recompute
-    predicted_peak_bytes: int      # simulated peak of the step as memopt runs it
-    lower_bound_bytes: int         # max over the schedule of live bytes (no allocator does better)
-    arena_bytes: int               # resident bytes + the offset assignment's arena
-    sharing_bytes: int             # resident bytes + Chen's tag-recycling total
-    no_reuse_bytes: int            # every storage its own memory (Chen's "no optimization")
-    resident_bytes: int            # parameters, buffers and inputs
+    budget_bytes: Bytes | None
+    baseline_peak_bytes: Bytes     # memopt's passes off: same graphs, no in-place, no recompute
+    predicted_peak_bytes: Bytes    # simulated peak of the step as memopt runs it
+    lower_bound_bytes: Bytes       # max over the schedule of live bytes (no allocator does better)
+    arena_bytes: Bytes             # resident bytes + the offset assignment's arena
+    sharing_bytes: Bytes           # resident bytes + Chen's tag-recycling total
+    no_reuse_bytes: Bytes          # every storage its own memory (Chen's "no optimization")
+    resident_bytes: Bytes          # parameters, buffers, inputs and existing .grad tensors
     peak_step: str
-    num_forward_steps: int
-    num_backward_steps: int
+    num_forward_steps: Count
+    num_backward_steps: Count
     storages: tuple[StorageRecord, ...]
     saved: tuple[SavedTensor, ...]
     inplace: tuple[InplaceRecord, ...]
     sharing: tuple[SharingGroup, ...]
-    plan_seconds: float
+    plan_seconds: NonNegativeFloat
     recomputed: tuple[RecomputedNode, ...] = ()
-    forward_flops: int = 0             # one forward pass, by the same cost model
-    recompute_flops: int = 0           # extra forward work the recomputation adds
+    forward_flops: Count = 0           # one forward pass, by the same cost model
+    recompute_flops: Count = 0         # extra forward work the recomputation adds
     search: tuple[SearchCandidate, ...] = ()
-    headroom_bytes: int = 0            # of the budget, kept free: the peak fits budget - this
+    headroom_bytes: Bytes = 0          # of the budget, kept free: the peak fits budget - this
     chains: tuple[ChainRecord, ...] = ()  # recurrent chains and their policies
     reversible: tuple[ReversibleRecord, ...] = ()  # reversible RNN stacks
+    #: The step planned with parameters' .grad already allocated (gradients kept between
+    #: steps, gradient accumulation): their bytes, resident for the whole step, and how many
+    #: new gradients the backward adds into them in place as each completes (memopt.grads).
+    existing_grad_bytes: Bytes = 0
+    grads_added_in_place: Count = 0
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "MemoryPlan":
+        """A plan from `to_json`'s text, validated strictly.
+
+        Raises pydantic.ValidationError (a ValueError) for a hand-edited plan that
+        does not hold: a missing field, an unknown key, a value of the wrong type (in
+        strict mode "12" is not 12 and 1.0 is not 1), a negative byte count.
+        """
+        return cls.model_validate_json(text, strict=True)
 
     @property
     def saved_bytes(self) -> int:
@@ -179,11 +209,17 @@ class MemoryPlan(BaseModel):
             f"  arena            {b(self.arena_bytes):>12}   (offset assignment)",
             f"  tag sharing      {b(self.sharing_bytes):>12}   (Chen Sec. 3)",
             f"  no reuse         {b(self.no_reuse_bytes):>12}   (every storage separate)",
-            f"  resident         {b(self.resident_bytes):>12}   (parameters, buffers, inputs)",
+            f"  resident         {b(self.resident_bytes):>12}   (parameters, buffers, inputs"
+            f"{', existing .grad' if self.existing_grad_bytes else ''})",
             f"  peak at          {self.peak_step}",
             f"  in-place rewrites {len(self.inplace)}, sharing groups {len(self.sharing)}, "
             f"saved tensors {len(self.saved)} ({b(self.saved_bytes)})",
         ]
+        if self.existing_grad_bytes:
+            lines.append(
+                f"  existing .grad   {b(self.existing_grad_bytes):>12}   (kept from earlier "
+                f"steps; {self.grads_added_in_place} new gradients added into them in place "
+                f"as each completes)")
         if self.recomputed:
             extra = self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
             lines.append(
