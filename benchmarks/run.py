@@ -3,6 +3,8 @@
     python -m benchmarks.run                      # all models, CPU
     python -m benchmarks.run --models mlp64 lstm  # a subset
     python -m benchmarks.run --device cuda
+    python -m benchmarks.run --budgets            # budget sweep against the peers
+    python -m benchmarks.run --zoo                # third-party models (benchmarks/zoo.py)
 
 Every number comes from a fresh process per measurement (memopt.measure): the
 peak memory of one training step (parameters, buffers, inputs, activations,
@@ -87,17 +89,28 @@ FRACTIONS = (1.0, 0.5, 0.25, 0.1)
 PEERS = {"mlp64": ("checkpoint_sequential:8",), "gpt2": ("hf_checkpointing",)}
 
 
-def minimum_budget(model: str, device: str) -> int:
-    """The smallest peak memopt's search reaches (planned on FakeTensors, not run)."""
+def minimum_budget(spec: str, device: str, grads: str = "none") -> int:
+    """The smallest budget memopt accepts for workload `spec` ("module:builder"), planned
+    on FakeTensors, not run; `grads="kept"`: for the step that finds `.grad` kept."""
     import memopt
-    from benchmarks import workloads
+    from memopt.measure import load_workload
 
-    wl = getattr(workloads, model)(device)
+    wl = load_workload(spec)(device)
     try:
-        memopt.plan(wl.model, *wl.args, example_kwargs=wl.kwargs, budget=1)
+        memopt.plan(wl.model, *wl.args, example_kwargs=wl.kwargs, budget=1,
+                    existing_grads=grads == "kept")
     except memopt.BudgetError as err:
         return err.minimum_bytes
     raise AssertionError("a 1-byte budget was met")
+
+
+def _measured_cells(m, eager, budget: int | None) -> list[str]:
+    """predicted, measured, measured / eager, measured <= budget, RSS, time / eager."""
+    peak = m.budget_peak_bytes
+    fits = "-" if budget is None else ("yes" if peak <= budget else "**no**")
+    return [format_bytes(m.predicted_peak_bytes) if m.predicted_peak_bytes else "-",
+            format_bytes(peak), f"{peak / eager.budget_peak_bytes:.2f}x", fits, rss_cell(m),
+            f"{m.step_seconds / eager.step_seconds:.2f}x"]
 
 
 def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[str]]:
@@ -107,7 +120,7 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
         spec = f"benchmarks.workloads:{model}"
         eager = measure_step(spec, mode="eager", device=device, timed_steps=timed_steps,
                              isolate=True)
-        lowest = minimum_budget(model, device)
+        lowest = minimum_budget(spec, device)
         configs = [(f"memopt {f:.0%}", "memopt", int(f * eager.budget_peak_bytes))
                    for f in FRACTIONS]
         configs.append(("memopt minimum", "memopt", lowest))
@@ -132,13 +145,10 @@ def run_budgets(models: list[str], device: str, timed_steps: int) -> list[list[s
                 rows.append([model, label, format_bytes(budget) if budget else "-",
                              reason, "-", "-", "-", "-", "-", "-"])
                 continue
-            peak = peaks[label] = m.budget_peak_bytes
-            fits = "-" if budget is None else ("yes" if peak <= budget else "**no**")
+            peaks[label] = m.budget_peak_bytes
             rows.append([
                 model, label, format_bytes(budget) if budget else "-",
-                format_bytes(m.predicted_peak_bytes) if m.predicted_peak_bytes else "-",
-                format_bytes(peak), f"{peak / eager.budget_peak_bytes:.2f}x", fits, rss_cell(m),
-                f"{m.step_seconds / eager.step_seconds:.2f}x",
+                *_measured_cells(m, eager, budget),
                 f"{1 + m.recompute_flops_ratio:.2f}x" if m.recompute_flops_ratio is not None
                 else "-",
             ])
@@ -151,6 +161,55 @@ BUDGET_HEADER = ["model", "config", "budget", "predicted", "measured", "measured
                  "forward FLOPs / eager"]
 
 
+ZOO_FRACTION = 0.6
+
+
+def run_zoo(models: list[str], device: str, timed_steps: int) -> list[list[str]]:
+    """Third-party models (benchmarks/zoo.py) in the two states a step can find the
+    gradients in: set to None, and kept (zeroed in place; gradient accumulation). Per
+    state: eager, memopt with no budget, at 60% of eager's measured peak, at the minimum
+    memopt names, and transformers' gradient checkpointing where the model has it."""
+    from benchmarks.zoo import ZOO
+
+    rows = []
+    for model in models:
+        spec = f"benchmarks.zoo:{model}"
+        checkpointing = getattr(ZOO[model]().model, "supports_gradient_checkpointing", False)
+        for grads in ("none", "kept"):
+            def measure(mode: str, budget: int | None = None):
+                return measure_step(spec, mode=mode, budget=budget, device=device,
+                                    timed_steps=timed_steps, isolate=True, grads=grads,
+                                    warmup=2)
+            eager = measure("eager")
+            rows.append([model, grads, "eager", "-", "-", format_bytes(eager.budget_peak_bytes),
+                         "1.00x", "-", rss_cell(eager), "1.00x", "-"])
+            configs = [("memopt, no budget", None),
+                       (f"memopt {ZOO_FRACTION:.0%} of eager",
+                        int(ZOO_FRACTION * eager.budget_peak_bytes)),
+                       ("memopt minimum", minimum_budget(spec, device, grads))]
+            configs += [("hf_checkpointing", "hf_checkpointing")] if checkpointing else []
+            for label, budget in configs:
+                mode = "hf_checkpointing" if budget == "hf_checkpointing" else "memopt"
+                budget = None if mode != "memopt" else budget
+                try:
+                    m = measure(mode, budget)
+                except RuntimeError as err:
+                    reason = "BudgetError" if "BudgetError" in str(err) else "failed"
+                    rows.append([model, grads, label, format_bytes(budget), reason,
+                                 *["-"] * 6])
+                    continue
+                pred = m.predicted_peak_bytes
+                rows.append([model, grads, label, format_bytes(budget) if budget else "-",
+                             *_measured_cells(m, eager, budget),
+                             f"{m.budget_peak_bytes / pred:.3f}" if pred else "-"])
+            print(f"# {model} ({grads}): done", file=sys.stderr, flush=True)
+    return rows
+
+
+ZOO_HEADER = ["model", ".grad", "config", "budget", "predicted", "measured", "measured / eager",
+              "measured <= budget", "RSS peak (CPU)", "time / eager", "measured / predicted"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -158,8 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timed-steps", type=int, default=2)
     parser.add_argument("--budgets", action="store_true",
                         help="the budget sweep (Chen Alg. 3) against eager and the peers")
+    parser.add_argument("--zoo", nargs="*", default=None, metavar="MODEL",
+                        help="third-party models (benchmarks/zoo.py; all when none named) "
+                             "with gradients set to None and kept, at several budgets")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.zoo is not None:
+        from benchmarks.zoo import ZOO
+
+        unknown = sorted(set(args.zoo) - set(ZOO))
+        if unknown:
+            parser.error(f"unknown zoo models {unknown}; the zoo has {sorted(ZOO)}")
+        rows = run_zoo(args.zoo or list(ZOO), args.device, args.timed_steps)
+        print(f"\nThird-party models, device={args.device} (one fresh process per cell; "
+              f"a step finds .grad set to None, or kept and zeroed)\n")
+        print(markdown(rows, ZOO_HEADER))
+        return 0
     if args.budgets:
         models = [m for m in args.models if m in BUDGET_MODELS] or list(BUDGET_MODELS)
         rows = run_budgets(models, args.device, args.timed_steps)

@@ -7,7 +7,10 @@ What is measured
 ----------------
 One training step is ``loss_fn(model(*args, **kwargs)).backward()``. The step
 starts with every parameter gradient set to ``None`` (as after
-``optimizer.zero_grad(set_to_none=True)``). The model's outputs stay alive
+``optimizer.zero_grad(set_to_none=True)``), or with ``grads="kept"`` with every
+trainable parameter's ``.grad`` allocated and zeroed (``zero_grad(set_to_none=False)``,
+every micro-step after the first of gradient accumulation); kept gradients count as
+resident. The model's outputs stay alive
 through backward, as in the usual loop ``out = model(x); loss = loss_fn(out);
 loss.backward()`` (HF models return logits beside the loss), which is also
 what memopt's plan assumes. A workload may bring its own step instead
@@ -341,10 +344,27 @@ def _storage_bytes(tensors: Sequence[torch.Tensor], device: torch.device) -> int
     return sum(sizes.values())
 
 
-def _params_to_none(modules: Sequence[Any], wl: Workload) -> None:
+#: How a measured step finds the parameters' gradients: "none" (set to None, as after
+#: ``zero_grad(set_to_none=True)``) or "kept" (allocated and zeroed in place, as after
+#: ``zero_grad(set_to_none=False)`` and in every micro-step after the first of gradient
+#: accumulation).
+GRADS = ("none", "kept")
+
+
+def _prepare_grads(modules: Sequence[Any], wl: Workload, grads: str = "none") -> None:
+    """Put every parameter's ``.grad`` in the state the measured step starts from."""
     for t in _tensors_of(wl, modules):
-        if t.grad is not None:
-            t.grad = None
+        if grads == "none" or not t.requires_grad:
+            if t.grad is not None:
+                t.grad = None
+        elif t.grad is None:
+            t.grad = torch.zeros_like(t)
+        else:
+            t.grad.zero_()
+
+
+def _grad_tensors(modules: Sequence[Any], wl: Workload) -> list[torch.Tensor]:
+    return [t.grad for t in _tensors_of(wl, modules) if t.grad is not None]
 
 
 def _step(module: Callable[..., Any], wl: Workload) -> None:
@@ -425,6 +445,7 @@ def _measure_here(
     warmup: int,
     timed_steps: int,
     options: dict | None,
+    grads: str = "none",
 ) -> Measurement:
     """Run the whole measurement in this process."""
     dev = _check_device(device)
@@ -442,7 +463,7 @@ def _measure_here(
     # Step 1: warm-up steps; the first one compiles.
     warmup_seconds = []
     for _ in range(warmup):
-        _params_to_none(modules, wl)
+        _prepare_grads(modules, wl, grads)
         warmup_seconds.append(_timed_step(compiled, wl, dev))
 
     predicted: int | None = None
@@ -455,10 +476,10 @@ def _measure_here(
         flops_ratio = plan.recompute_flops / plan.forward_flops
     chains = [_jsonable(c) for c in getattr(plan, "chains", None) or ()] or None
 
-    # Step 2: a clean start: no gradients, no garbage.
-    _params_to_none(modules, wl)
+    # Step 2: a clean start: gradients as `grads` says (kept ones are resident), no garbage.
+    _prepare_grads(modules, wl, grads)
     gc.collect()
-    resident = _storage_bytes(_tensors_of(wl, modules), dev)
+    resident = _storage_bytes(_tensors_of(wl, modules) + _grad_tensors(modules, wl), dev)
 
     # Step 3: the measured step.
     if dev.type == "cuda":
@@ -473,14 +494,15 @@ def _measure_here(
         seconds = _timed_step(compiled, wl, dev)
         hwm = _read_status_kib("VmHWM")
         peak = (hwm - rss_before) * 1024 + resident
-    allocated = peak if dev.type == "cuda" else _allocated_peak(compiled, wl, modules) + resident
+    allocated = peak if dev.type == "cuda" else (
+        _allocated_peak(compiled, wl, modules, grads) + resident)
     logger.info("%s (%s) peak %d bytes, allocated %d, resident %d", workload, mode, peak,
                 allocated, resident)
 
     # Step 4: more timed steps for a steadier time.
     times = [seconds]
     for _ in range(timed_steps):
-        _params_to_none(modules, wl)
+        _prepare_grads(modules, wl, grads)
         times.append(_timed_step(compiled, wl, dev))
     step_seconds = statistics.median(times)
     plan_seconds = None
@@ -500,12 +522,13 @@ def _measure_here(
     )
 
 
-def _allocated_peak(module: Callable[..., Any], wl: Workload, modules: Sequence[Any]) -> int:
+def _allocated_peak(module: Callable[..., Any], wl: Workload, modules: Sequence[Any],
+                    grads: str = "none") -> int:
     """The most bytes the CPU allocator had handed out at once during one step, over
     what was allocated when it started (a step under the profiler, from a clean start)."""
     from .allocation import allocation_peak  # noqa: PLC0415
 
-    _params_to_none(modules, wl)
+    _prepare_grads(modules, wl, grads)
     gc.collect()
     with allocation_peak("cpu") as seen:
         _step(module, wl)
@@ -544,6 +567,7 @@ def _measure_in_child(
     options: dict | None,
     path: Sequence[str],
     timeout: float,
+    grads: str = "none",
 ) -> Measurement:
     repo_root = str(Path(__file__).resolve().parent.parent)
     cwd = os.getcwd()
@@ -554,6 +578,7 @@ def _measure_in_child(
         "--device", device,
         "--warmup", str(warmup),
         "--timed-steps", str(timed_steps),
+        "--grads", grads,
         "--json",
     ]  # fmt: skip
     if budget is not None:
@@ -626,6 +651,7 @@ def measure_step(
     timeout: float = 1800,
     isolate: bool | None = None,
     path: Sequence[str] = (),
+    grads: str = "none",
 ) -> Measurement:
     """Measure the peak memory and time of one training step.
 
@@ -646,6 +672,10 @@ def measure_step(
             this process, which is only as good as this process's heap.
         path: more ``sys.path`` entries for the child (the working directory
             is always added).
+        grads: ``"none"``: every step starts with the gradients set to None;
+            ``"kept"``: with every trainable parameter's ``.grad`` allocated and
+            zeroed in place (``zero_grad(set_to_none=False)``, a micro-step of
+            gradient accumulation); the kept ``.grad`` tensors count as resident.
 
     Raises:
         ValueError: a malformed workload name, mode, device or count.
@@ -655,6 +685,8 @@ def measure_step(
     _check_workload_name(workload)
     _check_mode(mode)
     dev = _check_device(device)
+    if grads not in GRADS:
+        raise ValueError(f"grads must be one of {GRADS}, got {grads!r}")
     if warmup < 0 or timed_steps < 0:
         raise ValueError(f"warmup and timed_steps must be >= 0, got {warmup}, {timed_steps}")
     if mode != "eager" and warmup < 1:
@@ -663,7 +695,7 @@ def measure_step(
         isolate = dev.type == "cpu"
     kwargs = dict(
         mode=mode, budget=budget, device=device, warmup=warmup,
-        timed_steps=timed_steps, options=options,
+        timed_steps=timed_steps, options=options, grads=grads,
     )  # fmt: skip
     if isolate:
         return _measure_in_child(workload, path=path, timeout=timeout, **kwargs)
@@ -691,6 +723,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timed-steps", type=int, default=3)
     parser.add_argument("--options", default=None, help="JSON object of compile options")
+    parser.add_argument("--grads", default="none", choices=GRADS,
+                        help="gradients at the start of each step: set to None, or kept")
     parser.add_argument("--path", action="append", default=[], help="add to sys.path")
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--log-level", default="WARNING")
@@ -714,6 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=ns.warmup,
         timed_steps=ns.timed_steps,
         options=options,
+        grads=ns.grads,
     )
     if ns.json:
         sys.stdout.write(result.to_json() + "\n")

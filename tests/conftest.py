@@ -20,10 +20,17 @@ seeded before each test and restored after, so no test sees another's draws.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+#: The repository root, so that tests import the benchmarks' workloads
+#: (``benchmarks.zoo``, ``benchmarks.recurrent_workloads``) however pytest is started.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 def _config_modules() -> dict[str, Any]:

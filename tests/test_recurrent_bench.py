@@ -6,18 +6,11 @@ on a tiny language model it must give the gradients of plain full BPTT.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import recurrent_workloads as rw  # noqa: E402
-from memopt.measure import _step, measure_step  # noqa: E402
+from benchmarks import recurrent_workloads as rw
+from memopt.measure import _step, measure_step
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -8,18 +8,11 @@ milliseconds with two spinning OpenMP threads and microseconds with one."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import recurrent, reversible  # noqa: E402
-from benchmarks.reversible import HEADER, Config, run_reversible  # noqa: E402
+from benchmarks import recurrent, reversible
+from benchmarks.reversible import HEADER, Config, run_reversible
 
 TINY = (Config("gru", 24, 16, batch=4), Config("lstm", 24, 16, batch=4))
 
