@@ -60,6 +60,27 @@ class ExistingGrads:
 
 
 @dataclass(frozen=True)
+class StepContext:
+    """What a step holds or forms besides its joint graph's values: the kind of every
+    primal (parameter / buffer / input), the `.grad` tensors kept from earlier steps, and
+    `outside_grad_bytes`, the gradients autograd forms outside the compiled backward
+    (outputs that alias each other or an input: memopt.backend). Liveness of any build of
+    the step comes from here."""
+
+    primal_kinds: dict[str, str]
+    grads: ExistingGrads | None = None
+    outside_grad_bytes: int = 0
+
+    def liveness(self, fw: fx.GraphModule, bw: fx.GraphModule, saved: frozenset[str],
+                 num_user_outputs: int) -> StepSchedule:
+        return analyze_liveness(
+            fw, bw, saved=saved, num_user_outputs=num_user_outputs,
+            primal_kinds=self.primal_kinds,
+            existing_grads=self.grads.nbytes if self.grads is not None else None,
+            outside_grad_bytes=self.outside_grad_bytes)
+
+
+@dataclass(frozen=True)
 class Options:
     """Pipeline switches (the defaults are what `memopt.compile` runs)."""
 
@@ -127,24 +148,23 @@ class Mirror:
 
 
 def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
-           inplace: bool, primal_kinds: dict[str, str], grads: ExistingGrads | None,
-           done: list[str]) -> _Built:
+           inplace: bool, step: StepContext, done: list[str]) -> _Built:
     """Partition (recomputing `mirror`), place recomputation, add gradients into existing
     `.grad` tensors, rewrite in place, analyze."""
     with _stage("partition", done):
         if mirror.names:
             joint = add_mirror_nodes(joint, num_fwd_outputs, mirror.names,
-                                     _mutable_inputs(primal_kinds), twice=mirror.twice)
+                                     _mutable_inputs(step.primal_kinds), twice=mirror.twice)
         cut = find_cut(joint, num_fwd_outputs)
         fw, bw = partition(joint, num_fwd_outputs, cut)
         recomputed = frozenset(n.name for n in bw.graph.nodes if recomputed_from(n))
         # the extraction drops saved values the backward never reads
         saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}
-    if grads is not None:
+    if step.grads is not None:
         with _stage("gradient accumulation", done):
             primals = [n.name for n in joint.graph.find_nodes(op="placeholder")
                        if not is_tangent(n)]
-            accumulate_in_place(bw, primals, frozenset(grads.nbytes), grads.add)
+            accumulate_in_place(bw, primals, frozenset(step.grads.nbytes), step.grads.add)
     rewrites: list[InplaceRecord] = []
     if inplace:
         with _stage("in-place", done):
@@ -154,14 +174,9 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
     with _stage("kernel workspaces", done):  # measured once per op and shape, then cached
         measure_workspaces([fw, bw])
     with _stage("liveness", done):
-        schedule = analyze_liveness(fw, bw, saved=saved_names, num_user_outputs=num_fwd_outputs,
-                                    primal_kinds=primal_kinds, existing_grads=_nbytes(grads))
+        schedule = step.liveness(fw, bw, saved_names, num_fwd_outputs)
     peak = _peak_bytes(schedule, allocation_granularity(_device_of(fw)))
     return _Built(joint, fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak)
-
-
-def _nbytes(grads: ExistingGrads | None) -> dict[str, int] | None:
-    return grads.nbytes if grads is not None else None
 
 
 def _mutable_inputs(primal_kinds: dict[str, str]) -> frozenset[str]:
@@ -273,9 +288,8 @@ class _ChainChoice:
 
 def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                    num_fwd_outputs: int, target: int | None,
-                   primal_kinds: dict[str, str], build,
-                   costs: dict[str, chain_pass.ChunkCosts],
-                   grads: ExistingGrads | None) -> list[_ChainChoice]:
+                   step: StepContext, build,
+                   costs: dict[str, chain_pass.ChunkCosts]) -> list[_ChainChoice]:
     """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
     Chen's planner sees the rest of the graph.
 
@@ -312,10 +326,8 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
             key = (config.chunk, config.m)
             if key not in peaks:
                 chain_pass.apply([built.fw, built.bw], site, config)
-                schedule = analyze_liveness(built.fw, built.bw, saved=built.saved_names,
-                                            num_user_outputs=num_fwd_outputs,
-                                            primal_kinds=primal_kinds,
-                                            existing_grads=_nbytes(grads))
+                schedule = step.liveness(built.fw, built.bw, built.saved_names,
+                                         num_fwd_outputs)
                 peaks[key] = _peak_bytes(schedule, gran)
             return peaks[key]
 
@@ -382,9 +394,11 @@ def plan_joint(
     budget: Budget | None,
     options: Options = Options(),
     grads: ExistingGrads | None = None,
+    outside_grad_bytes: int = 0,
 ) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
     """Run memopt's passes on `joint`; return the forward, backward and the plan.
-    `grads`: plan the step in which parameters' `.grad` already exist (ExistingGrads).
+    `grads`: plan the step in which parameters' `.grad` already exist (ExistingGrads);
+    `outside_grad_bytes`: see StepContext.
 
     Step 1: declare minimum dependencies (passes.partition.read_concat_views).
     Step 2: the baseline: no in-place, no recomputation.
@@ -397,9 +411,10 @@ def plan_joint(
     with _stage("minimum dependencies", done):
         read_concat_views(joint, num_fwd_outputs, find_cut(joint, num_fwd_outputs))
 
+    step = StepContext(primal_kinds, grads, outside_grad_bytes)
+
     def build(mirror: Mirror, inplace: bool = options.inplace) -> _Built:
-        return _build(joint, num_fwd_outputs, mirror, inplace=inplace,
-                      primal_kinds=primal_kinds, grads=grads, done=[])
+        return _build(joint, num_fwd_outputs, mirror, inplace=inplace, step=step, done=[])
 
     costs: dict[str, chain_pass.ChunkCosts] = {}
     sites = chain_pass.find_chains(joint)
@@ -425,8 +440,7 @@ def plan_joint(
     chains: list[_ChainChoice] = []
     if sites:
         with _stage("recurrent chain policies", done):
-            chains = _choose_chains(sites, joint, num_fwd_outputs, target, primal_kinds,
-                                    build, costs, grads)
+            chains = _choose_chains(sites, joint, num_fwd_outputs, target, step, build, costs)
     mirror = Mirror()
     search: tuple[SearchCandidate, ...] = ()
     if options.mirror == "all":
@@ -440,8 +454,8 @@ def plan_joint(
             with _stage("budget search", done):
                 mirror, search = _choose_mirror(joint, num_fwd_outputs, target,
                                                primal_kinds, build)
-    final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
-                   primal_kinds=primal_kinds, grads=grads, done=done)
+    final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace, step=step,
+                   done=done)
     recomputed = _recomputed_nodes(final)
     chain_records = _chain_records(chains)
     forward_flops = _forward_flops(joint, num_fwd_outputs) + sum(

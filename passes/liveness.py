@@ -109,11 +109,16 @@ def analyze_liveness(
     num_user_outputs: int,
     primal_kinds: dict[str, str] | None = None,
     existing_grads: dict[str, int] | None = None,
+    outside_grad_bytes: int = 0,
 ) -> StepSchedule:
     """Lifetimes of every storage of a training step. `saved`: names of saved values;
     the forward returns `num_user_outputs` outputs for the caller, then the saved values
     (AOTAutograd's convention). A value can be both: the caller still holds it.
-    `existing_grads`: bytes of the `.grad` each parameter primal already holds."""
+    `existing_grads`: bytes of the `.grad` each parameter primal already holds.
+    `outside_grad_bytes`: gradients autograd holds at once outside the compiled
+    backward just before it starts (one per output beyond the first that aliases
+    another output or an input; autograd sums them into the one tangent the compiled
+    backward reads), charged at the first backward step."""
     primal_kinds = primal_kinds or {}
     stores = _Storages()
     node_keys: dict[tuple[str, str], list[object]] = {}
@@ -238,6 +243,10 @@ def analyze_liveness(
     for primal, nbytes in (existing_grads or {}).items():
         lives.append(StorageLife(name=f"grad.{primal}", nodes=(), nbytes=nbytes, start=-1,
                                  end=end_of_step, kind="existing_grad"))
+    if outside_grad_bytes and bw is not None and num_forward < len(steps):
+        lives.append(StorageLife(name="bw.aliased_output_grads", nodes=(),
+                                 nbytes=outside_grad_bytes, start=num_forward,
+                                 end=num_forward, kind="tangent"))
     lives.sort(key=lambda s: (s.start, s.name))
     return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives))
 

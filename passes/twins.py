@@ -39,7 +39,10 @@ _BATCH_NORM = _aten._native_batch_norm_legit_functional.default
 def _has_twin(op: fx.Node, index: int) -> bool:
     if op.target is _DROPOUT:
         p, train = op.args[1], op.args[2] if len(op.args) > 2 else op.kwargs.get("train")
-        return index == 0 and bool(train) and isinstance(p, float) and 0.0 < p < 1.0
+        # the twin reads the mask; a dropout that needs no backward (its input does not
+        # require grad) has no mask in the graph, and its output is kept, not recomputed
+        return (index == 0 and bool(train) and isinstance(p, float) and 0.0 < p < 1.0
+                and _mask_of(op) is not None)
     if op.target is _BATCH_NORM:
         return index < 3 and op.args[5] is True
     return False
@@ -51,9 +54,11 @@ def is_twinned(node: fx.Node) -> bool:
             and _has_twin(node.args[0], node.args[1]))
 
 
-def _mask_of(dropout: fx.Node) -> fx.Node:
-    # backward always reads the mask (native_dropout_backward), so its getitem exists
-    return next(u for u in dropout.users if u.target is operator.getitem and u.args[1] == 1)
+def _mask_of(dropout: fx.Node) -> fx.Node | None:
+    """The mask's getitem: there whenever backward reads the mask (native_dropout_backward),
+    absent when the dropout needs no gradient."""
+    return next((u for u in dropout.users if u.target is operator.getitem and u.args[1] == 1),
+                None)
 
 
 def twin_sources(item: fx.Node) -> list[fx.Node]:
