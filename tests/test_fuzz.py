@@ -1,0 +1,410 @@
+"""The corpus as a fuzzer (issue 13, item 4): random models against eager and the budget.
+
+hypothesis draws model descriptions (fuzz_models.model_specs: Linear, Conv2d, train-mode
+BatchNorm, LayerNorm, Dropout, residual branches, repeated blocks, views, transposes,
+in-place ops, several outputs, frozen parameters, inputs with grad) and each model is
+compiled at five budgets: None, 0.6 and 0.3 (fractions of memopt's baseline peak), the
+minimum memopt names (`BudgetError.minimum_bytes` of a compile at budget=1 byte) and the
+byte budget halfway between that minimum and the baseline.
+For every budget memopt accepts, two training steps run on the compiled model, on an
+eager copy and on a float64 eager copy, from the same state, inputs and dropout seed
+(the global RNG is seeded before each forward, so dropout draws the same masks):
+
+  (a) both steps give eager's outputs, parameter and input gradients at test_corpus's
+      fp32 tolerances, and eager's buffers exactly (BatchNorm running statistics, one
+      step counted). Where fp32 differs, the float64 copy arbitrates: memopt must be as
+      close to it as eager fp32 is (assert_fp32_close: deep generated models have
+      gradients that are cancellation residues, off by more than atol in eager too);
+  (b) step 2's allocated peak (memopt.allocation.allocation_peak around forward, loss and
+      backward, the output held through backward, gradients set to None first, plus the
+      resident parameters, buffers and inputs) is at most the plan's `budget_bytes`.
+      Step 1 plans. The loss is test_corpus.default_loss, outside the module: what it
+      keeps is counted, its transient product is not (measured_step; README.md, "What
+      the budget counts");
+  (c) lowering the budget never raises the predicted peak, and no budget is refused
+      while a smaller one is accepted.
+
+A budget below what memopt can reach raising BudgetError is no failure (0.3, and for
+shallow models 0.6, is refused); the minimum itself and budget=None must be accepted.
+Anything else memopt raises is a failure, and so is every check above: hypothesis then
+shrinks the model to a minimal description and prints it (its repr is Python: paste it
+into a reproducer with `from fuzz_models import *`). Nothing is marked xfail.
+
+Runs are reproducible: `derandomize=True` (examples from a fixed seed) and no example
+database, so no `.hypothesis` state changes what the next run draws.
+
+Figures: each test prints one line at teardown (visible with `pytest -s`): models
+tried, plans checked, budgets refused, overshoots, gradient mismatches (and fp32
+roundings let through by the float64 arbiter), unexpected errors, monotonicity
+violations, the worst measured/budget and measured/predicted ratios, the wall time;
+it writes the same figures as JSON to `<pytest tmp dir>/fuzz_figures.json` (its path is
+printed with the line). While hypothesis shrinks a failure every re-run counts as a
+model.
+
+    python -m pytest -q tests/test_fuzz.py               # the small slice (10 models)
+    python -m pytest -q -m slow tests/test_fuzz.py -s    # 200 models x 5 budgets
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from torch import nn
+
+import memopt
+from fuzz_models import ModelSpec, build_model, make_inputs, model_specs, output_shapes
+from memopt.allocation import allocation_peak
+from test_corpus import (
+    FP32,
+    assert_buffers_equal,
+    assert_close,
+    assert_same_structure,
+    batch_norm_steps,
+    clone_inputs,
+    default_loss,
+    leaves,
+    step,
+)
+
+#: The budgets every model is compiled at; MINIMUM stands for the minimum memopt names
+#: for that model, MIDPOINT for the byte budget halfway between it and the baseline (the
+#: fractions 0.6 and 0.3 are mostly below the minimum of such small models, so the
+#: midpoint is what exercises a binding budget above the minimum; skipped where the
+#: minimum, headroom included, is already at the baseline).
+MINIMUM = "minimum"
+MIDPOINT = "midpoint"
+BUDGETS: tuple[object, ...] = (None, 0.6, 0.3, MIDPOINT, MINIMUM)
+
+
+@dataclass(frozen=True)
+class ByteBudget:
+    """A byte budget derived from the model (MINIMUM or MIDPOINT): its label and bytes."""
+
+    label: str
+    nbytes: int
+
+
+def _label(budget: object) -> str:
+    return budget.label if isinstance(budget, ByteBudget) else str(budget)
+
+
+# --------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What a fuzz run saw (one per test; printed and written at teardown)."""
+
+    models: int = 0
+    plans: int = 0              # accepted budgets whose step was checked
+    refused: int = 0            # BudgetError below the minimum (expected)
+    overshoots: int = 0         # measured > budget_bytes
+    mismatches: int = 0         # outputs, gradients or buffers differ from eager
+    rounding: int = 0           # fp32 differences as small as eager's own (assert_fp32_close)
+    errors: int = 0             # any other exception from memopt
+    non_monotonic: int = 0      # a lower budget with a higher predicted peak, or refused
+    worst_measured_over_budget: float = 0.0
+    worst_measured_over_predicted: float = 0.0
+    seconds: float = 0.0
+    worst_example: str = ""     # the model and budget of the worst measured/budget ratio
+    accepted: dict[str, int] = field(default_factory=dict)   # plans checked, by budget
+
+    def __repr__(self) -> str:  # hypothesis prints the fixture beside a failing example
+        return f"<{self.line()}>"
+
+    def _accepted(self) -> str:
+        return ", ".join(f"{self.accepted.get(_label(b), 0)} at {_label(b)}" for b in BUDGETS)
+
+    def line(self) -> str:
+        return (f"fuzz: {self.models} models, {self.plans} plans checked, {self.refused} budgets "
+                f"refused (accepted: {self._accepted()}), {self.overshoots} overshoots, {self.mismatches} gradient mismatches "
+                f"({self.rounding} fp32 roundings let through), "
+                f"{self.errors} errors, {self.non_monotonic} non-monotonic, worst measured/budget "
+                f"{self.worst_measured_over_budget:.3f}, worst measured/predicted "
+                f"{self.worst_measured_over_predicted:.3f}, {self.seconds:.0f} s")
+
+
+@pytest.fixture
+def tally(tmp_path):
+    figures = Tally()
+    start = time.perf_counter()
+    yield figures
+    figures.seconds = time.perf_counter() - start
+    path = tmp_path / "fuzz_figures.json"
+    path.write_text(json.dumps(asdict(figures), indent=2))
+    print(f"\n{figures.line()}\n(figures: {path})")
+
+
+# --------------------------------------------------------------------------
+# Checking one model
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """One accepted budget: what the plan promised and what the step measured."""
+
+    budget: object
+    budget_bytes: int | None
+    target_bytes: int | None    # budget_bytes less the headroom: what the plan must fit
+    predicted: int
+    measured: int
+
+
+@dataclass
+class Outcome:
+    accepted: list[Accepted] = field(default_factory=list)
+    refused: list[tuple[object, int]] = field(default_factory=list)   # (budget, its bytes)
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def minimum_bytes(spec: ModelSpec) -> tuple[int, int]:
+    """The smallest budget memopt accepts for `spec`, as its BudgetError names it, and
+    the baseline it names."""
+    torch.manual_seed(0)
+    compiled = memopt.compile(build_model(spec), budget=1)
+    torch.manual_seed(100)
+    inputs = make_inputs(spec)
+    with pytest.raises(memopt.BudgetError) as info:
+        torch.manual_seed(1000)
+        default_loss(compiled(*inputs)).backward()
+    return info.value.minimum_bytes, info.value.baseline_bytes
+
+
+@dataclass
+class Models:
+    """The compiled model and its references, all from the same initial state."""
+
+    compiled: nn.Module
+    model: nn.Module            # the module memopt compiled (shares state with `compiled`)
+    eager: nn.Module            # eager PyTorch, float32: what memopt must match
+    reference: nn.Module        # eager PyTorch, float64: arbitrates fp32 rounding
+
+
+def measured_step(models: Models, inputs: tuple[torch.Tensor, ...], seed: int) -> tuple[int, Any]:
+    """One compiled step (forward, default_loss, backward; the output held through
+    backward) and its peak as a budget counts it: the allocated peak over three windows
+    plus the resident parameters, buffers and inputs. What the loss keeps (its scalar)
+    is counted; its transient temporaries (the product inside default_loss) are not:
+    a loss computed outside the module is the caller's (README.md, "What the budget
+    counts")."""
+    resident = _storage_bytes([*models.model.parameters(), *models.model.buffers(), *inputs])
+    torch.manual_seed(seed)
+    with allocation_peak("cpu") as forward:
+        out = models.compiled(*inputs)
+    with allocation_peak("cpu") as loss_window:
+        loss = default_loss(out)
+    with allocation_peak("cpu") as backward:
+        loss.backward()
+    peak = max(forward.peak, forward.end + loss_window.end + backward.peak)
+    return resident + peak, out
+
+
+def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor, reference: torch.Tensor,
+                      what: str, tally: Tally) -> None:
+    """`actual` (memopt) equals `expected` (eager) at test_corpus's fp32 tolerances; where it
+    does not, it must be as close to the float64 `reference` as eager is (within 4x, plus
+    those tolerances). A gradient summed from terms that cancel (a bias feeding a
+    BatchNorm, say) carries a rounding error of the size of the terms, not of the result:
+    eager fp32 itself is then off by more than atol, and memopt, summing in another order,
+    is off by as much. A real error (another dropout mask, a wrong recomputation, a
+    missing term) is far larger than eager's own."""
+    try:
+        assert_close(actual, expected, what, FP32)
+        return
+    except AssertionError as err:
+        ref = reference.detach().double()
+        ours = (actual.detach().double() - ref).abs().max().item()
+        eager = (expected.detach().double() - ref).abs().max().item()
+        bound = 4 * eager + FP32["atol"] + FP32["rtol"] * ref.abs().max().item()
+        if ours <= bound:
+            tally.rounding += 1
+            return
+        raise AssertionError(f"{err}\nagainst float64 eager: memopt off by {ours:.3g}, eager "
+                             f"float32 off by {eager:.3g}") from None
+
+
+def step_and_compare(models: Models, spec: ModelSpec, k: int, tally: Tally, *,
+                     measure: bool = False) -> int | None:
+    """Step k (from 0) of the compiled model and of both references, from the same inputs
+    and dropout seed; compare outputs, parameter and input gradients (fp32, see
+    assert_fp32_close) and buffers (equal, BatchNorm counted one step). With `measure`,
+    return the compiled step's allocated peak plus the resident parameters, buffers and
+    inputs."""
+    torch.manual_seed(100 + k)
+    inputs = make_inputs(spec)
+    ours, theirs = clone_inputs(inputs), clone_inputs(inputs)
+    ref_inputs = tuple(x.detach().double().requires_grad_(x.requires_grad) for x in inputs)
+    for module in (models.model, models.eager, models.reference):
+        module.zero_grad(set_to_none=True)
+    measured = None
+    if measure:
+        measured, out = measured_step(models, ours, seed=1000 + k)
+    else:
+        out = step(models.compiled, ours, seed=1000 + k, autocast=None, loss_fn=default_loss)
+    expected = step(models.eager, theirs, seed=1000 + k, autocast=None, loss_fn=default_loss)
+    reference = step(models.reference, ref_inputs, seed=1000 + k, autocast=None,
+                     loss_fn=default_loss)
+
+    when = f"step {k + 1}"
+    assert [tuple(t.shape) for t in leaves(expected)] == list(output_shapes(spec)), (
+        "fuzz_models built a model its description does not describe")
+    assert_same_structure(out, expected)
+    for i, (a, e, r) in enumerate(zip(leaves(out), leaves(expected), leaves(reference))):
+        assert a.shape == e.shape and a.dtype == e.dtype, (i, a.shape, e.shape, a.dtype, e.dtype)
+        assert_fp32_close(a, e, r, f"{when}: output {i}", tally)
+    ours_params = dict(models.model.named_parameters())
+    ref_params = dict(models.reference.named_parameters())
+    for name, p_eager in models.eager.named_parameters():
+        p = ours_params[name]
+        assert (p.grad is None) == (p_eager.grad is None), f"{when}: grad of {name}: one is None"
+        if p_eager.grad is not None:
+            assert_fp32_close(p.grad, p_eager.grad, ref_params[name].grad,
+                              f"{when}: grad of {name}", tally)
+    for i, (a, e, r) in enumerate(zip(ours, theirs, ref_inputs)):
+        if e.requires_grad:
+            assert a.grad is not None and e.grad is not None, f"{when}: input {i} has no grad"
+            assert_fp32_close(a.grad, e.grad, r.grad, f"{when}: grad of input {i}", tally)
+    assert_buffers_equal(models.model, models.eager, f"after {when}")
+    if batch_norm_steps(models.eager):
+        assert batch_norm_steps(models.model) == {k + 1}, "BatchNorm counted a step twice (or not)"
+    return measured
+
+
+def check_budget(spec: ModelSpec, budget: object, outcome: Outcome, tally: Tally) -> None:
+    """Compile `spec` at `budget`; step 1 plans and is compared with eager (a), step 2 is
+    compared and measured (b); record the result in `outcome`."""
+    torch.manual_seed(0)
+    eager = build_model(spec)
+    model = copy.deepcopy(eager)
+    nbytes = budget.nbytes if isinstance(budget, ByteBudget) else budget
+    models = Models(memopt.compile(model, budget=nbytes), model, eager,
+                    copy.deepcopy(eager).double())
+    refusal = None
+    try:
+        try:
+            step_and_compare(models, spec, 0, tally)  # plans: a budget too low is refused here
+        except memopt.BudgetError as err:
+            refusal = err
+        else:
+            plan = models.compiled.memopt_plan
+            measured = step_and_compare(models, spec, 1, tally, measure=True)
+    except AssertionError:
+        tally.mismatches += 1
+        raise
+    except Exception:
+        tally.errors += 1
+        raise
+    if refusal is not None:
+        if budget is None or not isinstance(budget, float):
+            tally.errors += 1
+            raise AssertionError(f"budget {budget!r} refused ({refusal})") from refusal
+        assert refusal.budget_bytes < refusal.minimum_bytes, refusal  # names a higher minimum
+        tally.refused += 1
+        outcome.refused.append((budget, refusal.budget_bytes))
+        return
+    tally.plans += 1
+    tally.accepted[_label(budget)] = tally.accepted.get(_label(budget), 0) + 1
+    assert measured is not None
+    assert plan is models.compiled.memopt_plan and len(models.compiled.memopt_plans) == 1, (
+        "the second step made a new plan")
+    target = None if plan.budget_bytes is None else plan.budget_bytes - plan.headroom_bytes
+    outcome.accepted.append(Accepted(budget, plan.budget_bytes, target,
+                                     plan.predicted_peak_bytes, measured))
+    tally.worst_measured_over_predicted = max(tally.worst_measured_over_predicted,
+                                              measured / plan.predicted_peak_bytes)
+    if plan.budget_bytes is None:
+        return
+    ratio = measured / plan.budget_bytes
+    if ratio > tally.worst_measured_over_budget:
+        tally.worst_measured_over_budget = ratio
+        tally.worst_example = f"budget={budget!r}: {spec!r}"
+    if measured > plan.budget_bytes:
+        tally.overshoots += 1
+        raise AssertionError(
+            f"budget {budget!r}: measured {measured} B > budget {plan.budget_bytes} B "
+            f"(predicted {plan.predicted_peak_bytes} B, baseline {plan.baseline_peak_bytes} B)")
+
+
+def check_monotonic(outcome: Outcome, tally: Tally) -> None:
+    """(c): over the accepted budgets, largest first, the predicted peak never rises; and
+    no budget is refused while one at fewer bytes (less its headroom) was accepted."""
+    order = sorted(outcome.accepted, key=lambda a: -math.inf if a.budget_bytes is None
+                   else -a.budget_bytes)
+    for higher, lower in itertools.pairwise(order):
+        if lower.predicted > higher.predicted:
+            tally.non_monotonic += 1
+            raise AssertionError(
+                f"budget {lower.budget!r} ({lower.budget_bytes} B) predicts "
+                f"{lower.predicted} B, more than budget {higher.budget!r} "
+                f"({higher.budget_bytes} B) at {higher.predicted} B")
+    for budget, nbytes in outcome.refused:
+        below = [a for a in outcome.accepted if a.target_bytes is not None
+                 and a.target_bytes <= nbytes]
+        if below:
+            tally.non_monotonic += 1
+            raise AssertionError(
+                f"budget {budget!r} ({nbytes} B) refused, but budget {below[0].budget!r} "
+                f"planned within {below[0].target_bytes} B was accepted")
+
+
+def check_model(spec: ModelSpec, tally: Tally) -> Outcome:
+    """Every check of the module docstring, for one model at every budget of BUDGETS."""
+    torch._dynamo.reset()  # the guards of earlier models' compiled code are no use here
+    tally.models += 1
+    try:
+        minimum, baseline = minimum_bytes(spec)
+    except BaseException:
+        tally.errors += 1
+        raise
+    derived = {MINIMUM: ByteBudget(MINIMUM, minimum)}
+    if baseline > minimum + 1:
+        derived[MIDPOINT] = ByteBudget(MIDPOINT, (minimum + baseline) // 2)
+    outcome = Outcome()
+    for budget in BUDGETS:
+        if budget in (MINIMUM, MIDPOINT) and budget not in derived:
+            continue
+        check_budget(spec, derived.get(budget, budget), outcome, tally)
+    check_monotonic(outcome, tally)
+    return outcome
+
+
+# --------------------------------------------------------------------------
+# The tests
+# --------------------------------------------------------------------------
+
+_SETTINGS = {"derandomize": True, "database": None, "deadline": None, "print_blob": True,
+             "suppress_health_check": [HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow, HealthCheck.data_too_large]}
+
+
+@settings(max_examples=10, report_multiple_bugs=False, **_SETTINGS)
+@given(spec=model_specs(max_layers=6))
+def test_fuzz_slice(spec: ModelSpec, tally: Tally, one_thread) -> None:
+    """A few random models, every check; runs in every suite run."""
+    check_model(spec, tally)
+
+
+@pytest.mark.slow
+@settings(max_examples=200, **_SETTINGS)
+@given(spec=model_specs())
+def test_fuzz(spec: ModelSpec, tally: Tally, one_thread) -> None:
+    """200 random models x 5 budgets."""
+    check_model(spec, tally)
