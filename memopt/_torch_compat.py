@@ -34,6 +34,27 @@ def recompile_limit() -> int:
     return int(torch._dynamo.config.recompile_limit)
 
 
+def ignored_logging_config() -> dict[str, Any]:
+    """Keyword arguments for ``torch._dynamo.config.patch`` that make dynamo skip logging
+    calls instead of breaking the graph at them: every ``logging.Logger`` method,
+    transformers' ``warning_once`` / ``info_once`` (installed on ``logging.Logger`` when
+    transformers is imported) and ``warnings.warn``, added to what the user has set.
+    The option is ``ignore_logging_functions`` in torch 2.13 (``ignore_logger_methods``,
+    Logger methods only, before it)."""
+    import logging  # noqa: PLC0415
+    import warnings  # noqa: PLC0415
+
+    config = torch._dynamo.config
+    key = ("ignore_logging_functions" if hasattr(config, "ignore_logging_functions")
+           else "ignore_logger_methods")
+    names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
+             "warning_once", "info_once")
+    functions = {getattr(logging.Logger, n) for n in names if hasattr(logging.Logger, n)}
+    if key == "ignore_logging_functions":
+        functions.add(warnings.warn)
+    return {key: set(getattr(config, key)) | functions}
+
+
 # The "boxed" calling convention: the generated code takes one list and clears
 # it, so each input (a saved activation in backward) is freed at its last use.
 from torch.fx.graph import _BoxedCodeGen

@@ -17,13 +17,16 @@ at the first call). See README.md, "Bad input".
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._torch_compat import FailOnRecompileLimitHit, recompile_limit, unwrap_backend_error
+from ._torch_compat import (FailOnRecompileLimitHit, ignored_logging_config, recompile_limit,
+                            unwrap_backend_error)
 from .backend import MemoptBackend
 from .errors import CaptureError, InputError, MemoptError
 from .memory_plan import MemoryPlan
@@ -57,7 +60,8 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
     (inputs that do not match `model`'s device or dtype as InputError)."""
     backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS,
+                                        **ignored_logging_config()):
             return fn(*args, **kwargs)
     except (MemoptError, _PlanOnly):
         raise
@@ -145,6 +149,12 @@ class CompiledModule(nn.Module):
     It shares its parameters, buffers and submodules with the model it wraps (the
     same tensor objects, the same `state_dict` keys), so an optimizer built on
     either trains both. `memopt_plan` is the plan of the graph that ran last.
+
+    It keeps the model's interface: `forward` has the model's signature (what
+    `inspect.signature` and the HF Trainer's column filter read) and docstring, and any
+    attribute or method it does not define itself reaches the model (`config`,
+    `generate`, `save_pretrained`, ...; those methods run the model as it is, eagerly).
+    `gradient_checkpointing_enable()` does nothing but warn: memopt plans recomputation.
     """
 
     def __init__(self, model: nn.Module, backend: MemoptBackend) -> None:
@@ -162,6 +172,7 @@ class CompiledModule(nn.Module):
         # earlier steps (gradient accumulation), which is planned with those tensors
         # resident and adds the new gradients into them in place. Built when first needed.
         object.__setattr__(self, "_memopt_compiled", {False: _compile_step(traced, backend)})
+        object.__setattr__(self, "forward", _forward_with_signature(self, model))
         self.training = model.training
 
     @property
@@ -200,8 +211,26 @@ class CompiledModule(nn.Module):
         except AttributeError:
             return getattr(self._memopt_model, name)
 
+    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        """A no-op with a warning: memopt chooses what to recompute under the budget
+        (HF gradient checkpointing would recompute every layer on top of it)."""
+        warnings.warn(
+            "gradient_checkpointing_enable() does nothing on a memopt module: memopt plans "
+            "recomputation itself, under its budget (lower the budget to recompute more)",
+            UserWarning, stacklevel=2)
+
     def extra_repr(self) -> str:
         return f"memopt: {self._memopt_backend!r}"
+
+
+def _forward_with_signature(compiled: CompiledModule, model: nn.Module) -> Any:
+    """`compiled`'s forward as an instance attribute that carries the model's forward's
+    name, docstring and signature (`__wrapped__`, which `inspect.signature` follows)."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return CompiledModule.forward(compiled, *args, **kwargs)
+
+    return functools.update_wrapper(forward, model.forward)
 
 
 def _compile_step(traced: nn.Module, backend: MemoptBackend) -> Any:
@@ -250,7 +279,28 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
                         "tensors by itself; existing_grads is an option of memopt.plan")
     backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
     _refuse_meta(model)
+    _refuse_wrappers(model)
     return CompiledModule(model, backend)
+
+
+def _refuse_wrappers(model: nn.Module) -> None:
+    """memopt compiles the model inside the data-parallel wrapper, not the wrapper: DDP's
+    forward runs bucket and hook bookkeeping that is no part of a training graph; and a
+    model whose HF gradient checkpointing is on would be recomputed twice."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel  # noqa: PLC0415
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        kind = type(model).__name__
+        raise InputError(
+            f"memopt.compile was given a {kind}: compile the model inside it and wrap the "
+            f"result instead, {kind}(memopt.compile(model, budget=...)), so that {kind} "
+            f"all-reduces the gradients memopt's backward produces. The budget then counts "
+            f"one rank's step.")
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise InputError(
+            "the model has HF gradient checkpointing enabled; memopt plans recomputation "
+            "itself, under its budget. Call model.gradient_checkpointing_disable() before "
+            "memopt.compile.")
 
 
 def _refuse_meta(model: nn.Module) -> None:

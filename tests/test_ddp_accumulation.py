@@ -1,6 +1,7 @@
 """Gradient accumulation under DistributedDataParallel on 2 gloo ranks (issue 13, item 0).
 
-`DDP(memopt.compile(model))`: each rank accumulates two micro-batches, with DDP's
+`DDP(memopt.compile(model))` (the other order, `memopt.compile(DDP(model))`, is refused
+with an InputError naming this one): each rank accumulates two micro-batches, with DDP's
 `no_sync()` on the first (the usual way: one all-reduce per optimizer step) or without
 it (an all-reduce after every micro-batch). The parameters after two optimizer steps
 equal single-process eager's on the whole batch, and each rank's allocated peak in its
@@ -66,6 +67,11 @@ def _rank(rank: int, port: int, use_no_sync: bool, bucket_view: bool, out_dir: s
         x0 = _batch(0, 0, rank)
         baseline = memopt.plan(model, x0, existing_grads=True).baseline_peak_bytes
         budget = int(0.8 * baseline)
+        try:  # the other wrapping order is refused, naming this one (issue 14, item 5)
+            memopt.compile(DDP(model))
+            refused = None
+        except memopt.InputError as err:
+            refused = type(err).__name__
         ddp = DDP(memopt.compile(model, budget=budget), gradient_as_bucket_view=bucket_view)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         measured, plan = None, None
@@ -97,7 +103,7 @@ def _rank(rank: int, port: int, use_no_sync: bool, bucket_view: bool, out_dir: s
             "params": [p.detach().tolist() for p in model.parameters()],
             "measured": measured, "predicted": plan.predicted_peak_bytes,
             "budget": plan.budget_bytes, "existing_grad_bytes": plan.existing_grad_bytes,
-            "added": plan.grads_added_in_place,
+            "added": plan.grads_added_in_place, "refused": refused,
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -147,5 +153,6 @@ def test_ddp_accumulation_matches_eager_within_budget(use_no_sync: bool, bucket_
         for p, q in zip(got["params"], reference):
             torch.testing.assert_close(torch.tensor(p), q, rtol=1e-4, atol=1e-5)
         assert got["existing_grad_bytes"] > 0 and got["added"] == len(reference)
+        assert got["refused"] == "InputError"  # memopt.compile(DDP(model))
         assert got["measured"] <= got["budget"], got
         assert abs(got["measured"] - got["predicted"]) <= 0.10 * got["predicted"], got

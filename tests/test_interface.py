@@ -1,0 +1,123 @@
+"""The compiled module keeps the model's interface (issue 14, items 2, 3 and 5).
+
+`inspect.signature(compiled.forward)` is the model's (the HF Trainer filters dataset
+columns by it); attributes and methods reach the model (`config`, `generate`,
+`save_pretrained`); `state_dict` keys are the original's; HF gradient checkpointing is a
+no-op with a warning on a memopt module, and refused when already on; logging calls inside
+forward do not break the graph; wrappers that must go outside memopt are refused with the
+fix named.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import warnings
+
+import pytest
+import torch
+import transformers  # noqa: F401  (installs logging.Logger.warning_once, as HF models use it)
+from torch import nn
+
+import memopt
+from benchmarks.zoo import ZOO
+
+log = logging.getLogger("memopt.tests.interface")
+
+
+class Logs(nn.Module):
+    """A model that logs and warns in forward (transformers' `warning_once` included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        log.info("forward on %s", tuple(x.shape))
+        h = torch.tanh(self.a(x))
+        log.warning("hidden ready")
+        warnings.warn("a user warning inside forward")
+        log.warning_once("once")
+        return self.b(h) * scale
+
+
+def _llama():
+    case = ZOO["llama"]()
+    return case, memopt.compile(case.model, budget=0.9)
+
+
+def test_forward_has_the_models_signature() -> None:
+    model = Logs()
+    compiled = memopt.compile(model)
+    assert inspect.signature(compiled.forward) == inspect.signature(model.forward)
+    assert compiled.forward.__doc__ == model.forward.__doc__
+    case, compiled = _llama()
+    assert inspect.signature(compiled.forward) == inspect.signature(case.model.forward)
+    assert "input_ids" in inspect.signature(compiled.forward).parameters
+
+
+def test_logging_inside_forward_is_one_graph_with_eager_gradients() -> None:
+    torch.manual_seed(0)
+    eager = Logs()
+    model = copy.deepcopy(eager)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = memopt.compile(model)  # fullgraph: a break would raise CaptureError
+        compiled(x, scale=2.0).sum().backward()
+        eager(x, scale=2.0).sum().backward()
+    assert len(compiled.memopt_plans) == 1
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_attributes_methods_and_state_dict_reach_the_model(tmp_path) -> None:
+    case, compiled = _llama()
+    assert compiled.config is case.model.config
+    assert list(compiled.state_dict()) == list(case.model.state_dict())
+    case.run_step(compiled)  # trains compiled
+    compiled.eval()
+    with torch.no_grad():
+        generated = compiled.generate(case.kwargs["input_ids"][:1, :8], max_new_tokens=3,
+                                      do_sample=False)
+        assert generated.shape == (1, 11)
+        out = compiled(input_ids=case.kwargs["input_ids"])  # eval forward, no_grad
+        assert out.logits.shape[-1] == case.model.config.vocab_size
+    compiled.train()
+    compiled.save_pretrained(tmp_path)
+    reloaded = type(case.model).from_pretrained(tmp_path)
+    for (name, p), q in zip(case.model.state_dict().items(), reloaded.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=name)
+
+
+def test_gradient_checkpointing_enable_is_a_no_op_with_a_warning() -> None:
+    case, compiled = _llama()
+    with pytest.warns(UserWarning):
+        compiled.gradient_checkpointing_enable()
+    assert not any(getattr(m, "gradient_checkpointing", False) is True
+                   for m in case.model.modules())
+    case.run_step(compiled)
+    assert compiled.memopt_plan is not None
+
+
+def test_a_model_with_checkpointing_on_is_refused() -> None:
+    case = ZOO["llama"]()
+    case.model.gradient_checkpointing_enable()
+    with pytest.raises(memopt.InputError):
+        memopt.compile(case.model)
+    assert any(getattr(m, "gradient_checkpointing", False) is True for m in case.model.modules())
+
+
+def test_data_parallel_is_refused_naming_the_order() -> None:
+    model = Logs()
+    with pytest.raises(memopt.InputError):
+        memopt.compile(nn.DataParallel(model))
+    # the order that works
+    compiled = memopt.compile(model)
+    wrapped = nn.DataParallel(compiled)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped(x).sum().backward()
+    assert compiled.memopt_plan is not None
