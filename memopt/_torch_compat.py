@@ -9,6 +9,7 @@ file only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -32,6 +33,45 @@ except ImportError:  # pragma: no cover - older/newer torch
 
 def recompile_limit() -> int:
     return int(torch._dynamo.config.recompile_limit)
+
+
+@dataclass(frozen=True)
+class CompilingFrame:
+    """The frame dynamo is compiling when it calls a backend, and why the graph ends: at
+    a graph break (`reason`, and the user's file and line where it happened), or where
+    the frame returns."""
+
+    code: Any
+    graph_break: bool
+    reason: str
+    filename: str
+    lineno: int
+
+    def ends_forward(self, forward_code: Any) -> bool:
+        """The graph is all of `forward_code`'s frame: it returns, and nothing broke it."""
+        return not self.graph_break and forward_code is not None and self.code is forward_code
+
+    def where(self) -> str:
+        reason = self.reason.strip().splitlines()[0] if self.reason.strip() else "a graph break"
+        return f"ending at {self.filename}:{self.lineno} ({reason})"
+
+
+def compiling_frame() -> CompilingFrame:
+    """What dynamo says of the graph it hands the backend now (its private
+    InstructionTranslator: the frame's code and the GraphCompileReason)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator  # noqa: PLC0415
+
+        tx = InstructionTranslator.current_tx()
+        reason = tx.output.compile_subgraph_reason
+        stack = list(getattr(reason, "user_stack", None) or [])
+        last = stack[-1] if stack else None
+        return CompilingFrame(
+            code=tx.f_code, graph_break=bool(getattr(reason, "graph_break", False)),
+            reason=str(getattr(reason, "reason", "")),
+            filename=getattr(last, "filename", "?"), lineno=int(getattr(last, "lineno", 0) or 0))
+    except Exception:  # noqa: BLE001 - outside dynamo, or its internals moved
+        return CompilingFrame(code=None, graph_break=False, reason="", filename="?", lineno=0)
 
 
 def ignored_logging_config() -> dict[str, Any]:
@@ -128,6 +168,12 @@ def unwrap_backend_error(err: BaseException) -> BaseException:
 def storage_key(t: Any) -> Any:
     """A hashable identity of the storage under a (fake) tensor; views share it."""
     return StorageWeakRef(t.untyped_storage())
+
+
+def storage_ref(storage: Any) -> Any:
+    """A weak reference to a storage (`.expired()` once nothing holds it: no tensor, no
+    view, no tensor saved by autograd)."""
+    return StorageWeakRef(storage)
 
 
 def autograd_inside_op():

@@ -29,7 +29,7 @@ from ._torch_compat import (FailOnRecompileLimitHit, ignored_logging_config, rec
                             unwrap_backend_error)
 from .backend import MemoptBackend
 from .errors import CaptureError, InputError, MemoptError
-from .memory_plan import MemoryPlan
+from .memory_plan import MemoryPlan, StepPlan
 from .recurrent.modules import substitute_rnns
 
 #: Sharing these dicts makes the compiled module hold the very same parameter
@@ -137,9 +137,10 @@ def _capture_message(err: BaseException) -> str:
             where = f" at {frames[-1]}"
     return (
         f"memopt could not capture the model as one training graph: {type(err).__name__}: "
-        f"{first}{where}. memopt needs the forward to trace without graph breaks "
-        "(no Python branches on tensor values, no .item()/.tolist(), no print or logging "
-        "calls inside forward)."
+        f"{first}{where}. One graph is needed by memopt.plan (it never runs the code "
+        "between graphs) and by memopt.compile(..., fullgraph=True); memopt.compile without "
+        "fullgraph plans every graph of a forward that dynamo splits at graph breaks "
+        "(Python branches on tensor values, .item()/.tolist(), print calls)."
     )
 
 
@@ -157,7 +158,7 @@ class CompiledModule(nn.Module):
     `gradient_checkpointing_enable()` does nothing but warn: memopt plans recomputation.
     """
 
-    def __init__(self, model: nn.Module, backend: MemoptBackend) -> None:
+    def __init__(self, model: nn.Module, backend: MemoptBackend, fullgraph: bool = False) -> None:
         super().__init__()
         for name in _SHARED_STATE:
             object.__setattr__(self, name, getattr(model, name))
@@ -168,17 +169,23 @@ class CompiledModule(nn.Module):
         traced, pairs = substitute_rnns(model)
         object.__setattr__(self, "_memopt_pairs", pairs)
         object.__setattr__(self, "_memopt_traced", traced)
+        object.__setattr__(self, "_memopt_fullgraph", fullgraph)
+        # a graph of this code that returns is the whole forward (memopt.steps)
+        backend._log.forward_code = getattr(traced.forward, "__func__", traced.forward).__code__
         # One compiled step per gradient state (memopt.grads): .grad absent, or kept from
         # earlier steps (gradient accumulation), which is planned with those tensors
         # resident and adds the new gradients into them in place. Built when first needed.
-        object.__setattr__(self, "_memopt_compiled", {False: _compile_step(traced, backend)})
+        object.__setattr__(self, "_memopt_compiled",
+                           {False: _compile_step(traced, backend, fullgraph)})
         object.__setattr__(self, "forward", _forward_with_signature(self, model))
         self.training = model.training
 
     @property
-    def memopt_plan(self) -> MemoryPlan | None:
-        """The plan of the training graph that ran most recently (None before the first call)."""
-        return self._memopt_backend.last_plan
+    def memopt_plan(self) -> MemoryPlan | StepPlan | None:
+        """The plan of the training step that ran most recently (None before the first
+        call): a MemoryPlan, or a StepPlan of one MemoryPlan per graph when dynamo split
+        the forward at graph breaks."""
+        return self._memopt_backend.step_plan()
 
     @property
     def memopt_plans(self) -> tuple[MemoryPlan, ...]:
@@ -192,13 +199,23 @@ class CompiledModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         for original, copy in self._memopt_pairs:  # train()/eval() on the user's model
             copy.training = original.training
-        existing = torch.is_grad_enabled() and _has_grads(self._memopt_model)
+        backend, model = self._memopt_backend, self._memopt_model
+        if backend._log.pending is not None:  # a re-plan after graph breaks did not fit
+            raise backend._log.pending
+        existing = torch.is_grad_enabled() and _has_grads(model)
         compiled = self._memopt_compiled.get(existing)
         if compiled is None:
-            compiled = _compile_step(self._memopt_traced,
-                                     self._memopt_backend.with_existing_grads())
+            compiled = _compile_step(self._memopt_traced, backend.with_existing_grads(),
+                                     self._memopt_fullgraph)
             self._memopt_compiled[existing] = compiled
-        return _run_captured(compiled, args, kwargs, self._memopt_backend, self._memopt_model)
+        backend.forward_begins(model, args, kwargs)
+        try:
+            out = _run_captured(compiled, args, kwargs, backend, model)
+        except BaseException:
+            backend.forward_aborted()
+            raise
+        backend.forward_ends(out)
+        return out
 
     def train(self, mode: bool = True) -> "CompiledModule":
         self._memopt_model.train(mode)
@@ -233,8 +250,8 @@ def _forward_with_signature(compiled: CompiledModule, model: nn.Module) -> Any:
     return functools.update_wrapper(forward, model.forward)
 
 
-def _compile_step(traced: nn.Module, backend: MemoptBackend) -> Any:
-    return torch.compile(traced, backend=backend, dynamic=False, fullgraph=True)
+def _compile_step(traced: nn.Module, backend: Any, fullgraph: bool) -> Any:
+    return torch.compile(traced, backend=backend, dynamic=False, fullgraph=fullgraph)
 
 
 def _has_grads(model: nn.Module) -> bool:
@@ -277,10 +294,13 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
     if "existing_grads" in options:
         raise TypeError("memopt.compile plans the steps with and without existing .grad "
                         "tensors by itself; existing_grads is an option of memopt.plan")
+    fullgraph = options.pop("fullgraph", False)
+    if not isinstance(fullgraph, bool):
+        raise ValueError(f"fullgraph must be True or False, got {fullgraph!r}")
     backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
     _refuse_meta(model)
     _refuse_wrappers(model)
-    return CompiledModule(model, backend)
+    return CompiledModule(model, backend, fullgraph)
 
 
 def _refuse_wrappers(model: nn.Module) -> None:
@@ -333,7 +353,7 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
         model = model.original_module
     backend = MemoptBackend(budget, plan_only=True, **options)
     traced, _ = substitute_rnns(model)
-    compiled = _compile_step(traced, _never_run(backend))
+    compiled = _compile_step(traced, _never_run(backend), fullgraph=True)
     try:
         _run_captured(compiled, example_inputs, example_kwargs or {}, backend, model)
     except _PlanOnly as ready:

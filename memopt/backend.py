@@ -15,7 +15,9 @@ backward.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -24,12 +26,14 @@ from torch import fx
 
 from memopt.passes.loops import chain_loops
 
-from ._torch_compat import aot_module_simplified, loss_decompositions, make_boxed, storage_key
-from .budget import Budget, parse_budget
-from .errors import CaptureError, PassError
+from ._torch_compat import (CompilingFrame, aot_module_simplified, compiling_frame,
+                            loss_decompositions, make_boxed, storage_key)
+from .budget import Budget, format_bytes, parse_budget
+from .errors import BudgetError, CaptureError, PassError
 from .grads import GradSink
+from .memory_plan import GraphBreak, MemoryPlan, StepPlan
 from .pipeline import ExistingGrads, Options, plan_joint
-from .memory_plan import MemoryPlan
+from .steps import ForwardTrace, Outside
 
 log = logging.getLogger("memopt")
 
@@ -91,6 +95,17 @@ class _PlanLog:
     last: MemoryPlan | None = None
     graphs: dict[bool, int] = field(default_factory=dict)  # captured, by existing_grads
     graph_limit: int = 8  # the most graphs of one kind (torch._dynamo.config.recompile_limit)
+    #: Graph breaks: the forward now running (memopt.steps), every graph built, the graphs
+    #: the last forward ran (in order), the code object of the model's forward (a graph
+    #: of it that returns is the whole step), and a BudgetError a re-plan raised, for
+    #: the next call.
+    trace: ForwardTrace | None = None
+    graphs_built: list["_Graph"] = field(default_factory=list)
+    last_runs: tuple["_Graph", ...] = ()
+    forward_code: Any = None
+    pending: BudgetError | None = None
+    warned_eager: bool = False
+    step_baselines: dict[tuple[int, ...], int] = field(default_factory=dict)
 
 
 class MemoptBackend:
@@ -164,25 +179,174 @@ class MemoptBackend:
                 f"{', existing_grads=True' if self.existing_grads else ''})")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:
-        self._count_graph()
-        kinds = _primal_kinds(gm, example_inputs)
-        attributes = [*gm.parameters(), *gm.buffers()]  # AOTAutograd's first primals
-        sink, grads = None, None
-        if self.existing_grads:
-            sink, grads = _grad_sink(kinds, [*attributes, *example_inputs])
-        planned: list[MemoryPlan] = []
-        outside = _aliased_output_grad_bytes(gm)
+        trace = self._log.trace
+        position = len(trace.runs) if trace is not None else 0
+        if position == 0:  # a new entry into the step (a graph after a break is no new one)
+            self._count_graph()
+        frame = compiling_frame()
+        alone = position == 0 and frame.ends_forward(self._log.forward_code)
+        graph = _Graph(self, gm, example_inputs, frame, index=position, alone=alone)
+        self._log.graphs_built.append(graph)
         if self.loops:
             _chain_loops(gm)
+        outside = Outside()
+        if trace is not None:
+            outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
+            if alone:  # the whole forward in one graph: nothing is planned after it
+                outside = Outside(outside.forward, outside.forward)
+        if trace is None or alone:
+            return graph.compile(example_inputs, outside, GREEDY, self.budget)
+        # The forward has graph breaks, and what its other graphs hold is not known
+        # before it ends: every graph of this first forward holds as little as it can for
+        # the others (LEAN, else LOWEST where LEAN misses the budget). When the forward
+        # ends, every graph is planned again with all of them known (forward_ends). A
+        # fraction budget is of the whole step's baseline, not known before then either.
+        budget = None if self.budget is not None and self.budget.fraction is not None \
+            else self.budget
+        try:
+            compiled = graph.compile(example_inputs, outside, LEAN, budget)
+        except BudgetError:
+            compiled = graph.compile(example_inputs, outside, LOWEST, budget)
+        graph.provisional = True
+        return compiled
+
+    def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A memopt module's forward starts: trace its graphs (memopt.steps) when it
+        records gradients."""
+        self._log.trace = ForwardTrace.begin(model, args, kwargs) if torch.is_grad_enabled() \
+            else None
+
+    def forward_aborted(self) -> None:
+        self._log.trace = None
+
+    def _nothing_compiled(self) -> None:
+        """A training forward ran without any compiled graph: dynamo skipped its frame
+        (a graph break inside a loop makes it run the whole frame eagerly), so memopt
+        planned nothing. Under a budget that is an error; without one, a warning."""
+        message = (
+            "dynamo compiled no graph of this forward (a graph break inside a for/while "
+            "loop makes it run the whole frame eagerly), so memopt planned nothing: the "
+            "step ran as eager PyTorch does. Move the break (.item(), print, a branch on a "
+            "tensor's value) out of the loop, or pass fullgraph=True to memopt.compile to "
+            "see where it is.")
+        if self.budget is not None:
+            raise CaptureError(f"{message} The budget {self.budget} cannot be held.")
+        if not self._log.warned_eager:
+            self._log.warned_eager = True
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def step_plan(self) -> MemoryPlan | StepPlan | None:
+        """The plan of the last training forward: its graph's MemoryPlan, or a StepPlan
+        of one per graph when graph breaks split it."""
+        runs = self._log.last_runs
+        graphs = list(dict.fromkeys(runs))
+        if len(graphs) <= 1:
+            return self._log.last
+        return StepPlan(graphs=tuple(g.plan for g in graphs),
+                        runs=tuple(graphs.index(g) for g in runs))
+
+    def forward_ends(self, returned: Any) -> None:
+        """The forward of a memopt module returned (memopt.api): with every graph of it
+        known, re-plan the graphs whose plans assumed less than the rest of the step
+        holds around them (memopt.steps), for the steps after this one. A budget that
+        no longer fits is raised at the next call, naming the graph."""
+        trace, self._log.trace = self._log.trace, None
+        if trace is None:
+            return
+        if not trace.runs:
+            if _needs_grad(returned):
+                self._nothing_compiled()
+            return
+        bases = trace.end(returned)
+        runs = [run.graph for run in trace.runs]
+        self._log.last_runs = tuple(runs)
+        if len(set(map(id, runs))) == 1 and runs[0].policy == GREEDY \
+                and runs[0].outside.covers(bases[0]):
+            return  # one graph, planned with what it needed: the usual case
+        step_baseline = None
+        if self.budget is not None and self.budget.fraction is not None:
+            # once per sequence of graphs: from the first forward's plans, as it ran
+            key = tuple(map(id, runs))
+            step_baseline = self._log.step_baselines.setdefault(key, _step_baseline(runs))
+        # Policies settled by earlier forwards stay; the first forward's guesses do not.
+        policies = {id(g): GREEDY if g.provisional else g.policy for g in runs}
+        while True:
+            try:
+                _replan_jointly(runs, bases, policies, step_baseline)
+                return
+            except _DoesNotFit as miss:
+                # the graphs before the one that misses hold as little as they can for it
+                earlier = [g for g in dict.fromkeys(runs[:miss.position])
+                           if policies[id(g)] == GREEDY and g is not miss.graph]
+                if not earlier:
+                    self._log.pending = miss.graph.budget_error()
+                    return
+                for g in earlier:
+                    policies[id(g)] = LEAN
+
+
+class _Graph:
+    """One graph dynamo captured and memopt planned: what it needs to be planned again
+    (its FX graph, FakeTensor inputs, primal kinds), its plan and compiled function, and
+    where in the user's code it ends (`frame`). `run` is what dynamo calls; a re-plan
+    swaps the function it runs for the steps after."""
+
+    def __init__(self, backend: MemoptBackend, gm: fx.GraphModule,
+                 example_inputs: Sequence[Any], frame: CompilingFrame, index: int,
+                 alone: bool) -> None:
+        self.backend, self.gm, self.frame = backend, gm, frame
+        self.index, self.alone = index, alone  # its position in the forward; the only one
+        self.kinds = _primal_kinds(gm, example_inputs)
+        self.attributes = [*gm.parameters(), *gm.buffers()]  # AOTAutograd's first primals
+        self.fakes = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        self.sink, self.grads = None, None
+        if backend.existing_grads:
+            self.sink, self.grads = _grad_sink(self.kinds, [*self.attributes, *example_inputs])
+        self.outside_grads = _aliased_output_grad_bytes(gm)
+        self.outside, self.policy, self.step_baseline = Outside(), GREEDY, None
+        self.provisional = False  # planned with a guess for the graphs after it
+        self.plan: MemoryPlan | None = None
+        self.compiled: Callable | None = None
+
+    def label(self) -> str:
+        where = f", {self.frame.where()}" if self.frame.graph_break else ""
+        return f"graph {self.index + 1}{where}"
+
+    def graph_break(self) -> GraphBreak | None:
+        """The break that ends this graph (None: it returns)."""
+        if not self.frame.graph_break:
+            return None
+        return GraphBreak(reason=self.frame.reason, filename=self.frame.filename,
+                          lineno=self.frame.lineno)
+
+    def compile(self, example_inputs: Sequence[Any], outside: Outside, policy: str,
+                budget: Budget | None, step_baseline: int | None = None,
+                must_fit: bool = True) -> Callable:
+        """Plan this graph under `budget` with `outside` held around it, by `policy`
+        (GREEDY, LEAN, LOWEST), a fraction budget of `step_baseline` when given
+        (memopt.pipeline.plan_joint), and compile it (AOTAutograd with memopt's partition
+        function); the callable for dynamo. Raises BudgetError where the plan misses,
+        if `must_fit` (else the plan is kept all the same: `plan.fits` says)."""
+        backend = self.backend
+        options, cap = backend.options, None
+        if policy == LEAN:
+            options = dataclasses.replace(options, mirror="all")
+        elif policy == LOWEST:
+            cap = 1
+        planned: list[MemoryPlan] = []
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-            fw, bw, plan = plan_joint(joint, num_fwd_outputs, primal_kinds=kinds,
-                                      budget=self.budget, options=self.options, grads=grads,
-                                      outside_grad_bytes=outside)
+            fw, bw, plan = plan_joint(
+                joint, num_fwd_outputs, primal_kinds=self.kinds, budget=budget,
+                options=options, grads=self.grads, outside_grad_bytes=self.outside_grads,
+                outside=outside, label="" if self.alone else self.label(), cap=cap,
+                step_baseline=step_baseline, must_fit=must_fit)
+            plan = plan.model_copy(update={"graph_index": self.index,
+                                           "graph_break": self.graph_break()})
             planned.append(plan)
-            self._log.plans.append(plan)
-            if self.plan_only:  # stop before AOTAutograd builds its runtime wrappers
+            backend._log.plans.append(plan)
+            if backend.plan_only:  # stop before AOTAutograd builds its runtime wrappers
                 from .api import _PlanOnly
 
                 raise _PlanOnly(plan)
@@ -195,22 +359,110 @@ class MemoptBackend:
         # save): the user's RNG state must not move, or dropout would draw other masks.
         with torch.random.fork_rng(devices=_cuda_devices()):
             compiled = aot_module_simplified(
-                gm, example_inputs, fw_compiler=compile_graph, bw_compiler=compile_graph,
-                inference_compiler=compile_graph, partition_fn=partition_fn,
-                decompositions=loss_decompositions(),
+                self.gm, list(example_inputs), fw_compiler=compile_graph,
+                bw_compiler=compile_graph, inference_compiler=compile_graph,
+                partition_fn=partition_fn, decompositions=loss_decompositions(),
             )
         if not planned:
             return compiled  # an inference graph (no gradients needed): nothing to plan
+        self.plan, self.compiled, self.outside = planned[-1], compiled, outside
+        self.policy, self.step_baseline = policy, step_baseline
+        return self.run
 
-        plan = planned[-1]
+    def replan(self, outside: Outside, policy: str, step_baseline: int | None) -> None:
+        """Plan and compile again (on FakeTensors) under the backend's budget, for the
+        next runs, keeping the plan even where it misses the budget (`plan.fits`); LEAN
+        falls back to LOWEST where it misses."""
+        budget = self.backend.budget
+        self.compile(self.fakes, outside, policy, budget, step_baseline, must_fit=False)
+        if policy == LEAN and not self.plan.fits:
+            self.compile(self.fakes, outside, LOWEST, budget, step_baseline, must_fit=False)
+            self.policy = LEAN  # what was asked: LOWEST is how LEAN fits here
+        self.provisional = False
 
-        def run(*args: Any) -> Any:
-            self._log.last = plan
-            if sink is not None:
-                sink.bind([*attributes, *args])
-            return compiled(*args)
+    def budget_error(self) -> BudgetError:
+        """The BudgetError of this graph's plan, which misses the budget."""
+        try:
+            self.compile(self.fakes, self.outside, LOWEST, self.backend.budget,
+                         self.step_baseline)
+        except BudgetError as err:
+            return err
+        raise AssertionError(f"{self.label()}: its lowest-peak plan fits after all")
 
-        return run
+    def run(self, *args: Any) -> Any:
+        log = self.backend._log
+        log.last = self.plan
+        flat = [*self.attributes, *args]
+        record = log.trace.start_run(self, flat, self.plan.held_bytes) if log.trace else None
+        if self.sink is not None:
+            self.sink.bind(flat)
+        out = self.compiled(*args)
+        if record is not None:
+            record.record_outputs(out)
+        return out
+
+
+def _needs_grad(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad
+               for t in torch.utils._pytree.tree_leaves(value))
+
+
+def _step_baseline(runs: list[_Graph]) -> int:
+    """The baseline peak of the whole step (no memopt passes in any graph), which a
+    fraction budget is of: the largest over the runs of a graph's baseline, with what the
+    graphs before it would save unoptimized in place of what their plans save."""
+    peak, extra = 0, 0
+    for graph in runs:
+        peak = max(peak, graph.plan.baseline_peak_bytes + extra)
+        extra += graph.plan.baseline_saved_bytes - graph.plan.held_bytes
+    return peak
+
+
+class _DoesNotFit(Exception):
+    def __init__(self, graph: "_Graph", position: int) -> None:
+        super().__init__(graph.label())
+        self.graph, self.position = graph, position
+
+
+#: Rounds of planning every graph of a forward again, each with the saved bytes the
+#: round before gave the others (a graph running more than once in a forward sees graphs
+#: that run after its first run).
+_ROUNDS = 3
+
+
+def _replan_jointly(runs: list[_Graph], bases: list[Outside], policies: dict[int, str],
+                    step_baseline: int | None) -> None:
+    """Plan every graph of a forward again with all of them known (graph breaks): each
+    by its policy in `policies`, with what the rest of the step holds around each of its
+    runs (`bases`, from memopt.steps, plus the saved bytes of the runs before it as
+    planned now), in rounds until the saved bytes settle. Raises _DoesNotFit for the
+    first graph whose plan misses the budget, at its last run's position."""
+    order = list(dict.fromkeys(runs))
+    for _ in range(_ROUNDS):
+        before = {id(g): g.plan.held_bytes for g in order}
+        for graph in order:
+            need = Outside()
+            for i, run in enumerate(runs):
+                if run is graph:
+                    need = need.max(bases[i].plus(sum(r.plan.held_bytes for r in runs[:i])))
+            policy = policies[id(graph)]
+            if graph.provisional or graph.outside != need or graph.policy != policy \
+                    or graph.step_baseline != step_baseline:
+                log.info("memopt: planning %s again with the whole forward known (%s): %s "
+                         "held around its forward, %s around its backward", graph.label(),
+                         policy, format_bytes(need.forward), format_bytes(need.backward))
+                graph.replan(need, policy, step_baseline)
+        if all(g.plan.held_bytes == before[id(g)] for g in order):
+            break
+    for graph in order:
+        if not graph.plan.fits:
+            raise _DoesNotFit(graph, max(i for i, r in enumerate(runs) if r is graph))
+
+
+#: How a graph of a forward with graph breaks is planned: the least recomputation that
+#: fits (Chen's search), recomputing everything it can (it holds the least for the graphs
+#: after it: Chen Alg. 2 with m(v) = 1 everywhere), or its lowest peak.
+GREEDY, LEAN, LOWEST = "greedy", "lean", "lowest"
 
 
 def _aliased_output_grad_bytes(gm: fx.GraphModule) -> int:

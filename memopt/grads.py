@@ -10,10 +10,13 @@ transformer 1.17x over its budget this way). memopt plans that step separately
 the moment the gradient is complete (passes.gradients places the node), so only one
 parameter's new gradient exists at a time, less than eager's own AccumulateGrad holds.
 
-`GradSink` is the runtime side: the forward binds the parameter tensors of the call, and
-the backward's `add` nodes write into them. It falls back to returning the gradient to
-autograd, exactly as a plain compiled backward does, whenever writing it itself could
-differ from what AccumulateGrad would do:
+`GradSink` is the runtime side: the backward's `add` nodes receive each gradient with
+the parameter it belongs to (the forward saves the parameter for backward, which costs
+no memory: it is resident), and the sink finds the real parameter by its storage among
+those the forward calls were given (a graph may run more than once in a forward, on other
+parameters each time: a graph break inside a repeated layer). It falls back to returning
+the gradient to autograd, exactly as a plain compiled backward does, whenever writing it
+itself could differ from what AccumulateGrad would do:
 
 - the parameter has no `.grad` at backward time (AccumulateGrad steals the new tensor);
 - autograd does not run the parameter's AccumulateGrad in this backward
@@ -35,8 +38,13 @@ import torch
 from ._torch_compat import engine_will_accumulate
 
 
+def _storage(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
 class GradSink:
-    """Parameters of the latest forward call, by primal name, for the backward's `add` nodes.
+    """The parameters the forward calls of a compiled graph were given, by storage, for
+    the backward's `add` nodes.
 
     `slots` maps a joint-graph primal name ("primals_3") to its index among the
     compiled function's flat inputs. The sink holds weak references: a compiled graph
@@ -45,19 +53,21 @@ class GradSink:
 
     def __init__(self, slots: dict[str, int]) -> None:
         self.slots = dict(slots)
-        self._params: dict[str, weakref.ref] = {}
+        self._params: dict[tuple[str, int], weakref.ref] = {}
         self.added = 0       # gradients added in place (for tests and the plan's evidence)
         self.returned = 0    # gradients handed back to autograd instead
 
     def bind(self, flat_inputs: Sequence[Any]) -> None:
-        """Remember the parameter tensors of this forward call."""
-        self._params = {name: weakref.ref(flat_inputs[i]) for name, i in self.slots.items()
-                        if i < len(flat_inputs) and isinstance(flat_inputs[i], torch.Tensor)}
+        """Remember the parameter tensors of this forward call (beside earlier calls')."""
+        for i in self.slots.values():
+            if i < len(flat_inputs) and isinstance(flat_inputs[i], torch.Tensor):
+                self._params[_storage(flat_inputs[i])] = weakref.ref(flat_inputs[i])
 
-    def add(self, name: str, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """Add `grad` into parameter `name`'s `.grad` and return None, or return `grad`
-        for autograd to accumulate (see the module docstring for when)."""
-        ref = self._params.get(name)
+    def add(self, grad: torch.Tensor | None, saved: torch.Tensor) -> torch.Tensor | None:
+        """Add `grad` into the `.grad` of the parameter `saved` is (or aliases: what the
+        forward saved of it) and return None, or return `grad` for autograd to accumulate
+        (see the module docstring for when)."""
+        ref = self._params.get(_storage(saved))
         param = ref() if ref is not None else None
         if grad is None or param is None or not _can_add(param, grad):
             self.returned += grad is not None

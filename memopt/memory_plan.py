@@ -142,6 +142,19 @@ class ReversibleRecord(BaseModel):
     workspace_bytes: Bytes         # allocated by the backward op while it runs
 
 
+class GraphBreak(BaseModel):
+    """Where dynamo ended a graph before the forward ended, and why (its words)."""
+
+    model_config = _FROZEN
+    reason: str
+    filename: str
+    lineno: int
+
+    def where(self) -> str:
+        first = self.reason.strip().splitlines()[0] if self.reason.strip() else "graph break"
+        return f"{self.filename}:{self.lineno}: {first}"
+
+
 class MemoryPlan(BaseModel):
     """The plan of one captured training graph (forward + backward)."""
 
@@ -175,6 +188,15 @@ class MemoryPlan(BaseModel):
     #: new gradients the backward adds into them in place as each completes (memopt.grads).
     existing_grad_bytes: Bytes = 0
     grads_added_in_place: Count = 0
+    #: Graph breaks: this graph's position in the forward (0 for the first or only one),
+    #: the break that ends it (None: the forward, or its frame, returns there), and what
+    #: the rest of the step holds while its forward and its backward run, which its
+    #: predicted peak includes (memopt.steps).
+    graph_index: Count = 0
+    graph_break: GraphBreak | None = None
+    outside_forward_bytes: Bytes = 0
+    outside_backward_bytes: Bytes = 0
+    baseline_saved_bytes: Bytes = 0    # what the baseline (no memopt passes) keeps for backward
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""
@@ -193,6 +215,18 @@ class MemoryPlan(BaseModel):
     @property
     def saved_bytes(self) -> int:
         return sum(s.nbytes for s in self.saved if s.decision == "saved")
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this graph holds from its forward to its backward besides its outputs
+        (its saved storages that are not outputs): what the graphs after it see held."""
+        return sum(s.nbytes for s in self.storages if s.kind == "saved")
+
+    @property
+    def fits(self) -> bool:
+        """The predicted peak is within the budget less its headroom (or no budget)."""
+        return self.budget_bytes is None or \
+            self.predicted_peak_bytes <= self.budget_bytes - self.headroom_bytes
 
     def summary(self, max_rows: int = 20) -> str:
         """A readable report: the headline numbers, then the largest saved tensors."""
@@ -215,6 +249,13 @@ class MemoryPlan(BaseModel):
             f"  in-place rewrites {len(self.inplace)}, sharing groups {len(self.sharing)}, "
             f"saved tensors {len(self.saved)} ({b(self.saved_bytes)})",
         ]
+        if self.outside_forward_bytes or self.outside_backward_bytes:
+            lines.append(
+                f"  held outside     {b(self.outside_forward_bytes):>12}   during its forward, "
+                f"{b(self.outside_backward_bytes)} during its backward (other graphs of the "
+                f"step, parameters and inputs it does not take, gradients of later graphs)")
+        if self.graph_break is not None:
+            lines.append(f"  ends at break    {self.graph_break.where()}")
         if self.existing_grad_bytes:
             lines.append(
                 f"  existing .grad   {b(self.existing_grad_bytes):>12}   (kept from earlier "
@@ -259,4 +300,69 @@ class MemoryPlan(BaseModel):
                 )
             if len(rows) > max_rows:
                 lines.append(f"  ... {len(rows) - max_rows} more")
+        return "\n".join(lines)
+
+
+class StepPlan(BaseModel):
+    """The plan of a training step whose forward dynamo split into several graphs (graph
+    breaks): one MemoryPlan per graph, in the order the last forward first ran them, and
+    `runs`, the order it ran them in (a graph inside a loop runs more than once). Each
+    graph's predicted peak counts what the rest of the step holds around it, so the
+    step's predicted peak is the largest of them."""
+
+    model_config = _FROZEN
+    graphs: tuple[MemoryPlan, ...]
+    runs: tuple[Count, ...]
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return max(g.predicted_peak_bytes for g in self.graphs)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The step's budget in bytes. A byte budget is every graph's; a fraction budget
+        resolves per graph (memopt.pipeline: the fraction of its own part, above what the
+        other graphs hold), and the step's is the largest."""
+        budgets = [g.budget_bytes for g in self.graphs if g.budget_bytes is not None]
+        return max(budgets) if budgets else None
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return max(g.baseline_peak_bytes for g in self.graphs)
+
+    @property
+    def headroom_bytes(self) -> int:
+        return max(g.headroom_bytes for g in self.graphs)
+
+    @property
+    def breaks(self) -> tuple[GraphBreak, ...]:
+        return tuple(g.graph_break for g in self.graphs if g.graph_break is not None)
+
+    @property
+    def peak_graph(self) -> int:
+        """Index into `graphs` of the graph whose plan sets the step's peak."""
+        return max(range(len(self.graphs)), key=lambda i: self.graphs[i].predicted_peak_bytes)
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "StepPlan":
+        return cls.model_validate_json(text, strict=True)
+
+    def summary(self, max_rows: int = 10) -> str:
+        b = format_bytes
+        budget = b(self.budget_bytes) if self.budget_bytes is not None else "none"
+        lines = [f"memopt step plan: {len(self.graphs)} graphs (graph breaks), "
+                 f"{len(self.runs)} graph runs per forward",
+                 f"  predicted peak   {b(self.predicted_peak_bytes):>12}   (budget {budget}; "
+                 f"set by graph {self.peak_graph + 1})"]
+        for i, g in enumerate(self.graphs):
+            where = g.graph_break.where() if g.graph_break is not None else "returns"
+            lines.append(f"  graph {i + 1}: peak {b(g.predicted_peak_bytes)}, "
+                         f"{g.num_forward_steps} + {g.num_backward_steps} ops, {where}")
+        for i, g in enumerate(self.graphs):
+            lines.append("")
+            lines.append(f"graph {i + 1}:")
+            lines.extend("  " + ln for ln in g.summary(max_rows).splitlines())
         return "\n".join(lines)

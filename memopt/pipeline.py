@@ -26,7 +26,7 @@ from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_
                               split_candidates)
 from memopt.passes import chains as chain_pass
 from memopt.passes import reversible as reversible_pass
-from memopt.passes.gradients import accumulate_in_place
+from memopt.passes.gradients import accumulate_in_place, save_parameters
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, analyze_liveness
 from memopt.passes.meta import op_name, tensor_value, user_module
@@ -37,6 +37,7 @@ from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, no
                                      storage_sizes)
 
 from .budget import Budget, format_bytes
+from .steps import Outside
 from .errors import BudgetError, PassError
 from .memory_plan import (ChainRecord, InplaceRecord, MemoryPlan, RecomputedNode,
                           ReversibleRecord, SavedTensor, SearchCandidate, SharingGroup,
@@ -70,6 +71,9 @@ class StepContext:
     primal_kinds: dict[str, str]
     grads: ExistingGrads | None = None
     outside_grad_bytes: int = 0
+    #: What the rest of the step holds while this graph's forward and its backward run
+    #: (the other graphs of a forward with graph breaks, unused parameters: memopt.steps).
+    outside: Outside = Outside()
 
     def liveness(self, fw: fx.GraphModule, bw: fx.GraphModule, saved: frozenset[str],
                  num_user_outputs: int) -> StepSchedule:
@@ -77,7 +81,8 @@ class StepContext:
             fw, bw, saved=saved, num_user_outputs=num_user_outputs,
             primal_kinds=self.primal_kinds,
             existing_grads=self.grads.nbytes if self.grads is not None else None,
-            outside_grad_bytes=self.outside_grad_bytes)
+            outside_grad_bytes=self.outside_grad_bytes,
+            outside_bytes=(self.outside.forward, self.outside.backward))
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,8 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
             joint = add_mirror_nodes(joint, num_fwd_outputs, mirror.names,
                                      _mutable_inputs(step.primal_kinds), twice=mirror.twice)
         cut = find_cut(joint, num_fwd_outputs)
+        if step.grads is not None:  # the backward adds into each parameter's .grad
+            cut = save_parameters(cut, frozenset(step.grads.nbytes))
         fw, bw = partition(joint, num_fwd_outputs, cut)
         recomputed = frozenset(n.name for n in bw.graph.nodes if recomputed_from(n))
         # the extraction drops saved values the backward never reads
@@ -395,10 +402,21 @@ def plan_joint(
     options: Options = Options(),
     grads: ExistingGrads | None = None,
     outside_grad_bytes: int = 0,
+    outside: Outside = Outside(),
+    label: str = "",
+    cap: int | None = None,
+    step_baseline: int | None = None,
+    must_fit: bool = True,
 ) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
     """Run memopt's passes on `joint`; return the forward, backward and the plan.
     `grads`: plan the step in which parameters' `.grad` already exist (ExistingGrads);
-    `outside_grad_bytes`: see StepContext.
+    `outside_grad_bytes`, `outside`: see StepContext; `label` names the graph in a
+    BudgetError when the step has several. `cap` lowers the peak the search aims at
+    below the budget (a graph that must leave room for the graphs after it: 1 asks for
+    its lowest-peak plan, with or without a budget); a BudgetError is raised only when
+    the budget itself is missed, and only if `must_fit` (else the caller reads
+    `plan.fits`). `step_baseline`: the baseline peak of the whole step a fraction budget
+    is of, when the step has several graphs (else this graph's).
 
     Step 1: declare minimum dependencies (passes.partition.read_concat_views).
     Step 2: the baseline: no in-place, no recomputation.
@@ -411,7 +429,7 @@ def plan_joint(
     with _stage("minimum dependencies", done):
         read_concat_views(joint, num_fwd_outputs, find_cut(joint, num_fwd_outputs))
 
-    step = StepContext(primal_kinds, grads, outside_grad_bytes)
+    step = StepContext(primal_kinds, grads, outside_grad_bytes, outside)
 
     def build(mirror: Mirror, inplace: bool = options.inplace) -> _Built:
         return _build(joint, num_fwd_outputs, mirror, inplace=inplace, step=step, done=[])
@@ -431,12 +449,16 @@ def plan_joint(
             for rev in reversible:
                 reversible_pass.apply([joint], rev)
     with _stage("baseline", done):
-        baseline_peak = build(Mirror(), inplace=False).peak_bytes
-    budget_bytes = budget.resolve(baseline_peak) if budget is not None else None
+        baseline = build(Mirror(), inplace=False)
+    baseline_peak = baseline.peak_bytes
+    budget_bytes = budget.resolve(step_baseline or baseline_peak) if budget is not None else None
     # Headroom guards byte budgets against what the plan does not model; a fraction is
     # of memopt's own predicted baseline, which leaves that out too (1.0 always fits).
     headroom = options.headroom if budget is not None and budget.nbytes is not None else 0.0
     target = budget_bytes - math.ceil(budget_bytes * headroom) if budget_bytes else None
+    fits = target  # what the plan must fit; the search may aim lower (cap)
+    if cap is not None:
+        target = cap if target is None else min(target, cap)
     chains: list[_ChainChoice] = []
     if sites:
         with _stage("recurrent chain policies", done):
@@ -464,7 +486,7 @@ def plan_joint(
     gran = allocation_granularity(device)
     with _stage("allocator", done):
         plan = _assemble(final.fw, final.schedule, final.saved_names, list(final.rewrites),
-                         baseline_peak, budget, device, gran, time.perf_counter() - t0)
+                         baseline_peak, budget_bytes, device, gran, time.perf_counter() - t0)
         plan = plan.model_copy(update={
             "recomputed": recomputed, "forward_flops": forward_flops,
             "recompute_flops": sum(r.flops for r in recomputed) + sum(
@@ -476,8 +498,11 @@ def plan_joint(
                 buffer_bound_bytes=r.buffer_bound_bytes, held_bytes=r.held_bytes,
                 forward_workspace_bytes=r.forward_workspace_bytes,
                 workspace_bytes=r.workspace_bytes) for r in reversible),
-            "headroom_bytes": budget_bytes - target if target is not None else 0,
+            "headroom_bytes": budget_bytes - fits if fits is not None else 0,
             "existing_grad_bytes": sum(grads.nbytes.values()) if grads is not None else 0,
+            "outside_forward_bytes": outside.forward, "outside_backward_bytes": outside.backward,
+            "baseline_saved_bytes": sum(s.nbytes for s in baseline.schedule.storages
+                                        if s.kind == "saved"),
             "grads_added_in_place": sum(1 for n in final.bw.graph.nodes if accumulates_into(n)),
             "saved": tuple(
                 r.model_copy(update={"reason": "kept: a segment boundary of the Alg. 3 plan, "
@@ -492,7 +517,7 @@ def plan_joint(
         format_bytes(plan.arena_bytes), len(final.rewrites), len(plan.saved),
         len(final.recomputed), plan.plan_seconds,
     )
-    if target is not None and plan.predicted_peak_bytes > target:
+    if must_fit and fits is not None and plan.predicted_peak_bytes > fits:
         raise BudgetError(
             budget_bytes=budget_bytes,
             minimum_bytes=math.ceil(plan.predicted_peak_bytes / (1 - headroom)),
@@ -500,10 +525,18 @@ def plan_joint(
             budget=str(budget),
             headroom=headroom,
             byte_headroom=options.headroom,
-            step=" (the step that finds .grad kept from earlier steps: gradient accumulation, "
-                 "zero_grad(set_to_none=False))" if grads is not None else "",
+            step=_step_words(grads, label),
         )
     return final.fw, final.bw, plan
+
+
+def _step_words(grads: ExistingGrads | None, label: str) -> str:
+    """How a BudgetError names the step that did not fit."""
+    words = [label] if label else []
+    if grads is not None:
+        words.append("the step that finds .grad kept from earlier steps: gradient "
+                     "accumulation, zero_grad(set_to_none=False)")
+    return f" ({'; '.join(words)})" if words else ""
 
 
 def _device_of(gm: fx.GraphModule) -> str:
@@ -520,7 +553,7 @@ def _assemble(
     saved_names: frozenset[str],
     rewrites: list[InplaceRecord],
     baseline_peak: int,
-    budget: Budget | None,
+    budget_bytes: int | None,
     device: str,
     gran: int,
     elapsed: float,
@@ -528,7 +561,9 @@ def _assemble(
     intervals = _intervals(schedule, gran)
     n_steps = len(schedule.steps)
     peak = peak_live_bytes(intervals, n_steps)
-    dynamic = [i for i, s in enumerate(schedule.storages) if s.kind not in RESIDENT_KINDS]
+    # what other graphs hold is no part of this graph's arena (nor of its resident bytes)
+    dynamic = [i for i, s in enumerate(schedule.storages)
+               if s.kind not in RESIDENT_KINDS and s.kind != "outside"]
     resident = sum(iv.size for iv, s in zip(intervals, schedule.storages)
                    if s.kind in RESIDENT_KINDS)
     offsets = assign_offsets([intervals[i] for i in dynamic], alignment=gran)
@@ -551,7 +586,7 @@ def _assemble(
     saved = _saved_tensors(fw, schedule, saved_names)
     return MemoryPlan(
         device=device,
-        budget_bytes=budget.resolve(baseline_peak) if budget is not None else None,
+        budget_bytes=budget_bytes,
         baseline_peak_bytes=baseline_peak,
         predicted_peak_bytes=peak.peak_bytes,
         lower_bound_bytes=peak_live_bytes(

@@ -38,7 +38,7 @@ from .meta import fake_value, held_bytes, inplace_source, workspace_bytes
 
 #: Storage kinds, in the order a plan lists them.
 KINDS = ("parameter", "buffer", "input", "existing_grad", "activation", "saved", "output",
-         "tangent", "backward", "gradient")
+         "tangent", "backward", "gradient", "outside")
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,7 @@ def analyze_liveness(
     primal_kinds: dict[str, str] | None = None,
     existing_grads: dict[str, int] | None = None,
     outside_grad_bytes: int = 0,
+    outside_bytes: tuple[int, int] = (0, 0),
 ) -> StepSchedule:
     """Lifetimes of every storage of a training step. `saved`: names of saved values;
     the forward returns `num_user_outputs` outputs for the caller, then the saved values
@@ -118,7 +119,9 @@ def analyze_liveness(
     `outside_grad_bytes`: gradients autograd holds at once outside the compiled
     backward just before it starts (one per output beyond the first that aliases
     another output or an input; autograd sums them into the one tangent the compiled
-    backward reads), charged at the first backward step."""
+    backward reads), charged at the first backward step. `outside_bytes`: (forward,
+    backward) bytes the rest of the step holds while this graph's forward, and its
+    backward, run (memopt.steps), one storage over each part of the schedule."""
     primal_kinds = primal_kinds or {}
     stores = _Storages()
     node_keys: dict[tuple[str, str], list[object]] = {}
@@ -243,6 +246,12 @@ def analyze_liveness(
     for primal, nbytes in (existing_grads or {}).items():
         lives.append(StorageLife(name=f"grad.{primal}", nodes=(), nbytes=nbytes, start=-1,
                                  end=end_of_step, kind="existing_grad"))
+    for name, nbytes, start, end in (("outside.forward", outside_bytes[0], 0, num_forward - 1),
+                                     ("outside.backward", outside_bytes[1], num_forward,
+                                      end_of_step)):
+        if nbytes and start <= end:
+            lives.append(StorageLife(name=name, nodes=(), nbytes=nbytes, start=start, end=end,
+                                     kind="outside"))
     if outside_grad_bytes and bw is not None and num_forward < len(steps):
         lives.append(StorageLife(name="bw.aliased_output_grads", nodes=(),
                                  nbytes=outside_grad_bytes, start=num_forward,

@@ -386,9 +386,11 @@ def test_budget_is_reported_by_memopt_plan() -> None:
 # --------------------------------------------------------------------------
 
 
-def test_data_dependent_control_flow_is_a_capture_error() -> None:
+def test_a_graph_break_is_a_capture_error_with_fullgraph_and_in_plan() -> None:
+    """memopt.compile plans graph breaks (tests/test_graph_breaks.py); fullgraph=True
+    refuses them, as memopt.plan must (it never runs the code between graphs)."""
     torch.manual_seed(0)
-    compiled = memopt.compile(ItemBranch())
+    compiled = memopt.compile(ItemBranch(), fullgraph=True)
     x = torch.randn(4, 8)
     with pytest.raises(memopt.CaptureError) as info:
         compiled(x)

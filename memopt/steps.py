@@ -1,0 +1,161 @@
+"""What the other graphs of a training step hold while one graph runs (graph breaks).
+
+When the forward does not trace as one graph (a `.item()` branch, a third-party hook),
+dynamo splits it into graphs that run one after another with eager code between them;
+memopt's backend plans each graph's joint forward+backward. A graph's plan must count
+what the rest of the step holds while it runs:
+
+- forward of graph k: the parameters, buffers and inputs it does not take itself, and
+  what the graphs that ran before it hold: their saved tensors, and those of their
+  outputs still referenced;
+- backward of graph k (backward runs in reverse): the same, plus the parameter gradients
+  the later graphs' backward produced, and the outputs of later graphs the caller still
+  holds (the step's return value: logits beside a loss, say).
+
+`ForwardTrace` records one forward of a compiled module as it runs: the resident
+storages, and for each graph run its inputs' storages, what its plan saves, and weak
+references to its outputs. `outside(...)` turns that into the two byte counts the
+pipeline charges (memopt.pipeline.StepContext): while graph k's forward runs, and while
+its backward runs. At a graph's first run only what came before it is known, so the
+backward count there is a lower estimate of what later graphs' outputs add; when the
+forward ends, `ForwardTrace.exact()` gives every run's counts with the whole forward known,
+and the backend re-plans the graphs whose plan assumed less (memopt.backend).
+
+Storages are identified by (device, data pointer) of real tensors: what runs, not what
+was traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ._torch_compat import storage_ref
+
+StorageId = tuple[str, int]
+
+
+def storage_id(t: torch.Tensor) -> StorageId:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def storages(values: Iterable[Any]) -> dict[StorageId, int]:
+    """{storage: bytes} of the tensors among `values` (nested containers flattened)."""
+    found: dict[StorageId, int] = {}
+    for leaf in pytree.tree_leaves(list(values)):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            found[storage_id(leaf)] = leaf.untyped_storage().nbytes()
+    return found
+
+
+@dataclass(frozen=True)
+class Outside:
+    """Bytes the rest of the step holds while one graph's forward, and its backward, run."""
+
+    forward: int = 0
+    backward: int = 0
+
+    def covers(self, other: "Outside") -> bool:
+        return self.forward >= other.forward and self.backward >= other.backward
+
+    def max(self, other: "Outside") -> "Outside":
+        return Outside(max(self.forward, other.forward), max(self.backward, other.backward))
+
+    def plus(self, nbytes: int) -> "Outside":
+        return Outside(self.forward + nbytes, self.backward + nbytes)
+
+
+@dataclass
+class GraphRun:
+    """One run of a compiled graph within a forward. `base`: what the rest of the step
+    holds around it besides the saved tensors of the runs before it (forward: as it was
+    when it ran)."""
+
+    graph: Any                           # the backend's entry for the graph (its identity)
+    inputs: dict[StorageId, int]         # storages of its inputs
+    held_bytes: int                      # what its plan holds for backward (not outputs)
+    base: Outside = Outside()
+    outputs: list[tuple[Any, StorageId, int]] = field(default_factory=list)
+
+    def alive_outputs(self) -> dict[StorageId, int]:
+        """The storages of its outputs that something still holds: a Python reference, a
+        view, or autograd (a saved output)."""
+        return {sid: n for ref, sid, n in self.outputs if not ref.expired()}
+
+    def record_outputs(self, outputs: Any) -> None:
+        for t in pytree.tree_leaves(outputs):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.outputs.append((storage_ref(storage), storage_id(t), storage.nbytes()))
+
+
+@dataclass
+class ForwardTrace:
+    """One forward of a compiled module (see the module docstring)."""
+
+    resident: dict[StorageId, int]       # parameters, buffers, inputs, kept .grad
+    grads: dict[StorageId, int]          # parameter storage -> bytes of its coming gradient
+    kept_grads: dict[StorageId, StorageId]  # parameter storage -> its kept .grad's storage
+    runs: list[GraphRun] = field(default_factory=list)
+    returned: dict[StorageId, int] | None = None  # the step's return value, once it ended
+
+    @classmethod
+    def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "ForwardTrace":
+        params = list(model.parameters())
+        resident = storages([*params, *model.buffers(), args, kwargs])
+        grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
+                 if p.requires_grad and p.grad is None}
+        kept = {storage_id(p): storage_id(p.grad) for p in params
+                if p.requires_grad and p.grad is not None}
+        resident.update(storages(p.grad for p in params if p.grad is not None))
+        return cls(resident, grads, kept)
+
+    def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int) -> GraphRun:
+        """A graph is about to run: record it, with what the rest holds now."""
+        run = GraphRun(graph, storages(inputs), held_bytes)
+        run.base = self._base(len(self.runs), run.inputs)
+        self.runs.append(run)
+        return run
+
+    def outside_of(self, position: int, inputs: Iterable[Any]) -> Outside:
+        """What the rest of the step holds around a graph that would run at `position`
+        with these inputs, as far as the trace knows now."""
+        return self._base(position, storages(inputs)).plus(self.held_before(position))
+
+    def held_before(self, position: int) -> int:
+        return sum(run.held_bytes for run in self.runs[:position])
+
+    def _base(self, position: int, own: dict[StorageId, int]) -> Outside:
+        """What the step holds outside run `position` (inputs `own`), less the saved
+        tensors of the runs before it: while its forward runs (now, if the forward has
+        not ended), and while its backward runs (a lower estimate until the forward
+        ends: what later runs return is not known)."""
+        own_grads = {self.kept_grads[s] for s in own if s in self.kept_grads}
+        held = {s: n for s, n in self.resident.items() if s not in own and s not in own_grads}
+        for run in self.runs[:position]:
+            held.update({s: n for s, n in run.alive_outputs().items() if s not in own})
+        forward = sum(held.values())
+        returned = self.returned or {}
+        later = {s: n for run in self.runs[position + 1:] for s, n in run.alive_outputs().items()
+                 if s in returned and s not in own and s not in held}
+        if self.returned is None:  # later graphs unknown: every gradient not yet planned
+            planned = set(own).union(*(run.inputs for run in self.runs[:position]))
+            other_grads = sum(n for s, n in self.grads.items() if s not in planned)
+        else:  # the gradients the later graphs' backward produced before this one's
+            later_inputs = set().union(*(run.inputs for run in self.runs[position + 1:]))
+            other_grads = sum(n for s, n in self.grads.items()
+                              if s in later_inputs and s not in own)
+        return Outside(forward, forward + other_grads + sum(later.values()))
+
+    def end(self, returned: Any) -> list[Outside]:
+        """The forward returned `returned`: every run's base with the whole forward known
+        (forward: as when it ran; backward: the outputs alive now, the return value, the
+        gradients of the graphs after it). Add `saved_before(i)` (or the saved bytes of
+        new plans of the graphs before run i) for what the run's plan must count."""
+        self.returned = storages([returned])
+        return [Outside(run.base.forward, self._base(i, run.inputs).backward)
+                for i, run in enumerate(self.runs)]
