@@ -48,12 +48,25 @@ class CompilingFrame:
     lineno: int
 
     def ends_forward(self, forward_code: Any) -> bool:
-        """The graph is all of `forward_code`'s frame: it returns, and nothing broke it."""
-        return not self.graph_break and forward_code is not None and self.code is forward_code
+        """The graph is all of `forward_code`'s frame: it returns, and nothing broke it.
+        For a module whose forward is torch's own code (nn.Sequential), dynamo compiles
+        the frame of a wrapper around it (`wrap_inline`) instead."""
+        return not self.graph_break and forward_code is not None \
+            and self.code in (forward_code, _wrap_inline_code())
 
     def where(self) -> str:
         reason = self.reason.strip().splitlines()[0] if self.reason.strip() else "a graph break"
         return f"ending at {self.filename}:{self.lineno} ({reason})"
+
+
+def _wrap_inline_code() -> Any:
+    """The code object of dynamo's `wrap_inline` wrapper (None where it has none)."""
+    try:
+        from torch._dynamo.external_utils import wrap_inline  # noqa: PLC0415
+
+        return wrap_inline(len).__code__
+    except Exception:  # noqa: BLE001 - its internals moved
+        return None
 
 
 def compiling_frame() -> CompilingFrame:

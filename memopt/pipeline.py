@@ -19,8 +19,6 @@ from typing import Any, Callable
 
 from torch import fx
 
-from memopt._torch_compat import is_tangent
-
 from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_live_bytes
 from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_by_tags,
                               split_candidates)
@@ -156,22 +154,21 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
            inplace: bool, step: StepContext, done: list[str]) -> _Built:
     """Partition (recomputing `mirror`), place recomputation, add gradients into existing
     `.grad` tensors, rewrite in place, analyze."""
-    with _stage("partition", done):
+    with _stage("recomputation", done):
         if mirror.names:
             joint = add_mirror_nodes(joint, num_fwd_outputs, mirror.names,
                                      _mutable_inputs(step.primal_kinds), twice=mirror.twice)
         cut = find_cut(joint, num_fwd_outputs)
-        if step.grads is not None:  # the backward adds into each parameter's .grad
+    if step.grads is not None:  # the backward adds into each parameter's .grad
+        with _stage("gradient accumulation", done):
             cut = save_parameters(cut, frozenset(step.grads.nbytes))
+            joint, _ = accumulate_in_place(joint, num_fwd_outputs, frozenset(step.grads.nbytes),
+                                           step.grads.add)
+    with _stage("partition", done):
         fw, bw = partition(joint, num_fwd_outputs, cut)
         recomputed = frozenset(n.name for n in bw.graph.nodes if recomputed_from(n))
         # the extraction drops saved values the backward never reads
         saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}
-    if step.grads is not None:
-        with _stage("gradient accumulation", done):
-            primals = [n.name for n in joint.graph.find_nodes(op="placeholder")
-                       if not is_tangent(n)]
-            accumulate_in_place(bw, primals, frozenset(step.grads.nbytes), step.grads.add)
     rewrites: list[InplaceRecord] = []
     if inplace:
         with _stage("in-place", done):

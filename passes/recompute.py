@@ -97,7 +97,7 @@ def _sources(node: fx.Node) -> list[fx.Node]:
     return node.all_input_nodes
 
 
-def _copy(joint: fx.GraphModule) -> fx.GraphModule:
+def copy_graph_module(joint: fx.GraphModule) -> fx.GraphModule:
     """The same graph, node names and metadata (shared FakeTensors), as a new module."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -119,7 +119,7 @@ def add_mirror_nodes(joint: fx.GraphModule, num_fwd_outputs: int, mirrored: froz
     Partition the result with `partition.find_cut`: the mirror nodes are backward
     nodes, so forward saves only what backward and the mirror nodes read.
     """
-    gm = _copy(joint)
+    gm = copy_graph_module(joint)
     region = forward_region(gm, num_fwd_outputs)
     mirror = {n for n in mirrorable(gm, num_fwd_outputs, mutable_inputs) if n.name in mirrored}
     backward = [n for n in gm.graph.nodes if n not in region and n.op not in ("output", "placeholder")]
