@@ -154,17 +154,16 @@ def _build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
            inplace: bool, step: StepContext, done: list[str]) -> _Built:
     """Partition (recomputing `mirror`), place recomputation, add gradients into existing
     `.grad` tensors, rewrite in place, analyze."""
-    with _stage("recomputation", done):
+    with _stage("partition", done):
         if mirror.names:
             joint = add_mirror_nodes(joint, num_fwd_outputs, mirror.names,
                                      _mutable_inputs(step.primal_kinds), twice=mirror.twice)
         cut = find_cut(joint, num_fwd_outputs)
-    if step.grads is not None:  # the backward adds into each parameter's .grad
-        with _stage("gradient accumulation", done):
-            cut = save_parameters(cut, frozenset(step.grads.nbytes))
-            joint, _ = accumulate_in_place(joint, num_fwd_outputs, frozenset(step.grads.nbytes),
-                                           step.grads.add)
-    with _stage("partition", done):
+        if step.grads is not None:  # the backward adds into each parameter's .grad
+            with _stage("gradient accumulation", done):
+                cut = save_parameters(cut, frozenset(step.grads.nbytes))
+                joint, _ = accumulate_in_place(joint, num_fwd_outputs,
+                                               frozenset(step.grads.nbytes), step.grads.add)
         fw, bw = partition(joint, num_fwd_outputs, cut)
         recomputed = frozenset(n.name for n in bw.graph.nodes if recomputed_from(n))
         # the extraction drops saved values the backward never reads
