@@ -31,8 +31,11 @@ Interface (stable; tests rely on it):
   with ``plan.predicted_peak_bytes``). Never call it on compiled code under a
   TorchDispatchMode.
 
-HF models are given an explicit ``loss_type``: with it unset transformers logs a
-warning inside forward, which is a graph break that memopt refuses.
+Most HF models are given an explicit ``loss_type``. GPT-2 is not: with it unset
+transformers logs a warning inside its loss (``logger.warning_once``), which memopt
+traces through (logging is no graph break). ``distilbert_item`` logs a statistic of its
+hidden states with ``.item()`` between encoder and head, as training scripts log
+metrics: a real graph break, which memopt plans as two graphs under one budget.
 """
 
 from __future__ import annotations
@@ -115,6 +118,58 @@ def llama(device: str = "cpu", seed: int = 0) -> ZooCase:
                    loss=_own_loss)
 
 
+def gpt2(device: str = "cpu", seed: int = 0) -> ZooCase:
+    """GPT2LMHeadModel: 4 layers, hidden 256, 4 heads, vocabulary 8000, batch 4 x 128,
+    causal-LM labels; no ``loss_type`` (its loss logs a warning: no graph break)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=8000, n_positions=128, n_embd=256, n_layer=4, n_head=4,
+                        use_cache=False)
+    model = _train(GPT2LMHeadModel(config), device, None)
+    ids = torch.randint(0, config.vocab_size, (4, 128), device=device)
+    return ZooCase("gpt2", model, kwargs={"input_ids": ids, "labels": ids.clone()},
+                   loss=_own_loss)
+
+
+class LoggedClassifier(nn.Module):
+    """A DistilBERT encoder and a linear head on the first token, which logs the mean
+    norm of the hidden states with ``.item()`` between the two (a graph break) and
+    returns the cross-entropy loss as ``output.loss``."""
+
+    def __init__(self, config: Any, num_labels: int) -> None:
+        super().__init__()
+        from transformers import DistilBertModel
+
+        self.encoder = DistilBertModel(config)
+        self.head = nn.Linear(config.dim, num_labels)
+        self.logged: list[float] = []
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        hidden = self.encoder(input_ids=input_ids).last_hidden_state
+        self.logged.append(hidden.norm(dim=-1).mean().item())  # the graph break
+        logits = self.head(hidden[:, 0])
+        loss = nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def distilbert_item(device: str = "cpu", seed: int = 0) -> ZooCase:
+    """LoggedClassifier: DistilBERT with 3 layers, dim 256, 4 heads, vocabulary 8000,
+    batch 8 x 128, 4 labels, logging ``.item()`` between encoder and head."""
+    from transformers import DistilBertConfig
+
+    torch.manual_seed(seed)
+    config = DistilBertConfig(vocab_size=8000, dim=256, n_layers=3, n_heads=4,
+                              hidden_dim=1024, max_position_embeddings=128)
+    model = LoggedClassifier(config, num_labels=4).to(device).train()
+    ids = torch.randint(0, config.vocab_size, (8, 128), device=device)
+    labels = torch.randint(0, 4, (8,), device=device)
+    return ZooCase("distilbert_item", model, kwargs={"input_ids": ids, "labels": labels},
+                   loss=_own_loss)
+
+
 def t5(device: str = "cpu", seed: int = 0) -> ZooCase:
     """T5ForConditionalGeneration: 2 encoder + 2 decoder layers, d_model 256, 4 heads,
     vocabulary 8000, batch 8, source 128 and target 64 tokens, with labels."""
@@ -193,8 +248,10 @@ def efficientnet(device: str = "cpu", seed: int = 0) -> ZooCase:
 
 ZOO: dict[str, Callable[..., ZooCase]] = {
     "bert": bert,
+    "gpt2": gpt2,
     "llama": llama,
     "t5": t5,
+    "distilbert_item": distilbert_item,
     "vit": vit,
     "convnext": convnext,
     "resnet": resnet,

@@ -1,0 +1,109 @@
+"""memopt in the Hugging Face Trainer (needs `transformers` and `accelerate`).
+
+    from memopt.integrations.hf import MemoptTrainer, PeakMemoryCallback
+    trainer = MemoptTrainer(model=model, args=args, train_dataset=data,
+                            memopt_budget="4GB", callbacks=[PeakMemoryCallback()])
+    trainer.train()
+
+`TrainingArguments(torch_compile_backend="memopt")` is not a way in: accelerate accepts
+only the backends it knows. `MemoptTrainer` compiles `trainer.model` itself (or keeps a
+model the caller compiled), and writes checkpoints with the original model's
+`save_pretrained`, so `from_pretrained` loads them (a plain Trainer holding a memopt
+module saves its state dict only: the same keys, no config). Gradient accumulation
+(`gradient_accumulation_steps`) runs memopt's kept-gradient step after the first
+micro-batch; `gradient_checkpointing=True` is ignored with a warning (memopt plans
+recomputation itself).
+
+`PeakMemoryCallback` measures the allocated peak of the forward and backward of chosen
+steps (from the start of an optimizer step to just before `optimizer.step()`; the
+optimizer's own state is not part of a memopt budget) with `memopt.allocation`, adds the
+resident parameters, buffers and gradients, and logs it beside the plan's prediction and
+the budget. On CPU it records allocations with the profiler, which slows the measured
+steps: keep `every` large.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+
+from memopt.allocation import AllocationTracker, can_track
+from memopt.api import CompiledModule
+from memopt.api import compile as memopt_compile
+
+log = logging.getLogger("memopt")
+
+
+class MemoptTrainer(Trainer):
+    """A `transformers.Trainer` whose model memopt compiles under `memopt_budget` (with
+    `memopt_options` for `memopt.compile`), and whose checkpoints are the original
+    model's (`save_pretrained`)."""
+
+    def __init__(self, *args: Any, memopt_budget: object = None,
+                 memopt_options: dict | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.model, CompiledModule):
+            self.model = memopt_compile(self.model, memopt_budget, **(memopt_options or {}))
+        self.model_wrapped = self.model
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        model = self.model
+        if not isinstance(model, CompiledModule):
+            super()._save(output_dir, state_dict)
+            return
+        self.model = model.original_module  # a PreTrainedModel: save_pretrained, config
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            self.model = model
+
+
+class PeakMemoryCallback(TrainerCallback):
+    """Measures the allocated peak of the forward and backward of every `every`-th
+    optimizer step (the first at step `first`); `peaks` holds (step, measured, predicted,
+    budget) with resident parameters, buffers and gradients included."""
+
+    def __init__(self, every: int = 50, first: int = 2) -> None:
+        self.every, self.first = every, first
+        self.peaks: list[tuple[int, int, int | None, int | None]] = []
+        self._tracker: AllocationTracker | None = None
+        self._resident = 0
+
+    def _measured(self, step: int) -> bool:
+        return step >= self.first and (step - self.first) % self.every == 0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                      **kwargs: Any) -> None:
+        step = state.global_step + 1
+        if model is None or not self._measured(step):
+            return
+        device = next(model.parameters()).device
+        if not can_track(device):
+            return
+        tensors = [*model.parameters(), *model.buffers()]
+        tensors += [p.grad for p in model.parameters() if p.grad is not None]
+        self._resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                              for t in tensors}.values())
+        self._tracker = AllocationTracker(device)
+        self._tracker.start()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None,
+                              **kwargs: Any) -> None:
+        if self._tracker is None:
+            return
+        seen = self._tracker.stop()
+        self._tracker = None
+        plan = getattr(model, "memopt_plan", None)
+        predicted = plan.predicted_peak_bytes if plan is not None else None
+        budget = plan.budget_bytes if plan is not None else None
+        measured = self._resident + seen.peak
+        self.peaks.append((state.global_step + 1, measured, predicted, budget))
+        log.info("memopt: step %d allocated peak %d bytes (predicted %s, budget %s)",
+                 state.global_step + 1, measured, predicted, budget)
+
+    def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+        if self._tracker is not None:  # a measured step that never reached the optimizer
+            self._tracker.stop()
+            self._tracker = None
