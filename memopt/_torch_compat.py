@@ -253,3 +253,16 @@ def loss_decompositions() -> dict[Any, Callable]:
         aten.binary_cross_entropy_backward, aten.soft_margin_loss,
         aten.soft_margin_loss_backward,
     ])
+
+
+def last_guard_failure(code: Any) -> str:
+    """The reason dynamo gave for the last time a cached graph of `code` no longer fitted
+    (its guard failure: "len(L['self'].logged) == 3", ...), or "" where it recorded none."""
+    try:
+        from torch._dynamo.utils import guard_failures  # noqa: PLC0415
+
+        reasons = guard_failures.get(code) or []
+        text = str(reasons[-1]).strip() if reasons else ""
+        return text.splitlines()[0].split("#")[0].strip() if text else ""
+    except Exception:  # noqa: BLE001 - its internals moved
+        return ""

@@ -27,7 +27,7 @@ from torch import fx
 from memopt.passes.loops import chain_loops
 
 from ._torch_compat import (CompilingFrame, aot_module_simplified, compiling_frame,
-                            loss_decompositions, make_boxed, storage_key)
+                            last_guard_failure, loss_decompositions, make_boxed, storage_key)
 from .budget import Budget, format_bytes, parse_budget
 from .errors import BudgetError, CaptureError, PassError
 from .grads import GradSink
@@ -105,6 +105,10 @@ class _PlanLog:
     forward_code: Any = None
     pending: BudgetError | None = None
     warned_eager: bool = False
+    #: every graph built, by what makes two of dynamo's graphs the same step to plan
+    #: (_graph_key), and how many times dynamo handed over one already built
+    by_key: dict[tuple, "_Graph"] = field(default_factory=dict)
+    retraced: int = 0
     step_baselines: dict[tuple[int, ...], int] = field(default_factory=dict)
 
 
@@ -181,12 +185,18 @@ class MemoptBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:
         trace = self._log.trace
         position = len(trace.runs) if trace is not None else 0
-        if position == 0:  # a new entry into the step (a graph after a break is no new one)
-            self._count_graph()
         frame = compiling_frame()
         alone = position == 0 and frame.ends_forward(self._log.forward_code)
+        key = _graph_key(gm, example_inputs, frame, position, alone, self.existing_grads)
+        seen = self._log.by_key.get(key)
+        if seen is not None:  # dynamo traced again what memopt has planned: keep its plan
+            self._retraced(frame)
+            return seen.run
+        if position == 0:  # a new entry into the step (a graph after a break is no new one)
+            self._count_graph()
         graph = _Graph(self, gm, example_inputs, frame, index=position, alone=alone)
         self._log.graphs_built.append(graph)
+        self._log.by_key[key] = graph
         if self.loops:
             _chain_loops(gm)
         outside = Outside()
@@ -209,6 +219,22 @@ class MemoptBackend:
             compiled = graph.compile(example_inputs, outside, LOWEST, budget)
         graph.provisional = True
         return compiled
+
+    def _retraced(self, frame: CompilingFrame) -> None:
+        """Dynamo compiled a graph memopt has already planned (same graph, inputs and
+        place in the step): a guard on Python state failed, typically a list or dict the
+        forward mutates (`self.logged.append(x.item())`). The plan is reused; the time
+        dynamo spends tracing again each call is the user's to remove, so say it once."""
+        self._log.retraced += 1
+        if self._log.retraced == 2:
+            reason = last_guard_failure(frame.code) or last_guard_failure(self._log.forward_code)
+            warnings.warn(
+                "dynamo traces this model's forward again at every call"
+                f"{f' (its guard failed: {reason})' if reason else ''}: Python state the "
+                "forward reads changes between calls, typically a list or dict it appends "
+                "to. memopt reuses its plan, so memory and gradients are unaffected, but "
+                "each call pays dynamo's tracing time: keep such state outside forward.",
+                UserWarning, stacklevel=2)
 
     def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """A memopt module's forward starts: trace its graphs (memopt.steps) when it
@@ -400,6 +426,32 @@ class _Graph:
         if record is not None:
             record.record_outputs(out)
         return out
+
+
+def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], frame: CompilingFrame,
+               position: int, alone: bool, existing_grads: bool) -> tuple:
+    """What decides a graph's plan, as a hashable value: its code, every input's type,
+    shape, strides, dtype, device, requires_grad and storage (which inputs alias which),
+    the module state it holds, where it sits in the step and where it ends, and the
+    grad and autocast modes AOTAutograd traces under. Dynamo guards on more (Python
+    values the forward reads); two graphs equal here get the same plan."""
+    storages: dict[Any, int] = {}
+
+    def describe(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return (type(value).__name__, repr(value))
+        where = storages.setdefault(storage_key(value), len(storages))
+        return (isinstance(value, torch.nn.Parameter), tuple(value.shape), tuple(value.stride()),
+                value.storage_offset(), value.dtype, str(value.device), value.requires_grad,
+                where)
+
+    state = tuple((describe(t), t.untyped_storage().data_ptr())
+                  for t in [*gm.parameters(), *gm.buffers()])
+    inputs = tuple(describe(v) for v in example_inputs)
+    modes = (torch.is_grad_enabled(),) + tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    ends = (frame.graph_break, frame.filename, frame.lineno, frame.reason)
+    return (gm.code, state, inputs, ends, position, alone, existing_grads, modes)
 
 
 def _needs_grad(value: Any) -> bool:

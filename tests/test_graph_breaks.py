@@ -78,6 +78,22 @@ class Repeated(nn.Module):
         return self.head(x)
 
 
+class Appends(nn.Module):
+    """Logs a statistic into a list it keeps (`self.logged.append(x.item())`, as training
+    scripts log metrics): a graph break, and a guard on the list's length that fails at
+    every call, so dynamo traces the forward again each time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _layers(6), _layers(6)
+        self.logged: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.logged.append(h.norm().item())
+        return self.b(h)
+
+
 def _input(k: int) -> torch.Tensor:
     return torch.randn(512, WIDTH, generator=torch.Generator().manual_seed(k))
 
@@ -180,6 +196,25 @@ def test_repeated_graphs_accumulate_kept_gradients_within_budget() -> None:
     assert all(g.existing_grad_bytes > 0 for g in plan.graphs if g.grads_added_in_place)
     for peak in peaks:
         assert peak <= budget, (peak, budget)
+
+
+def test_a_forward_traced_again_every_call_keeps_its_plan() -> None:
+    """dynamo traces Appends' forward again at every call (its list grew); memopt reuses
+    the plan of the identical graphs instead of planning each call anew: more calls than
+    dynamo's recompile limit train, every measured step runs the plan it reports, within
+    the budget, and a warning names the cause once."""
+    _, model, probe = _compiled(Appends, None)
+    _train(probe, model, steps=1)
+    budget = int(0.7 * probe.memopt_plan.predicted_peak_bytes)
+    eager, model, compiled = _compiled(Appends, budget)
+    with pytest.warns(UserWarning, match="traces this model's forward again"):
+        peaks = _train(compiled, model, steps=10, measure=1)
+    _train(eager, eager, steps=10)
+    _assert_same_parameters(model, eager)
+    assert len(compiled._memopt_backend._log.graphs_built) == 2  # planned once each
+    for peak, predicted in zip(peaks, compiled.predicted, strict=True):
+        assert peak <= budget, (peak, budget)
+        assert abs(peak - predicted) <= 0.05 * predicted, (peaks, compiled.predicted)
 
 
 def test_a_fraction_budget_is_of_the_whole_step() -> None:
