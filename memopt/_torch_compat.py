@@ -266,3 +266,14 @@ def last_guard_failure(code: Any) -> str:
         return text.splitlines()[0].split("#")[0].strip() if text else ""
     except Exception:  # noqa: BLE001 - its internals moved
         return ""
+
+
+def dce_impure_random() -> bool:
+    """Whether torch.fx's dead-code elimination keeps unused random ops now: inside a
+    compilation (a TracingContext, as in AOTAutograd's partitioning) it follows
+    inductor's `fallback_random`, else it keeps them (Graph.eliminate_dead_code)."""
+    if torch._guards.TracingContext.try_get():
+        import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+        return bool(inductor_config.fallback_random)
+    return True

@@ -189,7 +189,7 @@ class MemoptBackend:
         alone = position == 0 and frame.ends_forward(self._log.forward_code)
         key = _graph_key(gm, example_inputs, frame, position, alone, self.existing_grads)
         seen = self._log.by_key.get(key)
-        if seen is not None:  # dynamo traced again what memopt has planned: keep its plan
+        if seen is not None and seen.plan is not None:  # planned before: keep its plan
             self._retraced(frame)
             return seen.run
         if position == 0:  # a new entry into the step (a graph after a break is no new one)

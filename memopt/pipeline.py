@@ -9,13 +9,14 @@ module only runs them in order and assembles the plan. Errors name the stage.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torch import fx
 
@@ -33,6 +34,8 @@ from memopt.passes.meta import accumulates_into, mirror_level, recomputed_from
 from memopt.passes.workspace import measure_workspaces
 from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, node_flops,
                                      storage_sizes)
+from memopt.passes.simulate import Simulated, StepModel
+from memopt._torch_compat import dce_impure_random
 
 from .budget import Budget, format_bytes
 from .steps import Outside
@@ -217,11 +220,12 @@ def _recomputed_nodes(built: _Built) -> tuple[RecomputedNode, ...]:
 
 
 def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: int,
-                   primal_kinds: dict[str, str], build
+                   primal_kinds: dict[str, str], simulate: Callable[[Mirror], Simulated]
                    ) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
     """Chen et al. 2016, Alg. 3 with the Appendix A grid over B, each candidate scored
-    by the exact simulator: the feasible plan (peak <= budget) with the least
-    recomputed FLOPs, else the plan with the lowest peak.
+    by the step simulator (passes.simulate: the exact build's schedule, from arrays):
+    the feasible plan (peak <= budget) with the least recomputed FLOPs, else the plan
+    with the lowest peak.
 
     Beside Alg. 3's plans, Sec. 4.2's: every cheap op dropped, every costly one kept
     (little recomputation, for budgets just under the peak). When no plan fits,
@@ -245,11 +249,10 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     def scorer(mirror_of):
         def score(segment_plan) -> tuple[bool, int, int]:
             """(misses the budget, FLOPs or peak first, the other): lower is better."""
-            built = build(mirror_of(segment_plan.mirror))
-            flops = sum(r.flops for r in _recomputed_nodes(built))
-            if built.peak_bytes > budget_bytes:
-                return True, built.peak_bytes, flops
-            return False, flops, built.peak_bytes
+            step = simulate(mirror_of(segment_plan.mirror))
+            if step.peak_bytes > budget_bytes:
+                return True, step.peak_bytes, step.recompute_flops
+            return False, step.recompute_flops, step.peak_bytes
         return score
 
     # Level 1: m(v) in {0, 1}.
@@ -444,8 +447,24 @@ def plan_joint(
             reversible = reversible_pass.find_reversible(joint)
             for rev in reversible:
                 reversible_pass.apply([joint], rev)
+    gran = allocation_granularity(_device_of(joint))
+    with _stage("step model", done):
+        model = StepModel(
+            joint, num_fwd_outputs, primal_kinds=primal_kinds,
+            mutable_inputs=_mutable_inputs(primal_kinds),
+            existing_grads=grads.nbytes if grads is not None else None,
+            accumulate=grads.add if grads is not None else None,
+            outside_grad_bytes=outside_grad_bytes, outside=(outside.forward, outside.backward),
+            granularity=gran, impure_random=dce_impure_random())
+
+    def simulate(mirror: Mirror, inplace: bool = options.inplace) -> Simulated:
+        result = model.simulate(mirror.names, mirror.twice, inplace)
+        if _VERIFY.get():
+            _verify(result, build(mirror, inplace), mirror)
+        return result
+
     with _stage("baseline", done):
-        baseline = build(Mirror(), inplace=False)
+        baseline = simulate(Mirror(), inplace=False)
     baseline_peak = baseline.peak_bytes
     budget_bytes = budget.resolve(step_baseline or baseline_peak) if budget is not None else None
     # Headroom guards byte budgets against what the plan does not model; a fraction is
@@ -466,20 +485,29 @@ def plan_joint(
                                                              _mutable_inputs(primal_kinds))))
     elif options.mirror is not None:
         mirror = Mirror(frozenset(options.mirror))
-    elif target is not None:
-        built = build(Mirror())
-        if built.peak_bytes > target:
-            with _stage("budget search", done):
-                mirror, search = _choose_mirror(joint, num_fwd_outputs, target,
-                                               primal_kinds, build)
+    elif target is not None and simulate(Mirror()).peak_bytes > target:
+        with _stage("budget search", done):
+            mirror, search = _choose_mirror(joint, num_fwd_outputs, target, primal_kinds,
+                                           simulate)
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace, step=step,
                    done=done)
+    expected = simulate(mirror).peak_bytes
+    if final.peak_bytes != expected:  # a disagreement: the exact build decides
+        log.warning("memopt: the step simulator predicted a peak of %d bytes, the exact "
+                    "build %d (please report this model); planning with exact builds",
+                    expected, final.peak_bytes)
+        if search:
+            with _stage("budget search", done):
+                mirror, search = _choose_mirror(
+                    joint, num_fwd_outputs, target, primal_kinds,
+                    lambda m: _as_simulated(build(m)))
+            final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace,
+                           step=step, done=[])
     recomputed = _recomputed_nodes(final)
     chain_records = _chain_records(chains)
     forward_flops = _forward_flops(joint, num_fwd_outputs) + sum(
         c.site.steps * c.site.step_flops for c in chains)
     device = _device_of(final.fw)
-    gran = allocation_granularity(device)
     with _stage("allocator", done):
         plan = _assemble(final.fw, final.schedule, final.saved_names, list(final.rewrites),
                          baseline_peak, budget_bytes, device, gran, time.perf_counter() - t0)
@@ -497,8 +525,7 @@ def plan_joint(
             "headroom_bytes": budget_bytes - fits if fits is not None else 0,
             "existing_grad_bytes": sum(grads.nbytes.values()) if grads is not None else 0,
             "outside_forward_bytes": outside.forward, "outside_backward_bytes": outside.backward,
-            "baseline_saved_bytes": sum(s.nbytes for s in baseline.schedule.storages
-                                        if s.kind == "saved"),
+            "baseline_saved_bytes": baseline.saved_bytes,
             "grads_added_in_place": sum(1 for n in final.bw.graph.nodes if accumulates_into(n)),
             "saved": tuple(
                 r.model_copy(update={"reason": "kept: a segment boundary of the Alg. 3 plan, "
@@ -524,6 +551,44 @@ def plan_joint(
             step=_step_words(grads, label),
         )
     return final.fw, final.bw, plan
+
+
+#: Tests set this (`verifying()`): every candidate the planner simulates is also built
+#: exactly, and a disagreement raises.
+_VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("memopt_verify", default=False)
+
+
+@contextmanager
+def verifying() -> Iterator[None]:
+    """Check every simulated candidate against its exact build (slow: tests only)."""
+    token = _VERIFY.set(True)
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def _as_simulated(built: _Built) -> Simulated:
+    intervals = tuple((s.nbytes, s.start, s.end) for s in built.schedule.storages)
+    return Simulated(intervals=intervals, num_steps=len(built.schedule.steps),
+                     peak_bytes=built.peak_bytes,
+                     recompute_flops=sum(r.flops for r in _recomputed_nodes(built)),
+                     saved_bytes=sum(s.nbytes for s in built.schedule.storages
+                                     if s.kind == "saved"))
+
+
+def _verify(simulated: Simulated, built: _Built, mirror: Mirror) -> None:
+    exact = _as_simulated(built)
+    if (sorted(simulated.intervals) != sorted(exact.intervals)
+            or (simulated.num_steps, simulated.peak_bytes, simulated.recompute_flops,
+                simulated.saved_bytes) != (exact.num_steps, exact.peak_bytes,
+                                           exact.recompute_flops, exact.saved_bytes)):
+        raise PassError("step simulator", ("exact build",), AssertionError(
+            f"step simulator disagrees with the exact build for {len(mirror.names)} mirrored "
+            f"({len(mirror.twice)} twice): peak {simulated.peak_bytes} vs {exact.peak_bytes}, "
+            f"steps {simulated.num_steps} vs {exact.num_steps}, flops "
+            f"{simulated.recompute_flops} vs {exact.recompute_flops}, saved "
+            f"{simulated.saved_bytes} vs {exact.saved_bytes}"))
 
 
 def _step_words(grads: ExistingGrads | None, label: str) -> str:

@@ -220,6 +220,14 @@ def node_flops(node: fx.Node) -> int:
     inputs = [v for v in map(tensor_value, node.all_input_nodes) if v is not None]
     if out is None or any(storage_key(v) == storage_key(out) for v in inputs):
         return 0  # a view (or a tuple's getitem): no arithmetic
+    return arithmetic(node)
+
+
+def arithmetic(node: fx.Node) -> int:
+    """`node_flops` of a node that is not a view (0 without a single tensor value)."""
+    out = tensor_value(node)
+    if out is None:
+        return 0
     fallback = int(out.numel())
     formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
     if formula is None:

@@ -117,23 +117,59 @@ def measure_workspaces(graphs: Sequence[fx.GraphModule], cache: WorkspaceCache =
     """Measure (or look up) and record the workspace of every eligible node of
     ``graphs`` (see the module docstring)."""
     t0 = time.perf_counter()
-    # Step 1: keys, and what is not measured yet.
-    keyed: list[tuple[fx.Node, tuple]] = []
-    todo: dict[tuple, fx.Node] = {}
-    hits = 0
-    for gm in graphs:
-        for node in gm.graph.nodes:
-            if not _eligible(node):
-                continue
-            key = _key(node)
-            if key is None:
-                continue
-            keyed.append((node, key))
-            if key in cache.bytes_of:
-                hits += 1
-            else:
-                todo.setdefault(key, node)
-    measured = 0
+    # Step 1: keys.
+    calls = [(node, call) for gm in graphs for node in gm.graph.nodes
+             if (call := node_call(node)) is not None]
+    new_keys = {call.key for _, call in calls if call.key not in cache.bytes_of}
+    hits = sum(1 for _, call in calls if call.key not in new_keys)
+    found = workspace_bytes_of([call for _, call in calls], cache)   # Step 2
+    measured = len(new_keys)
+    # Step 3: record.
+    charged = total = 0
+    for (node, _), nbytes in zip(calls, found):
+        if nbytes > 0:
+            node.meta[WORKSPACE_BYTES] = nbytes
+            charged += 1
+            total += nbytes
+    seconds = time.perf_counter() - t0
+    if measured:
+        log.debug("memopt workspaces: %d ops measured (%d cached) in %.2fs; %d nodes "
+                  "charged %s", measured, hits, seconds, charged, format_bytes(total))
+    return WorkspaceResult(charged=charged, measured=measured, hits=hits, seconds=seconds,
+                           total_bytes=total)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One op call as passes.workspace keys and runs it: the op, its arguments (fx
+    Nodes standing for their FakeTensors) and the key (Step 1)."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    key: tuple
+
+
+def node_call(node: fx.Node, target: Any = None, kwargs: dict | None = None) -> Call | None:
+    """The Call of an eligible `node` (None otherwise), or of the variant of it that
+    calls `target` with `kwargs` (an in-place or `out=` rewrite: passes.inplace)."""
+    if not _eligible(node):
+        return None
+    target = node.target if target is None else target
+    kwargs = dict(node.kwargs) if kwargs is None else kwargs
+    key = _key(target, node.args, kwargs)
+    return None if key is None else Call(target, node.args, kwargs, key)
+
+
+def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache = CACHE) -> list[int]:
+    """The workspace bytes of each call: looked up in `cache`, the calls not in it run
+    once each first (Step 2); 0 where nothing can be measured (a meta device, a profiler
+    already recording)."""
+    t0 = time.perf_counter()
+    todo: dict[tuple, Call] = {}
+    for call in calls:
+        if call.key not in cache.bytes_of:
+            todo.setdefault(call.key, call)
     if todo:
         device = torch.device(next(iter(todo))[-2])
         if device.type not in ("cpu", "cuda"):  # meta: a plan of shapes, nothing to run
@@ -145,28 +181,13 @@ def measure_workspaces(graphs: Sequence[fx.GraphModule], cache: WorkspaceCache =
             todo = {}
         if len(cache.bytes_of) + len(todo) > cache.max_entries:
             cache.bytes_of.clear()
-        # Step 2: run each new key once.
         with real_tensors(), torch.random.fork_rng(devices=_cuda_devices(device)):
-            for key, node in todo.items():
-                cache.bytes_of[key] = _run(node, device)
-                measured += 1
-    # Step 3: record.
-    charged = total = 0
-    for node, key in keyed:
-        nbytes = cache.bytes_of.get(key, 0)
-        if nbytes > 0:
-            node.meta[WORKSPACE_BYTES] = nbytes
-            charged += 1
-            total += nbytes
-    seconds = time.perf_counter() - t0
-    cache.hits += hits
-    cache.misses += measured
-    cache.seconds += seconds
-    if measured:
-        log.debug("memopt workspaces: %d ops measured (%d cached) in %.2fs; %d nodes "
-                  "charged %s", measured, hits, seconds, charged, format_bytes(total))
-    return WorkspaceResult(charged=charged, measured=measured, hits=hits, seconds=seconds,
-                           total_bytes=total)
+            for key, call in todo.items():
+                cache.bytes_of[key] = _run(call, device)
+    cache.hits += len(calls) - len(todo)
+    cache.misses += len(todo)
+    cache.seconds += time.perf_counter() - t0
+    return [cache.bytes_of.get(call.key, 0) for call in calls]
 
 
 def _eligible(node: fx.Node) -> bool:
@@ -185,7 +206,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _key(node: fx.Node) -> tuple | None:
+def _key(target: Any, node_args: tuple, node_kwargs: dict) -> tuple | None:
     """Step 1: (op, arguments, kwargs, device, threads); None if an argument cannot be
     keyed (then the node is not measured)."""
     storages: dict[Any, int] = {}
@@ -214,12 +235,12 @@ def _key(node: fx.Node) -> tuple | None:
         raise _Unkeyable
 
     try:
-        args, kwargs = freeze(node.args), freeze(node.kwargs)
+        args, kwargs = freeze(node_args), freeze(node_kwargs)
     except _Unkeyable:
         return None
     if len(devices) != 1:
         return None
-    return (str(node.target), args, kwargs, devices.pop(), torch.get_num_threads())
+    return (str(target), args, kwargs, devices.pop(), torch.get_num_threads())
 
 
 class _Unkeyable(Exception):
@@ -231,7 +252,7 @@ def _cuda_devices(device: torch.device) -> list[int]:
         if device.type == "cuda" else []
 
 
-def _run(node: fx.Node, device: torch.device) -> int:
+def _run(call: Call, device: torch.device) -> int:
     """Step 2: the op's transient bytes on zeros of its inputs' layout (inside
     real_tensors)."""
     bases: dict[Any, torch.UntypedStorage] = {}
@@ -253,16 +274,16 @@ def _run(node: fx.Node, device: torch.device) -> int:
         return value
 
     try:
-        args, kwargs = real(node.args), real(node.kwargs)
+        args, kwargs = real(call.args), real(call.kwargs)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             if device.type == "cuda":
-                node.target(*args, **kwargs)
+                call.target(*args, **kwargs)
             with allocation_peak(device, collect=False) as seen:
-                out = node.target(*args, **kwargs)
+                out = call.target(*args, **kwargs)
             del out
     except Exception as exc:  # an op that cannot run on zeros: no workspace known
         log.debug("memopt workspaces: %s could not run on zeros (%s: %s); charged 0",
-                  node.target, type(exc).__name__, exc)
+                  call.target, type(exc).__name__, exc)
         return 0
     return max(0, seen.peak - seen.end)
 

@@ -1,0 +1,689 @@
+"""Score a mirror plan without building its graphs: the step simulator.
+
+Chen et al. 2016, Appendix A scores every candidate of its search over the budget B by
+the exact static allocation of the candidate's graph. memopt's exact build of a
+candidate (memopt.pipeline: copy the joint graph with mirror nodes, partition it,
+rewrite in place, measure workspaces, analyze liveness) spends most of its time in
+torch.fx graph copies, about half a millisecond per node; Alg. 3's search tries dozens
+of candidates and a ResNet-1000 has tens of thousands of nodes. This pass runs the same
+analysis on plain arrays built once from the joint graph, a few microseconds per node
+per candidate, and gives the same schedule of storages, hence the same peak.
+
+Requires: the joint GraphModule as the pipeline plans it (after passes.chains and
+passes.reversible applied their configurations, and after
+passes.partition.read_concat_views), its primal kinds, and the step context
+(memopt.pipeline.StepContext: existing gradients, what the rest of the step holds).
+
+Ensures: `StepModel(...).simulate(mirror, twice, inplace)` returns the storages'
+(bytes, first step, last step) that memopt.pipeline's exact build of the same mirror
+counts would give to liveness, the recomputed FLOPs, and the peak. Nothing is
+changed: not the joint graph, not its nodes' meta.
+
+Algorithm (each step mirrors the pass it names, and must agree with it exactly;
+tests/test_simulate.py compares both on the corpus, the third-party zoo and fuzzed
+models, and memopt.pipeline builds the plan it chooses for real):
+    Step 1 (once, in StepModel): every joint node as plain data: its input nodes, its
+        top-level arguments, the storages of its FakeTensor value and their bytes, the
+        forward region, impurity (torch's dead-code elimination), the nodes that may be
+        mirrored and the twins of random and stateful ops (passes.recompute,
+        passes.twins), what passes.inplace's static rules allow, and FLOPs.
+    Step 2: Chen Alg. 2: the mirror nodes backward needs and the order that runs each
+        just before its first use (passes.recompute.add_mirror_nodes).
+    Step 3: the cut, gradients added into kept `.grad` tensors (passes.gradients), and
+        the nodes AOTAutograd's extraction keeps in each graph (passes.partition).
+    Step 4: in-place rewrites where an input dies (passes.inplace), and the kernel
+        workspace of each op variant that runs (passes.workspace's cache).
+    Step 5: liveness over the whole step (passes.liveness) and its peak.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from memopt._torch_compat import is_sym_node, is_tangent, storage_key
+
+from .inplace import _inplace_overload, _is_whole_dense, _opaque_output, _out_overload
+from .meta import fake_value, held_bytes, tensor_value
+from .partition import forward_region
+from .recompute import _sources, arithmetic, mirrorable
+from .twins import emit_twin, is_twinned
+from .workspace import Call, node_call, workspace_bytes_of
+
+_LEVELS = ("A", "S", "B")
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """One candidate's step: its storages as (bytes, first step, last step) with
+    first = -1 for what lives before the step, the number of steps, its peak (each
+    storage rounded up to the allocator's granularity), and its recomputed FLOPs."""
+
+    intervals: tuple[tuple[int, int, int], ...]
+    num_steps: int
+    peak_bytes: int
+    recompute_flops: int
+    saved_bytes: int  # the storages of kind "saved" (passes.liveness.KINDS)
+
+
+@dataclass
+class _Proto:
+    """What a node computes, shared by the joint node and its mirror copies (Step 1)."""
+
+    name: str
+    kind: str                      # "primal", "tangent", "call", "get_attr", "output"
+    raw: tuple[Any, ...]           # storage identity of each tensor of its value
+    nbytes: tuple[int, ...]        # each one's storage bytes
+    single: Any                    # raw storage of a single-tensor value, else None
+    tuple_valued: bool
+    symbolic: bool
+    impure: bool
+    in_forward: bool               # AOTAutograd's extraction: must be / cannot be
+    in_backward: bool
+    opaque_output: bool            # never written in place (passes.inplace)
+    flops: int                     # passes.recompute.node_flops, were it not a view
+    node: fx.Node                  # for the workspace key of a variant
+    inplace_target: Any = None     # passes.inplace Step 2's variants, static checks passed
+    out_variant: tuple[Any, str] | None = None
+    arg_ok: tuple[bool, ...] = ()  # per top-level node argument: may it be overwritten
+    workspace: dict | None = None  # variant -> bytes, filled on first use
+
+
+class StepModel:
+    """The joint graph of one training step as arrays (Step 1), for `simulate`."""
+
+    def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int, *,
+                 primal_kinds: dict[str, str], mutable_inputs: frozenset[str],
+                 existing_grads: dict[str, int] | None = None,
+                 accumulate: Callable[..., Any] | None = None, outside_grad_bytes: int = 0,
+                 outside: tuple[int, int] = (0, 0), granularity: int = 1,
+                 impure_random: bool = False) -> None:
+        self.num_fwd_outputs = num_fwd_outputs
+        self.primal_kinds = primal_kinds
+        self.existing_grads = existing_grads
+        self.accumulate = accumulate
+        self.outside_grad_bytes = outside_grad_bytes
+        self.outside = outside
+        self.granularity = granularity
+        self._impure_random = impure_random
+        self._storage_ids: dict[Any, int] = {}
+        nodes = list(joint.graph.nodes)
+        self.index = {n: i for i, n in enumerate(nodes)}
+        self.protos: list[_Proto] = [self._proto(n) for n in nodes]
+        self.inputs: list[tuple[int, ...]] = [tuple(self.index[a] for a in n.all_input_nodes)
+                                              for n in nodes]
+        self.args: list[tuple[Any, ...]] = [tuple(self.index[a] if isinstance(a, fx.Node)
+                                                  else None for a in n.args) for n in nodes]
+        region = forward_region(joint, num_fwd_outputs)
+        self.region = [n in region for n in nodes]
+        output = nodes[-1]
+        assert output.op == "output", "a joint graph ends with its output"
+        outs = list(output.args[0])
+        self.fw_outputs = [self.index[a] if isinstance(a, fx.Node) else None
+                           for a in outs[:num_fwd_outputs]]
+        self.bw_outputs = [self.index[a] if isinstance(a, fx.Node) else None
+                           for a in outs[num_fwd_outputs:]]
+        self.placeholders = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
+        self.primals = [i for i in self.placeholders if not is_tangent(nodes[i])]
+        self.tangents = [i for i in self.placeholders if is_tangent(nodes[i])]
+        self.backward = [i for i, n in enumerate(nodes)
+                         if not self.region[i] and n.op not in ("output", "placeholder")]
+        self.mirrorable = {self.index[n]: n for n in
+                           mirrorable(joint, num_fwd_outputs, mutable_inputs)}
+        self.by_name = {n.name: i for i, n in enumerate(nodes)}
+        self._nodes = nodes
+        self._mutable = mutable_inputs
+        self._twins: dict[tuple[int, str], tuple[list[tuple[_Proto, tuple]], dict]] = {}
+        self._accumulate: _Proto | None = None
+
+    def accumulate_proto(self) -> _Proto:
+        """passes.gradients' `add(grad, parameter)` node: it reads, returns nothing."""
+        if self._accumulate is None:
+            node = fx.Graph().call_function(self.accumulate, ())
+            node.meta["val"] = None
+            self._accumulate = self._proto(node)
+        return self._accumulate
+
+    # Step 1 -------------------------------------------------------------------------
+
+    def _raw(self, t: torch.Tensor) -> int:
+        return self._storage_ids.setdefault(storage_key(t), len(self._storage_ids))
+
+    def _proto(self, node: fx.Node) -> _Proto:
+        value = fake_value(node)
+        tensors = _tensors(value)
+        single = tensor_value(node)
+        kind = {"placeholder": "tangent" if is_tangent(node) else "primal",
+                "call_function": "call", "get_attr": "get_attr"}.get(node.op, node.op)
+        mutable = isinstance(node.target, torch._ops.OpOverload) and \
+            node.target._schema.is_mutable
+        tag = node.meta.get("partitioner_tag")
+        proto = _Proto(
+            name=node.name, kind=kind, raw=tuple(self._raw(t) for t in tensors),
+            nbytes=tuple(t.untyped_storage().nbytes() for t in tensors),
+            single=self._raw(single) if single is not None else None,
+            tuple_valued=isinstance(value, (tuple, list)), symbolic=is_sym_node(node),
+            impure=node.is_impure(self._impure_random),
+            in_forward=tag == "must_be_in_forward" or (
+                mutable and tag not in ("is_backward", "must_be_in_backward")),
+            in_backward=tag == "must_be_in_backward" or (mutable and tag == "is_backward"),
+            opaque_output=_opaque_output(node),
+            flops=arithmetic(node) if node.op == "call_function" else 0, node=node)
+        if node.op != "call_function" or single is None:
+            return proto
+        # passes.inplace Step 2, the checks that do not depend on liveness
+        proto.arg_ok = tuple(isinstance(a, fx.Node) and _static_overwrite(node, a)
+                             for a in node.args)
+        target = _inplace_overload(node.target)
+        if target is not None and node.args and isinstance(node.args[0], fx.Node):
+            proto.inplace_target = target
+        proto.out_variant = _out_overload(node.target)
+        return proto
+
+    def _twin(self, item: int, level: str) -> tuple[list[tuple[_Proto, tuple]], int]:
+        """The nodes passes.twins emits for the twin of `item`'s op at `level`, as protos
+        with their inputs (a joint node index, or ("t", k) for the twin's own k-th
+        node), and the position of `item`'s value among them. Traced once per op and
+        level, as the exact build does, so that each level's values are storages of
+        their own and a BatchNorm twin's outputs come from one call."""
+        node = self._nodes[item]
+        op = node.args[0]
+        key = (self.index[op], level)
+        if key not in self._twins:
+            scratch = fx.Graph()
+            stand_in: dict[fx.Node, fx.Node] = {}
+
+            def env(a: fx.Node) -> fx.Node:
+                if a not in stand_in:
+                    stand_in[a] = scratch.placeholder(a.name)
+                    stand_in[a].meta = dict(a.meta)
+                return stand_in[a]
+
+            items = sorted((u for u in op.users if is_twinned(u)), key=lambda u: u.args[1])
+            shared: dict[fx.Node, fx.Node] = {}
+            values = {u.args[1]: emit_twin(scratch, u, env, shared, level) for u in items}
+            made = [n for n in scratch.nodes if n.op == "call_function"]
+            local = {n: ("t", k) for k, n in enumerate(made)}
+            joint_of = {v: ("j", self.index[k]) for k, v in stand_in.items()}
+            protos = [(self._proto(n), tuple(local.get(a) or joint_of[a]
+                                             for a in n.all_input_nodes)) for n in made]
+            self._twins[key] = (protos, {i: made.index(v) for i, v in values.items()})
+        protos, position = self._twins[key]
+        return protos, position[node.args[1]]
+
+    # Steps 2-5 ----------------------------------------------------------------------
+
+    def simulate(self, mirrored: Iterable[str] = (), twice: Iterable[str] = (),
+                 inplace: bool = True) -> Simulated:
+        """The step of mirror counts m(v) = 1 for the nodes named in `mirrored`, 2 for
+        those also in `twice` (memopt.pipeline.Mirror), with or without in-place
+        rewrites."""
+        run = _Candidate(self)
+        run.add_mirror_nodes(frozenset(mirrored), frozenset(twice))     # Step 2
+        fw, bw, saved = run.partition()                                 # Step 3
+        fw.rewrites = run.reinplace(fw, inplace)                        # Step 4
+        bw.rewrites = run.reinplace(bw, inplace)
+        return run.liveness(fw, bw, saved)                              # Step 5
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _static_overwrite(node: fx.Node, src: fx.Node) -> bool:
+    """passes.inplace's may_overwrite, less what depends on the step's liveness."""
+    out, inp = tensor_value(node), tensor_value(src)
+    return not (inp is None or out is None
+                or sum(a is src for a in node.args) != 1
+                or out.shape != inp.shape or out.dtype != inp.dtype
+                or out.device != inp.device or out.stride() != inp.stride()
+                or not _is_whole_dense(inp))
+
+
+class _Candidate:
+    """One candidate's graphs as index lists over the model's nodes and its own mirror
+    nodes (ids from len(model.protos) on)."""
+
+    def __init__(self, model: StepModel) -> None:
+        self.m = model
+        self.protos: dict[int, _Proto] = {}       # mirror nodes' protos
+        self.inputs: dict[int, tuple[int, ...]] = {}  # overrides and mirror nodes
+        self.args: dict[int, tuple[Any, ...]] = {}
+        self.order: list[int] = []                # every non-placeholder node, placed
+        self.bw_outputs = list(model.bw_outputs)
+        self.recomputed: set[int] = set()
+        self.extra_saved: tuple[int, ...] = ()
+        self._next = len(model.protos)
+
+    def proto(self, i: int) -> _Proto:
+        return self.protos[i] if i in self.protos else self.m.protos[i]
+
+    def inputs_of(self, i: int) -> tuple[int, ...]:
+        return self.inputs[i] if i in self.inputs else self.m.inputs[i]
+
+    def args_of(self, i: int) -> tuple[Any, ...]:
+        return self.args[i] if i in self.args else self.m.args[i]
+
+    def _new(self, proto: _Proto, inputs: tuple[int, ...], args: tuple[Any, ...]) -> int:
+        i, self._next = self._next, self._next + 1
+        self.protos[i], self.inputs[i], self.args[i] = proto, inputs, args
+        self.recomputed.add(i)
+        return i
+
+    # Step 2: passes.recompute.add_mirror_nodes and place_recomputation.
+    def add_mirror_nodes(self, mirrored: frozenset[str], twice: frozenset[str]) -> None:
+        m = self.m
+        mirror = {i for i, n in m.mirrorable.items() if n.name in mirrored}
+
+        def level(reader: str, i: int) -> str:
+            if m.protos[i].name not in twice:
+                return "S"
+            return "B" if reader in ("B", "bw") else "A"
+
+        def sources(i: int) -> list[int]:
+            return [m.index[a] for a in _sources(m._nodes[i])]
+
+        needed: set[tuple[int, str]] = set()
+        stack = [(a, level("bw", a)) for b in m.backward for a in m.inputs[b] if a in mirror]
+        while stack:
+            i, lvl = stack.pop()
+            if (i, lvl) not in needed:
+                needed.add((i, lvl))
+                stack.extend((a, level(lvl, a)) for a in sources(i) if a in mirror)
+        clones: dict[tuple[int, str], int] = {}
+        ops: dict[str, dict[int, int]] = {lvl: {} for lvl in _LEVELS}
+        for i in sorted(mirror):
+            for lvl in _LEVELS:
+                if (i, lvl) not in needed:
+                    continue
+
+                def env(a: int, lvl: str = lvl) -> int:
+                    return clones[(a, level(lvl, a))] if a in mirror else a
+
+                node = m._nodes[i]
+                if is_twinned(node):
+                    clones[(i, lvl)] = self._emit_twin(i, lvl, env, ops[lvl])
+                elif node.target is operator.getitem:
+                    op = m.index[node.args[0]]
+                    if op not in ops[lvl]:
+                        ops[lvl][op] = self._copy(op, env)
+                    clones[(i, lvl)] = self._copy(i, lambda a, o=ops[lvl]: o.get(a, a))
+                else:
+                    clones[(i, lvl)] = self._copy(i, env)
+        for b in m.backward:
+            if any(a in mirror for a in m.inputs[b]):
+                self.inputs[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
+                                       for a in m.inputs[b])
+                self.args[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
+                                     for a in m.args[b])
+        # place_recomputation: each mirror node just before its first use
+        emitted = set(m.placeholders)
+        order: list[int] = []
+        for root in range(len(m.protos)):
+            if root in emitted or m.protos[root].kind == "output":
+                continue
+            work = [(root, False)]
+            while work:
+                i, ready = work.pop()
+                if i in emitted:
+                    continue
+                if ready:
+                    emitted.add(i)
+                    order.append(i)
+                    continue
+                work.append((i, True))
+                work.extend((a, False) for a in self.inputs_of(i) if a not in emitted)
+        self.order = order
+        self.recomputed &= emitted
+
+    def _copy(self, i: int, env: Callable[[int], int]) -> int:
+        return self._new(self.m.protos[i], tuple(env(a) for a in self.m.inputs[i]),
+                         tuple(env(a) if a is not None else None for a in self.m.args[i]))
+
+    def _emit_twin(self, item: int, lvl: str, env: Callable[[int], int],
+                   shared: dict[tuple[int, int], int]) -> int:
+        """passes.twins.emit_twin: the twin's nodes `item` needs, each made once per op
+        and level (`shared`: (op, template position) -> mirror node)."""
+        protos, position = self.m._twin(item, lvl)
+        op = self.m.index[self.m._nodes[item].args[0]]
+
+        def make(k: int) -> int:
+            if (op, k) not in shared:
+                proto, inputs = protos[k]
+                mapped = tuple(make(a[1]) if a[0] == "t" else env(a[1]) for a in inputs)
+                shared[(op, k)] = self._new(proto, mapped, mapped)
+            return shared[(op, k)]
+
+        return make(position)
+
+    # Step 3: passes.partition.find_cut, passes.gradients, AOTAutograd's extraction.
+    def partition(self) -> tuple["_Graph", "_Graph", list[int]]:
+        m = self.m
+        joint = len(m.protos)
+
+        def in_region(i: int) -> bool:
+            return i < joint and m.region[i]
+
+        read_outside = {a for i in self.order if not in_region(i) for a in self.inputs_of(i)}
+        cut = [i for i in m.placeholders + self.order if in_region(i) and i in read_outside]
+        saved = [i for i in cut if not self.proto(i).symbolic and not self.proto(i).tuple_valued]
+        symbols = [i for i in cut if self.proto(i).symbolic]
+        order = list(self.order)
+        if m.existing_grads is not None:
+            order, saved = self._accumulate(order, saved)
+        graph = m.placeholders + order
+        # the backward: saved values, symbols and tangents in, gradients out
+        bw_in = symbols + saved + m.tangents
+        bw_body = self._extract(graph, set(bw_in), self.bw_outputs, forward=False)
+        used = {a for i in bw_body for a in self.inputs_of(i)} | \
+            {i for i in self.bw_outputs if i is not None}
+        saved = [i for i in saved if i in used]
+        symbols = [i for i in symbols if i in used]
+        bw = _Graph(symbols + saved + m.tangents, bw_body, self.bw_outputs)
+        fw_out = m.fw_outputs + saved + symbols
+        fw = _Graph(list(m.primals), self._extract(graph, set(m.primals), fw_out, forward=True),
+                    fw_out)
+        return fw, bw, saved
+
+    def _accumulate(self, order: list[int], saved: list[int]) -> tuple[list[int], list[int]]:
+        """passes.gradients: save the parameters, and add each parameter's gradient into
+        its `.grad` right after it is produced (after the inputs, for a tangent)."""
+        m = self.m
+        params = frozenset(m.existing_grads)
+        names = {self.proto(i).name for i in saved}
+        saved = saved + sorted((m.by_name[p] for p in params - names),
+                               key=lambda i: m.protos[i].name)
+        if len(self.bw_outputs) != len(m.primals):
+            return order, saved
+        after: dict[int, list[int]] = {}
+        for k, (primal, grad) in enumerate(zip(m.primals, self.bw_outputs)):
+            if m.protos[primal].name not in params or grad is None:
+                continue
+            where = -1 if self.proto(grad).kind in ("primal", "tangent") else grad
+            add = self._new(m.accumulate_proto(), (grad, primal), (grad, primal))
+            self.recomputed.discard(add)
+            after.setdefault(where, []).insert(0, add)
+            self.bw_outputs[k] = add
+        placed = after.get(-1, [])
+        for i in order:
+            placed.append(i)
+            placed.extend(after.get(i, ()))
+        return placed, saved
+
+    def _extract(self, graph: list[int], inputs: set[int], outputs: list[int | None],
+                 forward: bool) -> list[int]:
+        """torch's _extract_graph_with_inputs_outputs: the nodes computable from
+        `inputs` (and allowed in this graph), less those dead-code elimination removes;
+        in `graph` order, inputs excluded."""
+        valid: set[int] = set()
+        for i in graph:
+            if i in inputs:
+                valid.add(i)
+                continue
+            p = self.proto(i)
+            if (p.in_backward if forward else p.in_forward) or p.kind in ("primal", "tangent"):
+                continue
+            if p.kind == "get_attr" or all(a in valid for a in self.inputs_of(i)):
+                valid.add(i)
+        live = {i for i in outputs if i is not None}
+        live |= {i for i in valid if i not in inputs and self.proto(i).impure}
+        work = [i for i in live if i not in inputs]  # an input is a placeholder there
+        while work:
+            for a in self.inputs_of(work.pop()):
+                if a not in live and a in valid:
+                    live.add(a)
+                    if a not in inputs:
+                        work.append(a)
+        return [i for i in graph if i in live and i not in inputs and i in valid]
+
+    # Step 4: passes.inplace.reinplace.
+    def reinplace(self, graph: "_Graph", enabled: bool) -> dict[int, tuple[int, Any]]:
+        """{node: (the input it writes into, its variant)}: ("inplace",) or ("out", k)
+        for the k-th top-level argument."""
+        if not enabled:
+            return {}
+        nodes = graph.inputs + graph.body
+        order = {i: k for k, i in enumerate(nodes)}
+        end = len(nodes)  # the output node
+        key_of = {i: self.proto(i).single for i in nodes if self.proto(i).single is not None}
+        last_read: dict[Any, int] = {}
+        pinned: set[Any] = set()
+        for i in nodes:
+            for a in self.inputs_of(i) if i not in graph.inputs else ():
+                if a in key_of:
+                    last_read[key_of[a]] = max(last_read.get(key_of[a], -1), order[i])
+            if (i in graph.inputs or self.proto(i).opaque_output) and i in key_of:
+                pinned.add(key_of[i])
+        for a in dict.fromkeys(o for o in graph.outputs if o is not None):
+            if a in key_of:
+                last_read[key_of[a]] = max(last_read.get(key_of[a], -1), end)
+                pinned.add(key_of[a])
+        merged: dict[Any, Any] = {}
+
+        def storage(i: int) -> Any:
+            key = key_of.get(i)
+            while key in merged:
+                key = merged[key]
+            return key
+
+        def may_overwrite(i: int, src: int, position: int) -> bool:
+            if src not in key_of or i not in key_of or not self.proto(i).arg_ok[position]:
+                return False
+            key = storage(src)
+            return not (key in pinned or last_read.get(key) != order[i]
+                        or any(storage(a) == key for a in self.inputs_of(i) if a != src))
+
+        rewrites: dict[int, tuple[int, Any]] = {}
+        for i in graph.body:
+            p = self.proto(i)
+            if p.kind != "call" or i not in key_of:
+                continue
+            args = self.args_of(i)
+            found = None
+            if p.inplace_target is not None and may_overwrite(i, args[0], 0):
+                found = (args[0], ("inplace",))
+            elif p.out_variant is not None:
+                found = next(((a, ("out", k)) for k, a in enumerate(args)
+                              if a is not None and may_overwrite(i, a, k)), None)
+            if found is None:
+                continue
+            src, variant = found
+            key = storage(src)
+            rewrites[i] = (src, variant)
+            old = storage(i)
+            merged[old] = key
+            if old in last_read:
+                last_read[key] = max(last_read[key], last_read.pop(old))
+            if old in pinned:
+                pinned.add(key)
+        return rewrites
+
+    def _workspaces(self, nodes: list[int], rewrites: dict[int, tuple[int, Any]]
+                    ) -> dict[int, int]:
+        """passes.workspace: each node's workspace for the variant that runs."""
+        found: dict[int, int] = {}
+        todo: list[tuple[int, _Proto, Any, Call]] = []
+        for i in nodes:
+            p = self.proto(i)
+            preset = p.node.meta.get("memopt.workspace_bytes")
+            if preset is not None:
+                found[i] = preset
+                continue
+            variant = rewrites[i][1] if i in rewrites else ("fn",)
+            if p.workspace is None:
+                p.workspace = {}
+            if variant in p.workspace:
+                found[i] = p.workspace[variant]
+                continue
+            call = _variant_call(p, variant)
+            if call is None:
+                p.workspace[variant] = 0
+                continue
+            todo.append((i, p, variant, call))
+        if todo:
+            for (i, p, variant, _), nbytes in zip(todo, workspace_bytes_of([t[3] for t in todo])):
+                p.workspace[variant] = nbytes
+                found[i] = nbytes
+        return {i: b for i, b in found.items() if b}
+
+    def _flops(self, i: int) -> int:
+        """passes.recompute.node_flops of node `i` as its inputs are in this candidate: a
+        view of one of them costs nothing."""
+        p = self.proto(i)
+        if p.single is None or any(self.proto(a).single == p.single for a in self.inputs_of(i)):
+            return 0
+        return p.flops
+
+    # Step 5: passes.liveness.analyze_liveness, and the peak.
+    def liveness(self, fw: "_Graph", bw: "_Graph", saved_values: list[int]) -> Simulated:
+        m = self.m
+        parent: dict[Any, Any] = {}
+        nbytes: dict[Any, int] = {}
+
+        def find(k: Any) -> Any:
+            while parent[k] != k:
+                k = parent[k]
+            return k
+
+        def add(key: Any, size: int) -> None:
+            if key not in parent:
+                parent[key], nbytes[key] = key, size
+
+        def union(a: Any, b: Any) -> None:
+            ra, rb = find(a), find(b)
+            if ra != rb:
+                parent[ra] = rb
+                nbytes[rb] = max(nbytes[ra], nbytes[rb])
+
+        keys: dict[tuple[str, int], list[Any]] = {}
+        raws: dict[tuple[str, int], tuple[Any, ...]] = {}
+        for prefix, graph in (("fw", fw), ("bw", bw)):
+            for i in graph.inputs + graph.body:
+                p = self.proto(i)
+                raws[(prefix, i)] = p.raw
+                if prefix == "fw" or i in graph.inputs:
+                    own = list(p.raw)
+                else:  # a backward op aliases an input only where its value is a view
+                    inputs: dict[Any, Any] = {}
+                    for a in self.inputs_of(i):
+                        for raw, key in zip(raws.get(("bw", a), ()), keys.get(("bw", a), ())):
+                            inputs.setdefault(raw, key)
+                    own = [inputs.get(raw, ("bw", i, k)) for k, raw in enumerate(p.raw)]
+                for key, size in zip(own, p.nbytes):
+                    add(key, size)
+                for index, held in held_bytes(p.node).items():  # set by passes.chains
+                    if index < len(own):
+                        nbytes[find(own[index])] = held
+                if i in graph.rewrites and own and (prefix, graph.rewrites[i][0]) in keys:
+                    union(own[0], keys[(prefix, graph.rewrites[i][0])][0])
+                keys[(prefix, i)] = own
+
+        first: dict[Any, int] = {}
+        last: dict[Any, int] = {}
+
+        def touch(key: Any, step: int) -> None:
+            first.setdefault(key, step)
+            last[key] = max(last.get(key, step), step)
+
+        resident: set[Any] = set()
+        steps = 0
+        num_forward = 0
+        workspaces: list[tuple[int, int]] = []
+        for prefix, graph in (("fw", fw), ("bw", bw)):
+            start = steps
+            for i in graph.inputs:
+                for key in keys[(prefix, i)]:
+                    key = find(key)
+                    if prefix == "fw":
+                        resident.add(key)
+                        touch(key, -1)
+                    else:
+                        touch(key, start)
+            spaces = self._workspaces(graph.body, graph.rewrites)
+            for i in graph.body:
+                step = steps
+                steps += 1
+                for a in self.inputs_of(i):
+                    for key in keys.get((prefix, a), ()):
+                        touch(find(key), step)
+                if i in spaces:
+                    workspaces.append((spaces[i], step))
+                for key in keys[(prefix, i)]:
+                    touch(find(key), step)
+            if prefix == "fw":
+                num_forward = steps
+        end_of_step = steps - 1
+        user_outputs = {find(k) for i in fw.outputs[:m.num_fwd_outputs] if i is not None
+                        for k in keys.get(("fw", i), ())}
+        gradients = {find(k) for i in bw.outputs if i is not None
+                     for k in keys.get(("bw", i), ())}
+        held = resident | user_outputs | gradients
+        intervals = [(nbytes[key], -1 if key in resident else s,
+                      max(end_of_step if key in held else last[key], s))
+                     for key, s in first.items()]
+        saved = {find(k) for i in saved_values for k in keys.get(("fw", i), ())}
+        tangents = {find(k) for i in m.tangents for k in keys.get(("bw", i), ())}
+        saved_bytes = sum(nbytes[key] for key, s in first.items()
+                          if key in saved and s < num_forward and not (
+                              key in resident or key in tangents or key in user_outputs))
+        intervals += [(size, step, step) for size, step in workspaces]
+        intervals += [(size, -1, end_of_step) for size in (m.existing_grads or {}).values()]
+        forward_bytes, backward_bytes = m.outside
+        if forward_bytes and num_forward - 1 >= 0:
+            intervals.append((forward_bytes, 0, num_forward - 1))
+        if backward_bytes and num_forward <= end_of_step:
+            intervals.append((backward_bytes, num_forward, end_of_step))
+        if m.outside_grad_bytes and num_forward < steps:
+            intervals.append((m.outside_grad_bytes, num_forward, num_forward))
+        flops = sum(self._flops(i) for i in bw.body if i in self.recomputed)
+        return Simulated(intervals=tuple(intervals), num_steps=steps,
+                         peak_bytes=_peak(intervals, steps, m.granularity),
+                         recompute_flops=flops, saved_bytes=saved_bytes)
+
+
+@dataclass
+class _Graph:
+    """A forward or backward graph: its placeholders, its nodes in order, its outputs."""
+
+    inputs: list[int]
+    body: list[int]
+    outputs: list[int | None]
+    rewrites: dict[int, tuple[int, Any]] = field(default_factory=dict)  # Step 4
+
+
+def _variant_call(p: _Proto, variant: Any) -> Call | None:
+    if variant[0] == "fn":
+        return node_call(p.node)
+    if variant[0] == "inplace":
+        return node_call(p.node, target=p.inplace_target)
+    target, out_name = p.out_variant
+    src = p.node.args[variant[1]]
+    return node_call(p.node, target=target, kwargs={**p.node.kwargs, out_name: src})
+
+
+def _peak(intervals: list[tuple[int, int, int]], num_steps: int, granularity: int) -> int:
+    """allocator.peak_live_bytes of the intervals, each rounded up to `granularity`."""
+    if num_steps <= 0:
+        return 0
+    diff = [0] * (num_steps + 1)
+    g = granularity
+    for size, start, end in intervals:
+        s, e = max(start, 0), min(end, num_steps - 1)
+        if s <= e:
+            size = -(-size // g) * g
+            diff[s] += size
+            diff[e + 1] -= size
+    peak = live = 0
+    for d in diff[:num_steps]:
+        live += d
+        peak = max(peak, live)
+    return peak
