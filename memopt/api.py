@@ -18,6 +18,7 @@ at the first call). See README.md, "Bad input".
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from typing import Any
 
@@ -59,6 +60,7 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
     """Call a torch.compile'd function; surface memopt's own errors and name capture failures
     (inputs that do not match `model`'s device or dtype as InputError)."""
     backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
+    backend._log.clock = time.perf_counter()  # a plan's capture time counts from here
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS,
                                         **ignored_logging_config()):
@@ -276,7 +278,9 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             the detection of cell loops (`for t in ...: h = self.cell(xs[t], h)`, the
             same parameters every step), which otherwise run as recurrent chains like
             `memopt.recurrent.Recurrent` (Gruslys et al. 2016, Sec. 3.1; see
-            memopt.passes.loops for what is detected and what is left unrolled).
+            memopt.passes.loops for what is detected and what is left unrolled);
+            `progress=False` hides the progress bar a plan longer than 2 s shows on a
+            terminal.
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or
@@ -353,6 +357,7 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
         model = model.original_module
     backend = MemoptBackend(budget, plan_only=True, **options)
     traced, _ = substitute_rnns(model)
+    backend._log.forward_code = getattr(traced.forward, "__func__", traced.forward).__code__
     compiled = _compile_step(traced, _never_run(backend), fullgraph=True)
     try:
         _run_captured(compiled, example_inputs, example_kwargs or {}, backend, model)

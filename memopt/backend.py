@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -110,6 +111,9 @@ class _PlanLog:
     by_key: dict[tuple, "_Graph"] = field(default_factory=dict)
     retraced: int = 0
     step_baselines: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: perf_counter when the compiled call began or the last graph was planned: a plan's
+    #: capture time (dynamo's and AOTAutograd's tracing) runs from here to partition_fn
+    clock: float = 0.0
 
 
 class MemoptBackend:
@@ -125,10 +129,10 @@ class MemoptBackend:
     def __init__(self, budget: object = None, *, inplace: bool = True,
                  mirror: object = None, headroom: float = Options.headroom,
                  plan_only: bool = False, loops: bool = True,
-                 existing_grads: bool = False) -> None:
+                 existing_grads: bool = False, progress: bool = True) -> None:
         self.budget: Budget | None = parse_budget(budget)
         for name, flag in (("loops", loops), ("existing_grads", existing_grads),
-                           ("inplace", inplace)):
+                           ("inplace", inplace), ("progress", progress)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loops = loops
@@ -139,7 +143,8 @@ class MemoptBackend:
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
                 or not 0 <= headroom < 1:
             raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
-        self.options = Options(inplace=inplace, mirror=mirror, headroom=float(headroom))
+        self.options = Options(inplace=inplace, mirror=mirror, headroom=float(headroom),
+                               progress=progress)
         self.plan_only = plan_only
 
     @property
@@ -363,13 +368,16 @@ class _Graph:
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+            captured = time.perf_counter() - backend._log.clock if backend._log.clock else 0.0
             fw, bw, plan = plan_joint(
                 joint, num_fwd_outputs, primal_kinds=self.kinds, budget=budget,
                 options=options, grads=self.grads, outside_grad_bytes=self.outside_grads,
                 outside=outside, label="" if self.alone else self.label(), cap=cap,
                 step_baseline=step_baseline, must_fit=must_fit)
             plan = plan.model_copy(update={"graph_index": self.index,
-                                           "graph_break": self.graph_break()})
+                                           "graph_break": self.graph_break(),
+                                           "capture_seconds": max(0.0, captured)})
+            backend._log.clock = time.perf_counter()
             planned.append(plan)
             backend._log.plans.append(plan)
             if backend.plan_only:  # stop before AOTAutograd builds its runtime wrappers
@@ -400,6 +408,7 @@ class _Graph:
         next runs, keeping the plan even where it misses the budget (`plan.fits`); LEAN
         falls back to LOWEST where it misses."""
         budget = self.backend.budget
+        self.backend._log.clock = time.perf_counter()  # capture: AOTAutograd's tracing only
         self.compile(self.fakes, outside, policy, budget, step_baseline, must_fit=False)
         if policy == LEAN and not self.plan.fits:
             self.compile(self.fakes, outside, LOWEST, budget, step_baseline, must_fit=False)

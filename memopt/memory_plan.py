@@ -165,6 +165,7 @@ class MemoryPlan(BaseModel):
     predicted_peak_bytes: Bytes    # simulated peak of the step as memopt runs it
     lower_bound_bytes: Bytes       # max over the schedule of live bytes (no allocator does better)
     arena_bytes: Bytes             # resident bytes + the offset assignment's arena
+    arena_layout: str = "greedy by size"  # or "tag blocks" (past pipeline's greedy limit)
     sharing_bytes: Bytes           # resident bytes + Chen's tag-recycling total
     no_reuse_bytes: Bytes          # every storage its own memory (Chen's "no optimization")
     resident_bytes: Bytes          # parameters, buffers, inputs and existing .grad tensors
@@ -175,7 +176,8 @@ class MemoryPlan(BaseModel):
     saved: tuple[SavedTensor, ...]
     inplace: tuple[InplaceRecord, ...]
     sharing: tuple[SharingGroup, ...]
-    plan_seconds: NonNegativeFloat
+    plan_seconds: NonNegativeFloat     # memopt's own passes (partition_fn)
+    capture_seconds: NonNegativeFloat = 0.0  # dynamo and AOTAutograd tracing before them
     recomputed: tuple[RecomputedNode, ...] = ()
     forward_flops: Count = 0           # one forward pass, by the same cost model
     recompute_flops: Count = 0         # extra forward work the recomputation adds
@@ -240,12 +242,14 @@ class MemoryPlan(BaseModel):
             f"  predicted peak   {b(self.predicted_peak_bytes):>12}   (budget {budget})",
             f"  baseline peak    {b(self.baseline_peak_bytes):>12}   (no memopt passes)",
             f"  lower bound      {b(self.lower_bound_bytes):>12}   (max live bytes)",
-            f"  arena            {b(self.arena_bytes):>12}   (offset assignment)",
+            f"  arena            {b(self.arena_bytes):>12}   (offsets: {self.arena_layout})",
             f"  tag sharing      {b(self.sharing_bytes):>12}   (Chen Sec. 3)",
             f"  no reuse         {b(self.no_reuse_bytes):>12}   (every storage separate)",
             f"  resident         {b(self.resident_bytes):>12}   (parameters, buffers, inputs"
             f"{', existing .grad' if self.existing_grad_bytes else ''})",
             f"  peak at          {self.peak_step}",
+            f"  time             {self.plan_seconds:.2f} s planning, {self.capture_seconds:.2f} s "
+            f"capture (dynamo + AOTAutograd)",
             f"  in-place rewrites {len(self.inplace)}, sharing groups {len(self.sharing)}, "
             f"saved tensors {len(self.saved)} ({b(self.saved_bytes)})",
         ]

@@ -10,6 +10,7 @@ module only runs them in order and assembles the plan. Errors name the stage.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import logging
 import math
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
+from tqdm.auto import tqdm
 
 from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_live_bytes
 from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_by_tags,
@@ -101,6 +103,13 @@ class Options:
     #: on CPU: the largest measured excess over the prediction was 5.3% (ResNet-50,
     #: BatchNorm recomputed, convolutions kept); 3% let a 305 MiB budget measure 309.
     headroom: float = 0.06
+    #: A progress bar (tqdm, on stderr) for a budget search that runs longer than
+    #: PROGRESS_DELAY seconds, when stderr is a terminal; False: never.
+    progress: bool = True
+
+
+#: Seconds a plan runs before its progress bar shows.
+PROGRESS_DELAY = 2.0
 
 
 def allocation_granularity(device: str) -> int:
@@ -457,10 +466,14 @@ def plan_joint(
             outside_grad_bytes=outside_grad_bytes, outside=(outside.forward, outside.backward),
             granularity=gran, impure_random=dce_impure_random())
 
+    bar = tqdm(desc=f"memopt: planning{f' {label}' if label else ''}", unit=" plans",
+               delay=PROGRESS_DELAY, leave=False, disable=None if options.progress else True)
+
     def simulate(mirror: Mirror, inplace: bool = options.inplace) -> Simulated:
         result = model.simulate(mirror.names, mirror.twice, inplace)
         if _VERIFY.get():
             _verify(result, build(mirror, inplace), mirror)
+        bar.update()
         return result
 
     with _stage("baseline", done):
@@ -489,6 +502,7 @@ def plan_joint(
         with _stage("budget search", done):
             mirror, search = _choose_mirror(joint, num_fwd_outputs, target, primal_kinds,
                                            simulate)
+    bar.set_postfix_str("building the plan's graphs")
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace, step=step,
                    done=done)
     expected = simulate(mirror).peak_bytes
@@ -533,6 +547,7 @@ def plan_joint(
                 if recomputed and r.reason.startswith("read by backward") else r
                 for r in plan.saved),
         })
+    bar.close()
     log.info(
         "memopt: peak %s -> %s (lower bound %s, arena %s), %d in-place, %d saved tensors, "
         "%d recomputed, planned in %.2fs", format_bytes(plan.baseline_peak_bytes),
@@ -608,6 +623,12 @@ def _device_of(gm: fx.GraphModule) -> str:
     return "cpu"
 
 
+#: Greedy-by-size offsets (allocator.assign_offsets) cost O(n x the storages live beside
+#: each): about 20 s for the 25,000 storages of a ResNet-1000 step. Past this many
+#: storages the plan lays each of Chen's tags out as its own block instead.
+GREEDY_OFFSETS_LIMIT = 8192
+
+
 def _assemble(
     fw: fx.GraphModule,
     schedule: StepSchedule,
@@ -627,9 +648,16 @@ def _assemble(
                if s.kind not in RESIDENT_KINDS and s.kind != "outside"]
     resident = sum(iv.size for iv, s in zip(intervals, schedule.storages)
                    if s.kind in RESIDENT_KINDS)
-    offsets = assign_offsets([intervals[i] for i in dynamic], alignment=gran)
     tags = share_by_tags([intervals[i] for i in dynamic])
-    offset_of = dict(zip(dynamic, offsets.offsets))
+    if len(dynamic) <= GREEDY_OFFSETS_LIMIT:
+        offsets = assign_offsets([intervals[i] for i in dynamic], alignment=gran)
+        arena, layout, offset_of = offsets.arena_bytes, "greedy by size", dict(
+            zip(dynamic, offsets.offsets))
+    else:  # each tag's block in turn: a valid static layout, in O(n)
+        starts = list(itertools.accumulate((-(-n // gran) * gran for n in tags.tag_sizes),
+                                           initial=0))
+        arena, layout = starts[-1], "tag blocks"
+        offset_of = {i: starts[t] for i, t in zip(dynamic, tags.tag_of)}
     tag_of = dict(zip(dynamic, tags.tag_of))
 
     storages = tuple(
@@ -653,7 +681,8 @@ def _assemble(
         lower_bound_bytes=peak_live_bytes(
             [Interval(s.nbytes, s.start, s.end) for s in schedule.storages], n_steps
         ).peak_bytes,
-        arena_bytes=resident + offsets.arena_bytes,
+        arena_bytes=resident + arena,
+        arena_layout=layout,
         sharing_bytes=resident + tags.total_bytes,
         no_reuse_bytes=no_sharing_bytes(intervals),
         resident_bytes=resident,

@@ -38,6 +38,7 @@ models, and memopt.pipeline builds the plan it chooses for real):
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class _Proto:
     in_backward: bool
     opaque_output: bool            # never written in place (passes.inplace)
     flops: int                     # passes.recompute.node_flops, were it not a view
+    opaque: bool                   # memopt's own op: bytes behind its outputs (HELD_BYTES)
     node: fx.Node                  # for the workspace key of a variant
     inplace_target: Any = None     # passes.inplace Step 2's variants, static checks passed
     out_variant: tuple[Any, str] | None = None
@@ -173,6 +175,8 @@ class StepModel:
                 mutable and tag not in ("is_backward", "must_be_in_backward")),
             in_backward=tag == "must_be_in_backward" or (mutable and tag == "is_backward"),
             opaque_output=_opaque_output(node),
+            opaque=isinstance(node.target, torch._ops.OpOverload)
+            and node.target.namespace == "memopt",
             flops=arithmetic(node) if node.op == "call_function" else 0, node=node)
         if node.op != "call_function" or single is None:
             return proto
@@ -255,29 +259,30 @@ class _Candidate:
 
     def __init__(self, model: StepModel) -> None:
         self.m = model
-        self.protos: dict[int, _Proto] = {}       # mirror nodes' protos
-        self.inputs: dict[int, tuple[int, ...]] = {}  # overrides and mirror nodes
-        self.args: dict[int, tuple[Any, ...]] = {}
+        # per node id: its proto, its input nodes and its top-level arguments (the
+        # model's nodes' first, a backward node's replaced where it reads mirror nodes)
+        self.P: list[_Proto] = list(model.protos)
+        self.I: list[tuple[int, ...]] = list(model.inputs)
+        self.A: list[tuple[Any, ...]] = list(model.args)
         self.order: list[int] = []                # every non-placeholder node, placed
         self.bw_outputs = list(model.bw_outputs)
         self.recomputed: set[int] = set()
-        self.extra_saved: tuple[int, ...] = ()
-        self._next = len(model.protos)
 
     def proto(self, i: int) -> _Proto:
-        return self.protos[i] if i in self.protos else self.m.protos[i]
+        return self.P[i]
 
     def inputs_of(self, i: int) -> tuple[int, ...]:
-        return self.inputs[i] if i in self.inputs else self.m.inputs[i]
+        return self.I[i]
 
     def args_of(self, i: int) -> tuple[Any, ...]:
-        return self.args[i] if i in self.args else self.m.args[i]
+        return self.A[i]
 
     def _new(self, proto: _Proto, inputs: tuple[int, ...], args: tuple[Any, ...]) -> int:
-        i, self._next = self._next, self._next + 1
-        self.protos[i], self.inputs[i], self.args[i] = proto, inputs, args
-        self.recomputed.add(i)
-        return i
+        self.P.append(proto)
+        self.I.append(inputs)
+        self.A.append(args)
+        self.recomputed.add(len(self.P) - 1)
+        return len(self.P) - 1
 
     # Step 2: passes.recompute.add_mirror_nodes and place_recomputation.
     def add_mirror_nodes(self, mirrored: frozenset[str], twice: frozenset[str]) -> None:
@@ -321,15 +326,20 @@ class _Candidate:
                     clones[(i, lvl)] = self._copy(i, env)
         for b in m.backward:
             if any(a in mirror for a in m.inputs[b]):
-                self.inputs[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
-                                       for a in m.inputs[b])
-                self.args[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
-                                     for a in m.args[b])
+                self.I[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
+                                  for a in m.inputs[b])
+                self.A[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
+                                  for a in m.args[b])
         # place_recomputation: each mirror node just before its first use
         emitted = set(m.placeholders)
         order: list[int] = []
-        for root in range(len(m.protos)):
-            if root in emitted or m.protos[root].kind == "output":
+        inputs = self.I
+        for root in range(len(m.protos) - 1):  # the last node is the output
+            if root in emitted:
+                continue
+            if all(a in emitted for a in inputs[root]):  # the usual case: nothing to place
+                emitted.add(root)
+                order.append(root)
                 continue
             work = [(root, False)]
             while work:
@@ -341,7 +351,7 @@ class _Candidate:
                     order.append(i)
                     continue
                 work.append((i, True))
-                work.extend((a, False) for a in self.inputs_of(i) if a not in emitted)
+                work.extend((a, False) for a in inputs[i] if a not in emitted)
         self.order = order
         self.recomputed &= emitted
 
@@ -373,10 +383,10 @@ class _Candidate:
         def in_region(i: int) -> bool:
             return i < joint and m.region[i]
 
-        read_outside = {a for i in self.order if not in_region(i) for a in self.inputs_of(i)}
+        read_outside = {a for i in self.order if not in_region(i) for a in self.I[i]}
         cut = [i for i in m.placeholders + self.order if in_region(i) and i in read_outside]
-        saved = [i for i in cut if not self.proto(i).symbolic and not self.proto(i).tuple_valued]
-        symbols = [i for i in cut if self.proto(i).symbolic]
+        saved = [i for i in cut if not self.P[i].symbolic and not self.P[i].tuple_valued]
+        symbols = [i for i in cut if self.P[i].symbolic]
         order = list(self.order)
         if m.existing_grads is not None:
             order, saved = self._accumulate(order, saved)
@@ -384,7 +394,7 @@ class _Candidate:
         # the backward: saved values, symbols and tangents in, gradients out
         bw_in = symbols + saved + m.tangents
         bw_body = self._extract(graph, set(bw_in), self.bw_outputs, forward=False)
-        used = {a for i in bw_body for a in self.inputs_of(i)} | \
+        used = {a for i in bw_body for a in self.I[i]} | \
             {i for i in self.bw_outputs if i is not None}
         saved = [i for i in saved if i in used]
         symbols = [i for i in symbols if i in used]
@@ -399,7 +409,7 @@ class _Candidate:
         its `.grad` right after it is produced (after the inputs, for a tangent)."""
         m = self.m
         params = frozenset(m.existing_grads)
-        names = {self.proto(i).name for i in saved}
+        names = {self.P[i].name for i in saved}
         saved = saved + sorted((m.by_name[p] for p in params - names),
                                key=lambda i: m.protos[i].name)
         if len(self.bw_outputs) != len(m.primals):
@@ -408,7 +418,7 @@ class _Candidate:
         for k, (primal, grad) in enumerate(zip(m.primals, self.bw_outputs)):
             if m.protos[primal].name not in params or grad is None:
                 continue
-            where = -1 if self.proto(grad).kind in ("primal", "tangent") else grad
+            where = -1 if self.P[grad].kind in ("primal", "tangent") else grad
             add = self._new(m.accumulate_proto(), (grad, primal), (grad, primal))
             self.recomputed.discard(add)
             after.setdefault(where, []).insert(0, add)
@@ -429,16 +439,16 @@ class _Candidate:
             if i in inputs:
                 valid.add(i)
                 continue
-            p = self.proto(i)
+            p = self.P[i]
             if (p.in_backward if forward else p.in_forward) or p.kind in ("primal", "tangent"):
                 continue
-            if p.kind == "get_attr" or all(a in valid for a in self.inputs_of(i)):
+            if p.kind == "get_attr" or all(a in valid for a in self.I[i]):
                 valid.add(i)
         live = {i for i in outputs if i is not None}
-        live |= {i for i in valid if i not in inputs and self.proto(i).impure}
+        live |= {i for i in valid if i not in inputs and self.P[i].impure}
         work = [i for i in live if i not in inputs]  # an input is a placeholder there
         while work:
-            for a in self.inputs_of(work.pop()):
+            for a in self.I[work.pop()]:
                 if a not in live and a in valid:
                     live.add(a)
                     if a not in inputs:
@@ -454,18 +464,18 @@ class _Candidate:
         nodes = graph.inputs + graph.body
         order = {i: k for k, i in enumerate(nodes)}
         end = len(nodes)  # the output node
-        key_of = {i: self.proto(i).single for i in nodes if self.proto(i).single is not None}
+        key_of = {i: self.P[i].single for i in nodes if self.P[i].single is not None}
         last_read: dict[Any, int] = {}
-        pinned: set[Any] = set()
-        for i in nodes:
-            for a in self.inputs_of(i) if i not in graph.inputs else ():
+        pinned = {key_of[i] for i in graph.inputs if i in key_of}
+        for k, i in enumerate(graph.body, start=len(graph.inputs)):  # in order: k grows
+            for a in self.I[i]:
                 if a in key_of:
-                    last_read[key_of[a]] = max(last_read.get(key_of[a], -1), order[i])
-            if (i in graph.inputs or self.proto(i).opaque_output) and i in key_of:
+                    last_read[key_of[a]] = k
+            if self.P[i].opaque_output and i in key_of:
                 pinned.add(key_of[i])
-        for a in dict.fromkeys(o for o in graph.outputs if o is not None):
-            if a in key_of:
-                last_read[key_of[a]] = max(last_read.get(key_of[a], -1), end)
+        for a in graph.outputs:
+            if a is not None and a in key_of:
+                last_read[key_of[a]] = end
                 pinned.add(key_of[a])
         merged: dict[Any, Any] = {}
 
@@ -476,18 +486,18 @@ class _Candidate:
             return key
 
         def may_overwrite(i: int, src: int, position: int) -> bool:
-            if src not in key_of or i not in key_of or not self.proto(i).arg_ok[position]:
+            if src not in key_of or i not in key_of or not self.P[i].arg_ok[position]:
                 return False
             key = storage(src)
             return not (key in pinned or last_read.get(key) != order[i]
-                        or any(storage(a) == key for a in self.inputs_of(i) if a != src))
+                        or any(storage(a) == key for a in self.I[i] if a != src))
 
         rewrites: dict[int, tuple[int, Any]] = {}
         for i in graph.body:
-            p = self.proto(i)
+            p = self.P[i]
             if p.kind != "call" or i not in key_of:
                 continue
-            args = self.args_of(i)
+            args = self.A[i]
             found = None
             if p.inplace_target is not None and may_overwrite(i, args[0], 0):
                 found = (args[0], ("inplace",))
@@ -513,7 +523,7 @@ class _Candidate:
         found: dict[int, int] = {}
         todo: list[tuple[int, _Proto, Any, Call]] = []
         for i in nodes:
-            p = self.proto(i)
+            p = self.P[i]
             preset = p.node.meta.get("memopt.workspace_bytes")
             if preset is not None:
                 found[i] = preset
@@ -538,100 +548,107 @@ class _Candidate:
     def _flops(self, i: int) -> int:
         """passes.recompute.node_flops of node `i` as its inputs are in this candidate: a
         view of one of them costs nothing."""
-        p = self.proto(i)
-        if p.single is None or any(self.proto(a).single == p.single for a in self.inputs_of(i)):
+        p = self.P[i]
+        if p.single is None or any(self.P[a].single == p.single for a in self.I[i]):
             return 0
         return p.flops
 
     # Step 5: passes.liveness.analyze_liveness, and the peak.
     def liveness(self, fw: "_Graph", bw: "_Graph", saved_values: list[int]) -> Simulated:
         m = self.m
-        parent: dict[Any, Any] = {}
-        nbytes: dict[Any, int] = {}
+        parent: dict[int, int] = {}   # storages an in-place rewrite merged into another
+        nbytes: dict[int, int] = {}
+        fresh = itertools.count(-1, -1)  # backward allocations (raw storages are >= 0)
 
-        def find(k: Any) -> Any:
-            while parent[k] != k:
+        def find(k: int) -> int:
+            while k in parent:
                 k = parent[k]
             return k
 
-        def add(key: Any, size: int) -> None:
-            if key not in parent:
-                parent[key], nbytes[key] = key, size
-
-        def union(a: Any, b: Any) -> None:
-            ra, rb = find(a), find(b)
-            if ra != rb:
-                parent[ra] = rb
-                nbytes[rb] = max(nbytes[ra], nbytes[rb])
-
-        keys: dict[tuple[str, int], list[Any]] = {}
-        raws: dict[tuple[str, int], tuple[Any, ...]] = {}
-        for prefix, graph in (("fw", fw), ("bw", bw)):
-            for i in graph.inputs + graph.body:
-                p = self.proto(i)
-                raws[(prefix, i)] = p.raw
-                if prefix == "fw" or i in graph.inputs:
-                    own = list(p.raw)
-                else:  # a backward op aliases an input only where its value is a view
-                    inputs: dict[Any, Any] = {}
-                    for a in self.inputs_of(i):
-                        for raw, key in zip(raws.get(("bw", a), ()), keys.get(("bw", a), ())):
-                            inputs.setdefault(raw, key)
-                    own = [inputs.get(raw, ("bw", i, k)) for k, raw in enumerate(p.raw)]
-                for key, size in zip(own, p.nbytes):
-                    add(key, size)
-                for index, held in held_bytes(p.node).items():  # set by passes.chains
-                    if index < len(own):
-                        nbytes[find(own[index])] = held
-                if i in graph.rewrites and own and (prefix, graph.rewrites[i][0]) in keys:
-                    union(own[0], keys[(prefix, graph.rewrites[i][0])][0])
-                keys[(prefix, i)] = own
-
-        first: dict[Any, int] = {}
-        last: dict[Any, int] = {}
-
-        def touch(key: Any, step: int) -> None:
-            first.setdefault(key, step)
-            last[key] = max(last.get(key, step), step)
-
-        resident: set[Any] = set()
-        steps = 0
-        num_forward = 0
+        P, I = self.P, self.I
+        # passes.liveness Steps 1 and 2 in one walk: each value's storage (Step 1), then
+        # its reads and its write (Step 2). Steps only grow, so a touch is the last so far;
+        # an in-place rewrite merges two storages and their lifetimes.
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        resident: set[int] = set()
+        steps = num_forward = 0
         workspaces: list[tuple[int, int]] = []
-        for prefix, graph in (("fw", fw), ("bw", bw)):
-            start = steps
+        keys_fw: dict[int, tuple[int, ...]] = {}
+        keys_bw: dict[int, tuple[int, ...]] = {}
+        for graph, keys, backward in ((fw, keys_fw, False), (bw, keys_bw, True)):
+            start = steps if backward else -1
             for i in graph.inputs:
-                for key in keys[(prefix, i)]:
-                    key = find(key)
-                    if prefix == "fw":
-                        resident.add(key)
-                        touch(key, -1)
-                    else:
-                        touch(key, start)
+                p = P[i]
+                keys[i] = own = p.raw
+                for key, size in zip(own, p.nbytes):
+                    if key not in nbytes:
+                        nbytes[key] = size
+                    k = find(key)
+                    if not backward:
+                        resident.add(k)
+                    if k not in first:
+                        first[k] = start
+                    last[k] = start
             spaces = self._workspaces(graph.body, graph.rewrites)
+            rewrites = graph.rewrites
+            get = keys.get
             for i in graph.body:
+                p = P[i]
+                if backward:  # a backward op aliases an input only where its value is a view
+                    alias: dict[int, int] = {}
+                    for a in I[i]:
+                        for raw, key in zip(P[a].raw, get(a, ())):
+                            if raw not in alias:
+                                alias[raw] = key
+                    own = tuple(alias[raw] if raw in alias else next(fresh) for raw in p.raw)
+                else:
+                    own = p.raw
+                for key, size in zip(own, p.nbytes):
+                    if key not in nbytes:
+                        nbytes[key] = size
+                if p.opaque:
+                    for index, held in held_bytes(p.node).items():  # set by passes.chains
+                        if index < len(own):
+                            nbytes[find(own[index])] = held
+                if i in rewrites and own and rewrites[i][0] in keys:
+                    ra, rb = find(own[0]), find(keys[rewrites[i][0]][0])
+                    if ra != rb:
+                        parent[ra] = rb
+                        nbytes[rb] = max(nbytes[ra], nbytes[rb])
+                        if ra in first:
+                            first[rb] = min(first[ra], first.get(rb, first[ra]))
+                            last[rb] = max(last.pop(ra), last.get(rb, -1))
+                            del first[ra]
+                keys[i] = own
                 step = steps
                 steps += 1
-                for a in self.inputs_of(i):
-                    for key in keys.get((prefix, a), ()):
-                        touch(find(key), step)
+                for a in I[i]:
+                    for key in get(a, ()):
+                        k = find(key) if key in parent else key
+                        if k not in first:
+                            first[k] = step
+                        last[k] = step
                 if i in spaces:
                     workspaces.append((spaces[i], step))
-                for key in keys[(prefix, i)]:
-                    touch(find(key), step)
-            if prefix == "fw":
+                for key in own:
+                    k = find(key) if key in parent else key
+                    if k not in first:
+                        first[k] = step
+                    last[k] = step
+            if not backward:
                 num_forward = steps
+
+        # Step 3: lifetimes the runtime imposes
         end_of_step = steps - 1
         user_outputs = {find(k) for i in fw.outputs[:m.num_fwd_outputs] if i is not None
-                        for k in keys.get(("fw", i), ())}
-        gradients = {find(k) for i in bw.outputs if i is not None
-                     for k in keys.get(("bw", i), ())}
+                        for k in keys_fw.get(i, ())}
+        gradients = {find(k) for i in bw.outputs if i is not None for k in keys_bw.get(i, ())}
         held = resident | user_outputs | gradients
-        intervals = [(nbytes[key], -1 if key in resident else s,
-                      max(end_of_step if key in held else last[key], s))
+        intervals = [(nbytes[key], s, max(end_of_step if key in held else last[key], s))
                      for key, s in first.items()]
-        saved = {find(k) for i in saved_values for k in keys.get(("fw", i), ())}
-        tangents = {find(k) for i in m.tangents for k in keys.get(("bw", i), ())}
+        saved = {find(k) for i in saved_values for k in keys_fw.get(i, ())}
+        tangents = {find(k) for i in m.tangents for k in keys_bw.get(i, ())}
         saved_bytes = sum(nbytes[key] for key, s in first.items()
                           if key in saved and s < num_forward and not (
                               key in resident or key in tangents or key in user_outputs))

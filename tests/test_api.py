@@ -7,6 +7,7 @@ apart from memopt.allocator: it reads only the `MemoryPlan` data.
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import math
 import subprocess
@@ -640,3 +641,30 @@ def test_losses_hold_only_their_scalar(loss) -> None:
     ref = torch.autograd.grad(model(x, y), list(model.parameters()))
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_long_plan_shows_progress_on_a_terminal_unless_asked_not_to(progress, monkeypatch):
+    """tqdm's bar on stderr for a budget search (after PROGRESS_DELAY seconds; 0 here), on
+    a terminal only, and never with progress=False."""
+    import memopt.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "PROGRESS_DELAY", 0.0)
+    stderr = _Terminal()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                            for _ in range(6)])
+    plan = memopt.plan(model, torch.randn(256, 64), budget=0.7, progress=progress)
+    assert plan.search
+    assert ("memopt: planning" in stderr.getvalue()) == progress
+
+
+def test_the_plan_reports_capture_and_planning_time() -> None:
+    plan = memopt.plan(nn.Sequential(nn.Linear(16, 16), nn.ReLU()), torch.randn(4, 16))
+    assert plan.capture_seconds > 0 and plan.plan_seconds > 0
+    assert "s capture (dynamo + AOTAutograd)" in plan.summary()
