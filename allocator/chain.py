@@ -530,3 +530,13 @@ def _peak_units(strategy: str, schedule: tuple[Action, ...], units: dict[int, in
                 peak = max(peak, live + 1)
         peak = max(peak, live)
     return peak
+
+
+def chunk_sizes(steps: int, chunk: int) -> list[int]:
+    """The lengths of the chain's chunks: ``chunk`` steps each but the FIRST, which takes
+    the remainder. The last chunk (the core, Gruslys et al. 2016 Sec. 3.1) is never
+    recomputed, so a full last chunk leaves the fewest steps to recompute: T - chunk
+    when every chunk boundary is kept."""
+    chunk = max(1, min(chunk, steps))
+    first = steps - (steps - 1) // chunk * chunk
+    return [first] + [chunk] * ((steps - first) // chunk) if steps else []

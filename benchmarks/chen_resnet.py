@@ -148,13 +148,24 @@ class Row:
     no_opt: MemoryPlan
     inplace: MemoryPlan
     sublinear: MemoryPlan
-    seconds: dict[str, float]  # wall time of each memopt.plan call, by column
+    seconds: dict[str, float]  # memopt's own planning seconds of each plan, by column
+    capture: dict[str, float]  # dynamo's and AOTAutograd's tracing before each
+
+    @property
+    def nodes(self) -> int:
+        """Graph nodes of the step (forward + backward ops of the sublinear plan)."""
+        return self.sublinear.num_forward_steps + self.sublinear.num_backward_steps
+
+    @property
+    def search_seconds(self) -> float:
+        """The minimum search plus the sublinear plan (issue 15's measure)."""
+        return self.seconds["minimum"] + self.seconds["sublinear"]
 
     def cells(self) -> list[str]:
         def gb(n: int) -> str:
             return f"{n / GB:.2f}"
 
-        times = " / ".join(f"{s:.0f}" for s in self.seconds.values())
+        times = " / ".join(f"{s:.1f}" for s in self.seconds.values())
         return [
             f"{self.depth} ({3 * sum(self.blocks) + 2})", str(list(self.blocks)),
             gb(no_reuse(self.no_opt)), gb(no_reuse(self.inplace)),
@@ -162,31 +173,39 @@ class Row:
             f"{gb(tags(self.inplace))} / {gb(tags(self.sublinear))}",
             f"{gb(self.inplace.predicted_peak_bytes)} / {gb(self.sublinear.predicted_peak_bytes)}",
             f"{len(self.sublinear.recomputed)}",
-            f"{times} ({sum(self.seconds.values()):.0f})",
+            times,
+            f"{self.search_seconds:.1f}",
+            f"{sum(self.capture.values()) / len(self.capture):.0f}",
         ]
 
 
 HEADER = ["depth (layers)", "blocks", "no optimization", "in-place", "in-place + sharing",
           "sublinear plan", "Fig. 2 tags: sharing / sublinear", "total peak: sharing / sublinear",
           "recomputed ops",
-          "plan seconds: none / in-place / minimum search / sublinear (total)"]
+          "plan seconds: none / in-place / minimum search / sublinear",
+          "minimum search + sublinear (s)", "capture per plan (s)"]
 
 
-def _timed_plan(model: nn.Module, x: torch.Tensor, seconds: dict[str, float], label: str,
-                **options) -> MemoryPlan:
+def _timed_plan(model: nn.Module, x: torch.Tensor, row: dict[str, dict[str, float]],
+                label: str, **options) -> MemoryPlan:
+    """memopt.plan, recording its planning and capture seconds (MemoryPlan's, or the
+    BudgetError's)."""
     torch._dynamo.reset()
-    t0 = time.perf_counter()
     try:
-        return memopt.plan(model, x, **options)
-    finally:
-        seconds[label] = time.perf_counter() - t0
-        print(f"#   {label}: {seconds[label]:.0f} s", file=sys.stderr, flush=True)
+        plan = memopt.plan(model, x, **options)
+    except memopt.BudgetError as err:
+        row["seconds"][label], row["capture"][label] = err.plan_seconds, err.capture_seconds
+        raise
+    row["seconds"][label], row["capture"][label] = plan.plan_seconds, plan.capture_seconds
+    print(f"#   {label}: {plan.plan_seconds:.1f} s planning, {plan.capture_seconds:.0f} s "
+          f"capture", file=sys.stderr, flush=True)
+    return plan
 
 
-def minimum_bytes(model: nn.Module, x: torch.Tensor, seconds: dict[str, float]) -> int:
+def minimum_bytes(model: nn.Module, x: torch.Tensor, row: dict[str, dict[str, float]]) -> int:
     """The smallest peak memopt's budget search reaches (from a 1-byte budget's BudgetError)."""
     try:
-        _timed_plan(model, x, seconds, "minimum", budget=1)
+        _timed_plan(model, x, row, "minimum", budget=1)
     except memopt.BudgetError as err:
         return err.minimum_bytes
     raise AssertionError("a 1-byte budget was met")
@@ -197,12 +216,28 @@ def run_depth(depth: int) -> Row:
     with torch.device("meta"):
         model = resnet(blocks).train()
         x = torch.randn(BATCH, *IMAGE)
-    seconds: dict[str, float] = {}
-    no_opt = _timed_plan(model, x, seconds, "none", inplace=False)
-    inplace = _timed_plan(model, x, seconds, "inplace")
-    lowest = minimum_bytes(model, x, seconds)
-    sublinear = _timed_plan(model, x, seconds, "sublinear", budget=lowest)
-    return Row(depth, blocks, no_opt, inplace, sublinear, seconds)
+    row: dict[str, dict[str, float]] = {"seconds": {}, "capture": {}}
+    no_opt = _timed_plan(model, x, row, "none", inplace=False, progress=False)
+    inplace = _timed_plan(model, x, row, "inplace", progress=False)
+    lowest = minimum_bytes(model, x, row)
+    sublinear = _timed_plan(model, x, row, "sublinear", budget=lowest)
+    return Row(depth, blocks, no_opt, inplace, sublinear, row["seconds"], row["capture"])
+
+
+def slope(rows: list[Row]) -> tuple[float, float]:
+    """Least-squares line of search seconds against graph nodes: (seconds per 1,000
+    nodes, intercept in seconds)."""
+    xs = [r.nodes / 1000 for r in rows]
+    ys = [r.search_seconds for r in rows]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return b, my - b * mx
+
+
+SPEED_HEADER = ["depth", "graph nodes", "minimum search + sublinear (s)",
+                "seconds per 1,000 nodes"]
 
 
 def markdown(rows: list[list[str]], header: list[str]) -> str:
@@ -220,14 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for depth in args.depths:
         t0 = time.perf_counter()
-        rows.append(run_depth(depth).cells())
+        rows.append(run_depth(depth))
         print(f"# depth {depth}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
               flush=True)
     chen = ["1000 (Chen Fig. 5)", "-", CHEN_1000["no optimization"], "-", "-",
-            CHEN_1000["sublinear plan"], "-", "-", "-", "-"]
+            CHEN_1000["sublinear plan"], "-", "-", "-", "-", "-", "-"]
     print(f"\nFeature-map memory (GB), batch {BATCH} of {'x'.join(map(str, IMAGE))}, planned "
           f"on meta tensors (Chen et al. 2016, Fig. 5)\n")
-    print(markdown(rows + [chen], HEADER))
+    print(markdown([r.cells() for r in rows] + [chen], HEADER))
+    speed = [[str(r.depth), str(r.nodes), f"{r.search_seconds:.1f}",
+              f"{1000 * r.search_seconds / r.nodes:.2f}"] for r in rows]
+    print("\nPlanning time (memopt's passes; capture excluded) against graph size\n")
+    print(markdown(speed, SPEED_HEADER))
+    if len(rows) > 1:
+        per_k, intercept = slope(rows)
+        print(f"\nleast squares: {per_k:.2f} s per 1,000 nodes, intercept {intercept:.1f} s")
     return 0
 
 

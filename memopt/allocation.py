@@ -5,132 +5,13 @@
     seen.peak   # the most bytes live at once during the block, over those live at its start
     seen.end    # bytes live at its end, over those live at its start
 
-On CUDA this reads the caching allocator's counters (``memory_allocated``, and
-``max_memory_allocated`` after ``reset_peak_memory_stats``). On CPU PyTorch keeps no
-counter, so the block runs under ``torch.profiler.profile(profile_memory=True)`` and
-the allocation and free events are summed in time order. Both count bytes handed out,
-not pages touched: what a CUDA allocator charges and what a memopt budget counts.
-
-The garbage collector runs first (``collect=True``, the default): tensors kept only by
-reference cycles that the collector would free in the middle of the block would lower
-what is live below what was live at its start, and the peak with it. The planner's own
-measurements of one op or one chunk (passes.workspace, passes.chains) pass
-``collect=False``: they run many times, on fresh tensors, where the collector's time would
-show.
-
-Used by memopt.measure (a whole training step) and by passes.chains (one chunk of a
-recurrent chain, measured while planning).
+This is the public name of memopt.passes.allocation, where the implementation lives
+(the planner itself measures kernel workspaces and recurrent chunks with it; see that
+module for how CUDA's counters and, on CPU, the profiler's allocation events are read).
 """
 
-from __future__ import annotations
+from memopt.passes.allocation import (AllocationPeak, AllocationTracker, allocation_peak,
+                                      can_track, maybe_allocation_peak)
 
-import gc
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-
-import torch
-
-from ._torch_compat import cpu_allocation_events, profiler_active
-
-
-@dataclass
-class AllocationPeak:
-    """Filled in when the ``allocation_peak`` block exits."""
-
-    peak: int = 0
-    end: int = 0
-
-
-def can_track(device: torch.device | str) -> bool:
-    """False where the counters are unavailable: another profiler is recording on
-    CPU (profilers do not nest), or a device that is neither CPU nor CUDA."""
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return True
-    return kind == "cpu" and not profiler_active()
-
-
-class AllocationTracker:
-    """`allocation_peak` as two calls, for a window that opens and closes in different
-    places (callbacks of a training loop): `start()`, then `stop()` returns the
-    AllocationPeak. Raises RuntimeError where `can_track` is False."""
-
-    def __init__(self, device: torch.device | str, collect: bool = True) -> None:
-        self.device = torch.device(device)
-        self.collect = collect
-        self._start = 0
-        self._prof = None
-
-    def start(self) -> None:
-        device = self.device
-        if not can_track(device):
-            raise RuntimeError(f"cannot track allocations on {device} here (a profiler is "
-                               f"already recording, or the device is neither CPU nor CUDA)")
-        if self.collect:
-            gc.collect()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            self._start = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            return
-        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
-            self._prof.start()
-
-    def stop(self) -> AllocationPeak:
-        seen = AllocationPeak()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            seen.peak = torch.cuda.max_memory_allocated(self.device) - self._start
-            seen.end = torch.cuda.memory_allocated(self.device) - self._start
-            return seen
-        prof, self._prof = self._prof, None
-        with _quiet_stderr():
-            prof.stop()
-        live = 0
-        for _, nbytes in cpu_allocation_events(prof):
-            live += nbytes
-            seen.peak = max(seen.peak, live)
-        seen.end = live
-        return seen
-
-
-@contextmanager
-def allocation_peak(device: torch.device | str, collect: bool = True
-                    ) -> Iterator[AllocationPeak]:
-    """Track the block's allocations on ``device`` (see the module docstring).
-    Raises RuntimeError where ``can_track`` is False."""
-    tracker = AllocationTracker(device, collect)
-    tracker.start()
-    seen = AllocationPeak()
-    try:
-        yield seen
-    finally:
-        result = tracker.stop()
-        seen.peak, seen.end = result.peak, result.end
-
-
-@contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 to /dev/null: the profiler's C++ side prints a line to it at
-    every start and stop, which planning must not spill into a user's training log."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def maybe_allocation_peak(device: torch.device | str, tracked: bool):
-    """``allocation_peak(device)`` when ``tracked``, else a block whose AllocationPeak
-    stays at zero (the caller checked ``can_track`` and warned)."""
-    return allocation_peak(device, collect=False) if tracked else nullcontext(AllocationPeak())
+__all__ = ["AllocationPeak", "AllocationTracker", "allocation_peak", "can_track",
+           "maybe_allocation_peak"]

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._torch_compat import (FailOnRecompileLimitHit, ignored_logging_config, recompile_limit,
+from memopt.passes._torch_compat import (FailOnRecompileLimitHit, ignored_logging_config, recompile_limit,
                             unwrap_backend_error)
-from .backend import MemoptBackend
+from .backend import MemoptBackend, _PlanOnly
 from .errors import CaptureError, InputError, MemoptError
 from .memory_plan import MemoryPlan, StepPlan
 from .recurrent.modules import substitute_rnns
@@ -36,15 +36,6 @@ from .recurrent.modules import substitute_rnns
 #: Sharing these dicts makes the compiled module hold the very same parameter
 #: and buffer objects (and state_dict keys) as the user's model.
 _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
-
-
-class _PlanOnly(Exception):
-    """Raised by the backend in plan-only mode, carrying the plan out of torch.compile
-    (None: the captured graph was an inference graph, with no backward to plan)."""
-
-    def __init__(self, plan: MemoryPlan | None) -> None:
-        super().__init__("plan ready")
-        self.plan = plan
 
 
 #: Dynamo's recompile limits while memopt's compiled steps run. Dynamo counts the graphs

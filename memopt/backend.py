@@ -27,7 +27,12 @@ from torch import fx
 
 from memopt.passes.loops import chain_loops
 
-from ._torch_compat import (CompilingFrame, aot_module_simplified, compiling_frame,
+# The runtimes of memopt's own operators, which the passes reach through
+# memopt.passes.runtime: loaded before any graph is planned.
+from . import nn as _reversible_runtime  # noqa: F401
+from .recurrent import modules as _chain_runtime  # noqa: F401
+
+from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified, compiling_frame,
                             last_guard_failure, loss_decompositions, make_boxed, storage_key)
 from .budget import Budget, format_bytes, parse_budget
 from .errors import BudgetError, CaptureError, PassError
@@ -37,6 +42,16 @@ from .pipeline import ExistingGrads, Options, plan_joint
 from .steps import ForwardTrace, Outside
 
 log = logging.getLogger("memopt")
+
+
+class _PlanOnly(Exception):
+    """Raised by the backend in plan-only mode (memopt.plan), carrying the plan out of
+    torch.compile (None: the captured graph was an inference graph, with no backward to
+    plan)."""
+
+    def __init__(self, plan: MemoryPlan | None) -> None:
+        super().__init__("plan ready")
+        self.plan = plan
 
 
 def _primal_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:
@@ -369,11 +384,15 @@ class _Graph:
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             captured = time.perf_counter() - backend._log.clock if backend._log.clock else 0.0
-            fw, bw, plan = plan_joint(
-                joint, num_fwd_outputs, primal_kinds=self.kinds, budget=budget,
-                options=options, grads=self.grads, outside_grad_bytes=self.outside_grads,
-                outside=outside, label="" if self.alone else self.label(), cap=cap,
-                step_baseline=step_baseline, must_fit=must_fit)
+            try:
+                fw, bw, plan = plan_joint(
+                    joint, num_fwd_outputs, primal_kinds=self.kinds, budget=budget,
+                    options=options, grads=self.grads, outside_grad_bytes=self.outside_grads,
+                    outside=outside, label="" if self.alone else self.label(), cap=cap,
+                    step_baseline=step_baseline, must_fit=must_fit)
+            except BudgetError as err:
+                err.capture_seconds = max(0.0, captured)
+                raise
             plan = plan.model_copy(update={"graph_index": self.index,
                                            "graph_break": self.graph_break(),
                                            "capture_seconds": max(0.0, captured)})
@@ -381,8 +400,6 @@ class _Graph:
             planned.append(plan)
             backend._log.plans.append(plan)
             if backend.plan_only:  # stop before AOTAutograd builds its runtime wrappers
-                from .api import _PlanOnly
-
                 raise _PlanOnly(plan)
             return fw, bw
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from memopt.allocator.units import format_bytes
+
 from .errors import BudgetFormatError
 
 ACCEPTED = (
@@ -77,13 +79,3 @@ def parse_budget(budget: object) -> Budget | None:
         if nbytes:
             return Budget(nbytes=nbytes)
     raise BudgetFormatError(budget, "is not understood", ACCEPTED)
-
-
-def format_bytes(n: int | float) -> str:
-    """Human-readable binary size: 1536 -> '1.5 KiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"

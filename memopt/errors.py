@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from memopt.allocator.units import format_bytes
+
 
 class MemoptError(Exception):
     """Base class of every error memopt raises on purpose."""
@@ -50,12 +52,16 @@ class BudgetError(MemoptError):
     None when no fraction in (0, 1] fits). `step` names the kind of step that did not fit
     when it is not a first step: a step that finds `.grad` kept from earlier steps holds
     those gradients from its start, so it can need more than the first step did.
+    `plan_seconds` and `capture_seconds`: how long the search that found the minimum ran,
+    and the tracing before it (as MemoryPlan reports them).
     """
+
+    plan_seconds: float = 0.0
+    capture_seconds: float = 0.0
 
     def __init__(self, *, budget_bytes: int, minimum_bytes: int, baseline_bytes: int,
                  budget: str = "", headroom: float = 0.0,
                  byte_headroom: float | None = None, step: str = "") -> None:
-        from .budget import format_bytes  # noqa: PLC0415 - memopt.budget imports this module
 
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ._torch_compat import engine_will_accumulate
+from memopt.passes._torch_compat import engine_will_accumulate
 
 
 def _storage(t: torch.Tensor) -> tuple[str, int]:

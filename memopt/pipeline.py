@@ -37,7 +37,7 @@ from memopt.passes.workspace import measure_workspaces
 from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, node_flops,
                                      storage_sizes)
 from memopt.passes.simulate import Simulated, StepModel
-from memopt._torch_compat import dce_impure_random
+from memopt.passes._torch_compat import dce_impure_random
 
 from .budget import Budget, format_bytes
 from .steps import Outside
@@ -556,7 +556,7 @@ def plan_joint(
         len(final.recomputed), plan.plan_seconds,
     )
     if must_fit and fits is not None and plan.predicted_peak_bytes > fits:
-        raise BudgetError(
+        err = BudgetError(
             budget_bytes=budget_bytes,
             minimum_bytes=math.ceil(plan.predicted_peak_bytes / (1 - headroom)),
             baseline_bytes=plan.baseline_peak_bytes,
@@ -565,6 +565,8 @@ def plan_joint(
             byte_headroom=options.headroom,
             step=_step_words(grads, label),
         )
+        err.plan_seconds = time.perf_counter() - t0
+        raise err
     return final.fw, final.bw, plan
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ._torch_compat import storage_ref
+from memopt.passes._torch_compat import storage_ref
 
 StorageId = tuple[str, int]
 

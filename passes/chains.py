@@ -47,10 +47,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memopt._torch_compat import autograd_inside_op, real_tensors, storage_key
-from memopt.allocation import can_track, maybe_allocation_peak
-from memopt.allocator.chain import Policy, solve
-from memopt.recurrent.ops import chunk_sizes
+from ._torch_compat import autograd_inside_op, real_tensors, storage_key
+from .allocation import can_track, maybe_allocation_peak
+from .runtime import runtime
+from memopt.allocator.chain import Policy, chunk_sizes, solve
 
 from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers
 
@@ -63,9 +63,8 @@ _BWD_NEED_X, _BWD_HANDLE = 4, 5
 
 
 def _ops():
-    from memopt.recurrent import ops  # noqa: PLC0415 (registers the operators)
-
-    return ops, torch.ops.memopt.chain_fwd.default, torch.ops.memopt.chain_bwd.default
+    return runtime("chains"), torch.ops.memopt.chain_fwd.default, \
+        torch.ops.memopt.chain_bwd.default
 
 
 @dataclass(frozen=True)
@@ -242,7 +241,7 @@ TIMED_RUNS = 3
 @dataclass(frozen=True)
 class _ChunkRun:
     """One chunk's forward under autograd and its backward to every input that needs
-    it, inside a custom op's implementation (memopt._torch_compat.autograd_inside_op)."""
+    it, inside a custom op's implementation (passes._torch_compat.autograd_inside_op)."""
 
     step: object
     params: tuple[torch.Tensor, ...]

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from torch import fx
 
-from memopt._torch_compat import is_tangent
+from ._torch_compat import is_tangent
 
 from .meta import ACCUMULATES
 from .partition import Cut

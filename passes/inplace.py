@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memopt._torch_compat import storage_key
+from ._torch_compat import storage_key
 
 from .meta import set_inplace_source, tensor_value
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memopt._torch_compat import is_tangent, storage_key
+from ._torch_compat import is_tangent, storage_key
 
 from .meta import fake_value, held_bytes, inplace_source, workspace_bytes
 

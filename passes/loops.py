@@ -53,6 +53,8 @@ from torch import fx, nn
 
 from memopt.allocator.loops import MIN_STEPS, Loop, Op, Ref, Slot, find_loops
 
+from .runtime import runtime
+
 from .meta import NN_MODULE_STACK, _clean_path
 
 log = logging.getLogger("memopt")
@@ -397,8 +399,7 @@ def _describe(nodes: list[fx.Node]) -> tuple[str, str]:
 def _spec(gm: fx.GraphModule, plain: _Plain, loop: Loop, params: list[Ref]) -> tuple[int, Any]:
     """Register the loop's ChainSpec: the cell run at every time step of a chunk, the
     stacked values its output (an empty one when nothing is stacked)."""
-    from memopt.recurrent import ops  # noqa: PLC0415 (registers the chain ops)
-    from memopt.recurrent.modules import loop_step  # noqa: PLC0415
+    ops, loop_step = runtime("chains"), runtime("loop_step")
 
     cell = _cell(gm, plain, loop, params)
     time_dim = _time_dim(loop)

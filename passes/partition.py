@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memopt._torch_compat import extract_fwd_bwd, is_sym_node, is_tangent
+from ._torch_compat import extract_fwd_bwd, is_sym_node, is_tangent
 
 from .meta import PARTITIONER_TAG, fake_value, is_forward_tagged, tensor_value
 

@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from memopt._torch_compat import storage_key
+from ._torch_compat import storage_key
 
 from .meta import fake_value, mark_mirror, recomputed_from, tensor_value
 from .partition import forward_region

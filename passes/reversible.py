@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memopt._torch_compat import real_tensors
-from memopt.allocation import can_track, maybe_allocation_peak
-from memopt.budget import format_bytes
+from ._torch_compat import real_tensors
+from .allocation import can_track, maybe_allocation_peak
+from .runtime import runtime
+from memopt.allocator.units import format_bytes
 
 from .chains import Linear
 from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers, user_module
@@ -48,9 +49,8 @@ _BWD_NEED_X, _BWD_HANDLE = 1, 2
 
 
 def _ops():
-    from memopt.nn import ops  # noqa: PLC0415 (registers the operators)
-
-    return ops, torch.ops.memopt.reversible_fwd.default, torch.ops.memopt.reversible_bwd.default
+    return runtime("reversible"), torch.ops.memopt.reversible_fwd.default, \
+        torch.ops.memopt.reversible_bwd.default
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from memopt._torch_compat import is_sym_node, is_tangent, storage_key
+from ._torch_compat import is_sym_node, is_tangent, storage_key
 
 from .inplace import _inplace_overload, _is_whole_dense, _opaque_output, _out_overload
 from .meta import fake_value, held_bytes, tensor_value

@@ -72,9 +72,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from memopt._torch_compat import real_tensors, storage_key
-from memopt.allocation import allocation_peak, can_track
-from memopt.budget import format_bytes
+from ._torch_compat import real_tensors, storage_key
+from .allocation import allocation_peak, can_track
+from memopt.allocator.units import format_bytes
 
 from .meta import WORKSPACE_BYTES, fake_value
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import memopt
 from memopt.allocation import allocation_peak
+from memopt.allocator.chain import chunk_sizes
 from memopt.passes.chains import (ChainSite, ChunkCosts, Linear, configure,
                                   longest_fitting_chunk)
 from memopt.recurrent import ops
@@ -33,7 +34,7 @@ def _costs(first: int, per_step: int) -> ChunkCosts:
 
 @given(steps=st.integers(1, 3000), chunk=st.integers(1, 4000))
 def test_chunk_sizes_put_the_remainder_first(steps, chunk):
-    sizes = ops.chunk_sizes(steps, chunk)
+    sizes = chunk_sizes(steps, chunk)
     full = min(chunk, steps)
     assert sum(sizes) == steps
     assert all(s == full for s in sizes[1:]) and 1 <= sizes[0] <= full
@@ -65,7 +66,7 @@ def test_recompute_steps_one_slot(steps, chunk):
     """m = 1 (only h_0 kept): backpropagating chunk k recomputes chunks 0..k-1 from h_0,
     so chunk k runs t - k times in all."""
     config = configure(_site(steps), _costs(10, 5), chunk, m=1)
-    sizes = ops.chunk_sizes(steps, chunk)
+    sizes = chunk_sizes(steps, chunk)
     t = len(sizes)
     assert config.recompute_steps == sum((t - 1 - k) * s for k, s in enumerate(sizes))
 

@@ -23,6 +23,7 @@ rebuild them.
 
 from __future__ import annotations
 
+import sys
 import itertools
 import logging
 import weakref
@@ -33,7 +34,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from memopt._torch_compat import autograd_inside_op
+from memopt.passes.runtime import RUNTIMES
+from memopt.passes._torch_compat import autograd_inside_op
 from memopt.budget import format_bytes
 
 from .buffer import BufferSize
@@ -270,3 +272,8 @@ def stored_state_bytes(spec: StackSpec, steps: int, batch: int, element_size: in
     layer (the slots a reversible stack does not need)."""
     return steps * batch * spec.hidden_size // 2 * spec.n_halves * spec.num_layers * element_size
 
+
+
+# passes.chains / passes.reversible reach this runtime through the registry (imports run
+# one way: memopt -> passes -> allocator)
+RUNTIMES.reversible = sys.modules[__name__]

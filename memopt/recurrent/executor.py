@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from memopt._torch_compat import autograd_inside_op
+from memopt.passes._torch_compat import autograd_inside_op
 from memopt.allocator.chain import Policy
 
 Tensors = tuple[torch.Tensor, ...]

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from memopt.passes.runtime import RUNTIMES
 from memopt.errors import CaptureError
 
 from . import ops
@@ -189,3 +190,6 @@ def substitute_rnns(model: nn.Module) -> tuple[nn.Module, list[tuple[nn.Module, 
     if not has_rnn(model):
         return model, []
     return rebuild(model, ""), pairs
+
+
+RUNTIMES.loop_step = loop_step  # for passes.loops (memopt.passes.runtime)

@@ -17,6 +17,7 @@ core; one fast library call for nn.LSTM / nn.GRU / nn.RNN).
 
 from __future__ import annotations
 
+import sys
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from memopt._torch_compat import storage_key
-from memopt.allocator.chain import solve
+from memopt.passes.runtime import RUNTIMES
+from memopt.passes._torch_compat import storage_key
+from memopt.allocator.chain import chunk_sizes, solve
 
 from .executor import ChainRun, ChainStats, Step
 
@@ -67,16 +69,6 @@ def spec_of(chain: int) -> ChainSpec:
 
 def _policy(t: int, m: int, strategy: str):
     return solve(t, max(1, min(m, t)), strategy)
-
-
-def chunk_sizes(steps: int, chunk: int) -> list[int]:
-    """The lengths of the chain's chunks: ``chunk`` steps each but the FIRST, which takes
-    the remainder. The last chunk (the core, Gruslys et al. 2016 Sec. 3.1) is never
-    recomputed, so a full last chunk leaves the fewest steps to recompute: T - chunk
-    when every chunk boundary is kept."""
-    chunk = max(1, min(chunk, steps))
-    first = steps - (steps - 1) // chunk * chunk
-    return [first] + [chunk] * ((steps - first) // chunk) if steps else []
 
 
 def _unaliased(outs: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
@@ -204,3 +196,8 @@ def _backward(ctx, grads):
 
 
 chain_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# passes.chains / passes.reversible reach this runtime through the registry (imports run
+# one way: memopt -> passes -> allocator)
+RUNTIMES.chains = sys.modules[__name__]
