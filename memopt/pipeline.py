@@ -502,10 +502,22 @@ def plan_joint(
         with _stage("budget search", done):
             mirror, search = _choose_mirror(joint, num_fwd_outputs, target, primal_kinds,
                                            simulate)
+    expected = simulate(mirror).peak_bytes
+
+    def budget_error(peak: int) -> BudgetError:
+        err = BudgetError(
+            budget_bytes=budget_bytes, minimum_bytes=math.ceil(peak / (1 - headroom)),
+            baseline_bytes=baseline_peak, budget=str(budget), headroom=headroom,
+            byte_headroom=options.headroom, step=_step_words(grads, label))
+        err.plan_seconds = time.perf_counter() - t0
+        return err
+
+    if must_fit and fits is not None and expected > fits:
+        bar.close()  # below reach: no graphs to build (the simulated peak is the build's)
+        raise budget_error(expected)
     bar.set_postfix_str("building the plan's graphs")
     final = _build(joint, num_fwd_outputs, mirror, inplace=options.inplace, step=step,
                    done=done)
-    expected = simulate(mirror).peak_bytes
     if final.peak_bytes != expected:  # a disagreement: the exact build decides
         log.warning("memopt: the step simulator predicted a peak of %d bytes, the exact "
                     "build %d (please report this model); planning with exact builds",
@@ -556,17 +568,7 @@ def plan_joint(
         len(final.recomputed), plan.plan_seconds,
     )
     if must_fit and fits is not None and plan.predicted_peak_bytes > fits:
-        err = BudgetError(
-            budget_bytes=budget_bytes,
-            minimum_bytes=math.ceil(plan.predicted_peak_bytes / (1 - headroom)),
-            baseline_bytes=plan.baseline_peak_bytes,
-            budget=str(budget),
-            headroom=headroom,
-            byte_headroom=options.headroom,
-            step=_step_words(grads, label),
-        )
-        err.plan_seconds = time.perf_counter() - t0
-        raise err
+        raise budget_error(plan.predicted_peak_bytes)
     return final.fw, final.bw, plan
 
 

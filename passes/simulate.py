@@ -38,6 +38,7 @@ models, and memopt.pipeline builds the plan it chooses for real):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 from collections.abc import Callable, Iterable
@@ -137,11 +138,26 @@ class StepModel:
                          if not self.region[i] and n.op not in ("output", "placeholder")]
         self.mirrorable = {self.index[n]: n for n in
                            mirrorable(joint, num_fwd_outputs, mutable_inputs)}
+        # for Step 2, per mirrorable node: what recomputing it reads (passes.recompute's
+        # _sources), how its mirror is made ("twin", "getitem" of an op, or "copy"), and
+        # the backward nodes that read it
+        self.sources = {i: tuple(self.index[a] for a in _sources(n))
+                        for i, n in self.mirrorable.items()}
+        self.made_by = {i: "twin" if is_twinned(n) else
+                        "getitem" if n.target is operator.getitem else "copy"
+                        for i, n in self.mirrorable.items()}
+        self.getitem_of = {i: self.index[n.args[0]] for i, n in self.mirrorable.items()
+                           if self.made_by[i] == "getitem"}
+        self.read_by_backward = [(b, a) for b in self.backward for a in self.inputs[b]
+                                 if a in self.mirrorable]
         self.by_name = {n.name: i for i, n in enumerate(nodes)}
         self._nodes = nodes
         self._mutable = mutable_inputs
         self._twins: dict[tuple[int, str], tuple[list[tuple[_Proto, tuple]], dict]] = {}
         self._accumulate: _Proto | None = None
+        #: kernels' workspaces are measured on CPU and CUDA only (passes.workspace)
+        self.measures = any(t.device.type in ("cpu", "cuda")
+                            for n in nodes for t in _tensors(fake_value(n))[:1])
 
     def accumulate_proto(self) -> _Proto:
         """passes.gradients' `add(grad, parameter)` node: it reads, returns nothing."""
@@ -198,6 +214,20 @@ class StepModel:
         node = self._nodes[item]
         op = node.args[0]
         key = (self.index[op], level)
+        if key not in self._twins and level != "S":  # level S's, each storage a new one
+            protos, position = self._twin(item, "S")
+            fresh: dict[Any, int] = {}
+
+            def relabel(raw: Any) -> Any:
+                if raw is None:
+                    return None
+                if raw not in fresh:
+                    fresh[raw] = self._storage_ids.setdefault((key, raw), len(self._storage_ids))
+                return fresh[raw]
+
+            self._twins[key] = ([(dataclasses.replace(p, raw=tuple(map(relabel, p.raw)),
+                                                      single=relabel(p.single), workspace=None),
+                                  inputs) for p, inputs in protos], self._twins[key[0], "S"][1])
         if key not in self._twins:
             scratch = fx.Graph()
             stand_in: dict[fx.Node, fx.Node] = {}
@@ -288,48 +318,42 @@ class _Candidate:
     def add_mirror_nodes(self, mirrored: frozenset[str], twice: frozenset[str]) -> None:
         m = self.m
         mirror = {i for i, n in m.mirrorable.items() if n.name in mirrored}
+        doubled = {i for i in mirror if m.protos[i].name in twice}
 
         def level(reader: str, i: int) -> str:
-            if m.protos[i].name not in twice:
+            if i not in doubled:
                 return "S"
             return "B" if reader in ("B", "bw") else "A"
 
-        def sources(i: int) -> list[int]:
-            return [m.index[a] for a in _sources(m._nodes[i])]
-
         needed: set[tuple[int, str]] = set()
-        stack = [(a, level("bw", a)) for b in m.backward for a in m.inputs[b] if a in mirror]
+        stack = [(a, level("bw", a)) for _, a in m.read_by_backward if a in mirror]
         while stack:
             i, lvl = stack.pop()
             if (i, lvl) not in needed:
                 needed.add((i, lvl))
-                stack.extend((a, level(lvl, a)) for a in sources(i) if a in mirror)
+                stack.extend((a, level(lvl, a)) for a in m.sources[i] if a in mirror)
         clones: dict[tuple[int, str], int] = {}
-        ops: dict[str, dict[int, int]] = {lvl: {} for lvl in _LEVELS}
-        for i in sorted(mirror):
-            for lvl in _LEVELS:
-                if (i, lvl) not in needed:
-                    continue
+        ops: dict[str, dict[Any, int]] = {lvl: {} for lvl in _LEVELS}
+        for i, lvl in sorted(needed, key=lambda pair: (pair[0], _LEVELS.index(pair[1]))):
 
-                def env(a: int, lvl: str = lvl) -> int:
-                    return clones[(a, level(lvl, a))] if a in mirror else a
+            def env(a: int, lvl: str = lvl) -> int:
+                return clones[(a, level(lvl, a))] if a in mirror else a
 
-                node = m._nodes[i]
-                if is_twinned(node):
-                    clones[(i, lvl)] = self._emit_twin(i, lvl, env, ops[lvl])
-                elif node.target is operator.getitem:
-                    op = m.index[node.args[0]]
-                    if op not in ops[lvl]:
-                        ops[lvl][op] = self._copy(op, env)
-                    clones[(i, lvl)] = self._copy(i, lambda a, o=ops[lvl]: o.get(a, a))
-                else:
-                    clones[(i, lvl)] = self._copy(i, env)
-        for b in m.backward:
-            if any(a in mirror for a in m.inputs[b]):
-                self.I[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
-                                  for a in m.inputs[b])
-                self.A[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
-                                  for a in m.args[b])
+            how = m.made_by[i]
+            if how == "twin":
+                clones[(i, lvl)] = self._emit_twin(i, lvl, env, ops[lvl])
+            elif how == "getitem":
+                op = m.getitem_of[i]
+                if op not in ops[lvl]:
+                    ops[lvl][op] = self._copy(op, env)
+                clones[(i, lvl)] = self._copy(i, lambda a, o=ops[lvl]: o.get(a, a))
+            else:
+                clones[(i, lvl)] = self._copy(i, env)
+        for b in {b for b, a in m.read_by_backward if a in mirror}:
+            self.I[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
+                              for a in m.inputs[b])
+            self.A[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
+                              for a in m.args[b])
         # place_recomputation: each mirror node just before its first use
         emitted = set(m.placeholders)
         order: list[int] = []
@@ -527,6 +551,8 @@ class _Candidate:
             preset = p.node.meta.get("memopt.workspace_bytes")
             if preset is not None:
                 found[i] = preset
+                continue
+            if not self.m.measures:
                 continue
             variant = rewrites[i][1] if i in rewrites else ("fn",)
             if p.workspace is None:
