@@ -24,9 +24,11 @@ Pure Python on plain ints: never imports torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 from dataclasses import dataclass
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,3 +214,32 @@ def search_budgets(
         evaluate(_geometric(b0 / 4, b0 * 4, 4 * points))
     best = min(tried, key=lambda b: (tried[b][0], tried[b][1].mirror.count(True), b))
     return tried[best][1], tuple((b, tried[b][0]) for b in sorted(tried))
+
+
+def placement_order(nodes: Iterable[T], inputs: Callable[[T], Iterable[T]],
+                    emitted: set[T]) -> list[T]:
+    """Chen et al. 2016, Alg. 2's traversal order: `nodes` in order, each preceded by its
+    not yet emitted ancestors (a depth-first walk through `inputs`), so that a node no
+    one emitted on its own (a mirror node) runs just before its first use:
+    V' <- V' + topo(ancestors(v)) - V'. `emitted` holds what counts as done already (the
+    graph's inputs) and is updated. Nodes that no walk reaches are left out."""
+    order: list[T] = []
+    for root in nodes:
+        if root in emitted:
+            continue
+        if all(a in emitted for a in inputs(root)):  # the usual case: nothing to place
+            emitted.add(root)
+            order.append(root)
+            continue
+        work = [(root, False)]
+        while work:
+            node, ready = work.pop()
+            if node in emitted:
+                continue
+            if ready:
+                emitted.add(node)
+                order.append(node)
+                continue
+            work.append((node, True))
+            work.extend((a, False) for a in inputs(node) if a not in emitted)
+    return order

@@ -145,6 +145,16 @@ def _opaque_output(node: fx.Node) -> bool:
     return isinstance(op, torch._ops.OpOverload) and op.namespace == "memopt"
 
 
+def merge_storage(old: object, key: object, merged: dict, last_read: dict, pinned: set) -> None:
+    """Step 3's bookkeeping: the output's storage `old` now lives in `key`; it is read as
+    late as either was, and protected if either was."""
+    merged[old] = key
+    if old in last_read:
+        last_read[key] = max(last_read[key], last_read.pop(old))
+    if old in pinned:
+        pinned.add(key)
+
+
 def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> InplaceResult:
     """Rewrite ops to their in-place variants where the input storage dies there.
 
@@ -228,12 +238,7 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
         if kwargs is not None:
             node.kwargs = kwargs
         set_inplace_source(node, src)
-        old = storage(node)
-        merged[old] = key
-        if old in last_read:
-            last_read[key] = max(last_read[key], last_read.pop(old))
-        if old in pinned:
-            pinned.add(key)
+        merge_storage(storage(node), key, merged, last_read, pinned)
     if rewrites:
         gm.recompile()
     return InplaceResult(rewrites=tuple(rewrites))

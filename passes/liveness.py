@@ -34,7 +34,7 @@ from torch import fx
 
 from ._torch_compat import is_tangent, storage_key
 
-from .meta import fake_value, held_bytes, inplace_source, workspace_bytes
+from .meta import fake_value, held_bytes, inplace_source, value_tensors, workspace_bytes
 
 #: Storage kinds, in the order a plan lists them.
 KINDS = ("parameter", "buffer", "input", "existing_grad", "activation", "saved", "output",
@@ -93,14 +93,6 @@ class _Storages:
             self.nbytes[rb] = max(self.nbytes[ra], self.nbytes[rb])
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def analyze_liveness(
     fw: fx.GraphModule,
     bw: fx.GraphModule | None,
@@ -143,7 +135,7 @@ def analyze_liveness(
         for node in gm.graph.nodes:
             if node.op not in ("placeholder", "call_function", "get_attr"):
                 continue
-            tensors = _tensors(fake_value(node))
+            tensors = value_tensors(fake_value(node))
             node_raw[(prefix, node.name)] = [storage_key(t) for t in tensors]
             if prefix == "fw" or node.op == "placeholder":
                 keys = [stores.add(t) for t in tensors]
@@ -258,8 +250,6 @@ def analyze_liveness(
                                  end=num_forward, kind="tangent"))
     lives.sort(key=lambda s: (s.start, s.name))
     return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives))
-
-
 
 
 def _backward_keys(node: fx.Node, tensors: list[torch.Tensor],

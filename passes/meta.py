@@ -44,6 +44,15 @@ def fake_value(node: fx.Node) -> Any:
     return node.meta.get(VAL)
 
 
+def value_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a traced value (a tensor, or nested tuples and lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in value_tensors(v)]
+    return []
+
+
 def tensor_value(node: fx.Node) -> torch.Tensor | None:
     """The node's value if it is a single tensor, else None."""
     val = node.meta.get(VAL)

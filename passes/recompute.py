@@ -37,6 +37,8 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
+from memopt.allocator.mirror import placement_order
+
 from ._torch_compat import storage_key
 
 from .meta import fake_value, mark_mirror, recomputed_from, tensor_value
@@ -180,25 +182,8 @@ def place_recomputation(gm: fx.GraphModule, recomputed: frozenset[str]) -> int:
     graph = gm.graph
     nodes = list(graph.nodes)
     emitted = {n for n in nodes if n.op == "placeholder"}
-    order: list[fx.Node] = []
-
-    def emit(root: fx.Node) -> None:
-        stack = [(root, False)]
-        while stack:
-            node, ready = stack.pop()
-            if node in emitted:
-                continue
-            if ready:
-                emitted.add(node)
-                order.append(node)
-                continue
-            stack.append((node, True))
-            stack.extend((a, False) for a in node.all_input_nodes if a not in emitted)
-
-    for node in nodes:
-        if node.op in ("placeholder", "output") or node.name in recomputed:
-            continue
-        emit(node)
+    order = placement_order([n for n in nodes if n.op != "output" and n.name not in recomputed],
+                            lambda n: n.all_input_nodes, emitted)
     moved = sum(1 for n in order if n.name in recomputed)
     cursor = [n for n in nodes if n.op == "placeholder"][-1]  # a joint graph has tangents
     for node in order:

@@ -48,10 +48,13 @@ from typing import Any
 import torch
 from torch import fx
 
+from memopt.allocator.mirror import placement_order
+
 from ._torch_compat import is_sym_node, is_tangent, storage_key
 
-from .inplace import _inplace_overload, _is_whole_dense, _opaque_output, _out_overload
-from .meta import fake_value, held_bytes, tensor_value
+from .inplace import (_inplace_overload, _is_whole_dense, _opaque_output, _out_overload,
+                      merge_storage)
+from .meta import fake_value, held_bytes, tensor_value, value_tensors
 from .partition import forward_region
 from .recompute import _sources, arithmetic, mirrorable
 from .twins import emit_twin, is_twinned
@@ -157,7 +160,7 @@ class StepModel:
         self._accumulate: _Proto | None = None
         #: kernels' workspaces are measured on CPU and CUDA only (passes.workspace)
         self.measures = any(t.device.type in ("cpu", "cuda")
-                            for n in nodes for t in _tensors(fake_value(n))[:1])
+                            for n in nodes for t in value_tensors(fake_value(n))[:1])
 
     def accumulate_proto(self) -> _Proto:
         """passes.gradients' `add(grad, parameter)` node: it reads, returns nothing."""
@@ -174,7 +177,7 @@ class StepModel:
 
     def _proto(self, node: fx.Node) -> _Proto:
         value = fake_value(node)
-        tensors = _tensors(value)
+        tensors = value_tensors(value)
         single = tensor_value(node)
         kind = {"placeholder": "tangent" if is_tangent(node) else "primal",
                 "call_function": "call", "get_attr": "get_attr"}.get(node.op, node.op)
@@ -265,14 +268,6 @@ class StepModel:
         return run.liveness(fw, bw, saved)                              # Step 5
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _static_overwrite(node: fx.Node, src: fx.Node) -> bool:
     """passes.inplace's may_overwrite, less what depends on the step's liveness."""
     out, inp = tensor_value(node), tensor_value(src)
@@ -355,27 +350,10 @@ class _Candidate:
             self.A[b] = tuple(clones[(a, level("bw", a))] if a in mirror else a
                               for a in m.args[b])
         # place_recomputation: each mirror node just before its first use
-        emitted = set(m.placeholders)
-        order: list[int] = []
         inputs = self.I
-        for root in range(len(m.protos) - 1):  # the last node is the output
-            if root in emitted:
-                continue
-            if all(a in emitted for a in inputs[root]):  # the usual case: nothing to place
-                emitted.add(root)
-                order.append(root)
-                continue
-            work = [(root, False)]
-            while work:
-                i, ready = work.pop()
-                if i in emitted:
-                    continue
-                if ready:
-                    emitted.add(i)
-                    order.append(i)
-                    continue
-                work.append((i, True))
-                work.extend((a, False) for a in inputs[i] if a not in emitted)
+        emitted = set(m.placeholders)
+        # every joint node but the output (the last), mirror nodes where first read
+        order = placement_order(range(len(m.protos) - 1), inputs.__getitem__, emitted)
         self.order = order
         self.recomputed &= emitted
 
@@ -531,14 +509,8 @@ class _Candidate:
             if found is None:
                 continue
             src, variant = found
-            key = storage(src)
             rewrites[i] = (src, variant)
-            old = storage(i)
-            merged[old] = key
-            if old in last_read:
-                last_read[key] = max(last_read[key], last_read.pop(old))
-            if old in pinned:
-                pinned.add(key)
+            merge_storage(storage(i), storage(src), merged, last_read, pinned)
         return rewrites
 
     def _workspaces(self, nodes: list[int], rewrites: dict[int, tuple[int, Any]]

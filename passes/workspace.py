@@ -76,7 +76,7 @@ from ._torch_compat import real_tensors, storage_key
 from .allocation import allocation_peak, can_track
 from memopt.allocator.units import format_bytes
 
-from .meta import WORKSPACE_BYTES, fake_value
+from .meta import WORKSPACE_BYTES, fake_value, value_tensors
 
 log = logging.getLogger("memopt")
 
@@ -195,15 +195,7 @@ def _eligible(node: fx.Node) -> bool:
         return False
     if node.target.namespace == "memopt" or node.target.is_view or WORKSPACE_BYTES in node.meta:
         return False
-    return bool(_tensors(fake_value(node)))
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    return bool(value_tensors(fake_value(node)))
 
 
 def _key(target: Any, node_args: tuple, node_kwargs: dict) -> tuple | None:
