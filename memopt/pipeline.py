@@ -459,8 +459,7 @@ def plan_joint(
     gran = allocation_granularity(_device_of(joint))
     with _stage("step model", done):
         model = StepModel(
-            joint, num_fwd_outputs, primal_kinds=primal_kinds,
-            mutable_inputs=_mutable_inputs(primal_kinds),
+            joint, num_fwd_outputs, mutable_inputs=_mutable_inputs(primal_kinds),
             existing_grads=grads.nbytes if grads is not None else None,
             accumulate=grads.add if grads is not None else None,
             outside_grad_bytes=outside_grad_bytes, outside=(outside.forward, outside.backward),

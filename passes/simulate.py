@@ -9,10 +9,11 @@ of candidates and a ResNet-1000 has tens of thousands of nodes. This pass runs t
 analysis on plain arrays built once from the joint graph, a few microseconds per node
 per candidate, and gives the same schedule of storages, hence the same peak.
 
-Requires: the joint GraphModule as the pipeline plans it (after passes.chains and
-passes.reversible applied their configurations, and after
-passes.partition.read_concat_views), its primal kinds, and the step context
-(memopt.pipeline.StepContext: existing gradients, what the rest of the step holds).
+Requires: the joint GraphModule as the pipeline plans it (after
+passes.partition.read_concat_views), the buffers the step may mutate, and the step
+context (memopt.pipeline.StepContext: existing gradients, what the rest of the step
+holds). Recurrent chains' and reversible stacks' held and workspace bytes are read from
+their nodes' meta at each simulation, so passes.chains may reconfigure them in between.
 
 Ensures: `StepModel(...).simulate(mirror, twice, inplace)` returns the storages'
 (bytes, first step, last step) that memopt.pipeline's exact build of the same mirror
@@ -104,13 +105,12 @@ class StepModel:
     """The joint graph of one training step as arrays (Step 1), for `simulate`."""
 
     def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int, *,
-                 primal_kinds: dict[str, str], mutable_inputs: frozenset[str],
+                 mutable_inputs: frozenset[str],
                  existing_grads: dict[str, int] | None = None,
                  accumulate: Callable[..., Any] | None = None, outside_grad_bytes: int = 0,
                  outside: tuple[int, int] = (0, 0), granularity: int = 1,
                  impure_random: bool = False) -> None:
         self.num_fwd_outputs = num_fwd_outputs
-        self.primal_kinds = primal_kinds
         self.existing_grads = existing_grads
         self.accumulate = accumulate
         self.outside_grad_bytes = outside_grad_bytes
@@ -155,7 +155,6 @@ class StepModel:
                                  if a in self.mirrorable]
         self.by_name = {n.name: i for i, n in enumerate(nodes)}
         self._nodes = nodes
-        self._mutable = mutable_inputs
         self._twins: dict[tuple[int, str], tuple[list[tuple[_Proto, tuple]], dict]] = {}
         self._accumulate: _Proto | None = None
         #: kernels' workspaces are measured on CPU and CUDA only (passes.workspace)
