@@ -243,8 +243,10 @@ class MemoptBackend:
     def _retraced(self, frame: CompilingFrame) -> None:
         """Dynamo compiled a graph memopt has already planned (same graph, inputs and
         place in the step): a guard on Python state failed, typically a list or dict the
-        forward mutates (`self.logged.append(x.item())`). The plan is reused; the time
-        dynamo spends tracing again each call is the user's to remove, so say it once."""
+        forward mutates (`self.logged.append(x.item())`) or an `.item()` value a branch
+        reads (dynamo specializes the code after the break on it). The plan is reused; the
+        time dynamo spends tracing again each call is the user's to remove, so say it
+        once."""
         self._log.retraced += 1
         if self._log.retraced == 2:
             reason = last_guard_failure(frame.code) or last_guard_failure(self._log.forward_code)
@@ -252,8 +254,9 @@ class MemoptBackend:
                 "dynamo traces this model's forward again at every call"
                 f"{f' (its guard failed: {reason})' if reason else ''}: Python state the "
                 "forward reads changes between calls, typically a list or dict it appends "
-                "to. memopt reuses its plan, so memory and gradients are unaffected, but "
-                "each call pays dynamo's tracing time: keep such state outside forward.",
+                "to, or a value it reads with .item() and branches on. memopt reuses its "
+                "plan, so memory and gradients are unaffected, but each call pays dynamo's "
+                "tracing time: keep such state and branches outside forward.",
                 UserWarning, stacklevel=2)
 
     def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
