@@ -198,20 +198,23 @@ def test_repeated_graphs_accumulate_kept_gradients_within_budget() -> None:
         assert peak <= budget, (peak, budget)
 
 
-def test_a_forward_traced_again_every_call_keeps_its_plan() -> None:
+@pytest.mark.parametrize("micro", [1, 2], ids=["grads_set_to_none", "accumulating"])
+def test_a_forward_traced_again_every_call_keeps_its_plan(micro: int) -> None:
     """dynamo traces Appends' forward again at every call (its list grew); memopt reuses
     the plan of the identical graphs instead of planning each call anew: more calls than
     dynamo's recompile limit train, every measured step runs the plan it reports, within
-    the budget, and a warning names the cause once."""
+    the budget, and a warning names the cause once; with gradient accumulation too (the
+    kept-gradient step is planned once more, then reused)."""
     _, model, probe = _compiled(Appends, None)
     _train(probe, model, steps=1)
     budget = int(0.7 * probe.memopt_plan.predicted_peak_bytes)
     eager, model, compiled = _compiled(Appends, budget)
     with pytest.warns(UserWarning, match="traces this model's forward again"):
-        peaks = _train(compiled, model, steps=10, measure=1)
-    _train(eager, eager, steps=10)
+        peaks = _train(compiled, model, steps=10 // micro, micro=micro, measure=1)
+    _train(eager, eager, steps=10 // micro, micro=micro)
     _assert_same_parameters(model, eager)
-    assert len(compiled._memopt_backend._log.graphs_built) == 2  # planned once each
+    # planned once each (the kept-gradient step's twin graphs besides, when accumulating)
+    assert len(compiled._memopt_backend._log.graphs_built) == 2 * micro
     for peak, predicted in zip(peaks, compiled.predicted, strict=True):
         assert peak <= budget, (peak, budget)
         assert abs(peak - predicted) <= 0.05 * predicted, (peaks, compiled.predicted)
