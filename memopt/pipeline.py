@@ -468,12 +468,16 @@ def plan_joint(
     bar = tqdm(desc=f"memopt: planning{f' {label}' if label else ''}", unit=" plans",
                delay=PROGRESS_DELAY, leave=False, disable=None if options.progress else True)
 
+    simulated: dict[tuple[Mirror, bool], Simulated] = {}  # no candidate twice
+
     def simulate(mirror: Mirror, inplace: bool = options.inplace) -> Simulated:
-        result = model.simulate(mirror.names, mirror.twice, inplace)
-        if _VERIFY.get():
-            _verify(result, build(mirror, inplace), mirror)
-        bar.update()
-        return result
+        if (mirror, inplace) not in simulated:
+            result = model.simulate(mirror.names, mirror.twice, inplace)
+            if _VERIFY.get():
+                _verify(result, build(mirror, inplace), mirror)
+            bar.update()
+            simulated[(mirror, inplace)] = result
+        return simulated[(mirror, inplace)]
 
     with _stage("baseline", done):
         baseline = simulate(Mirror(), inplace=False)

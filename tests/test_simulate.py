@@ -26,7 +26,6 @@ from benchmarks.zoo import ZOO
 from fuzz_models import build_model, make_inputs, model_specs
 from memopt.pipeline import verifying
 from models import CASES, CORPUS
-from test_corpus import default_loss
 
 #: budgets every model is planned at: binding fractions, and 1 byte (a BudgetError at
 #: the end of the whole search, both levels, after every candidate has been verified)
