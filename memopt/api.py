@@ -271,7 +271,10 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             `memopt.recurrent.Recurrent` (Gruslys et al. 2016, Sec. 3.1; see
             memopt.passes.loops for what is detected and what is left unrolled);
             `progress=False` hides the progress bar a plan longer than 2 s shows on a
-            terminal.
+            terminal; `solver="milp"` also solves the exact recomputation MILP
+            (Checkmate-style, HiGHS: `pip install "memopt[solver]"`; memopt.oracle) and
+            takes its plan where it recomputes less, for graphs small enough to solve
+            within `solver_seconds` (default 30 s per solve).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or

@@ -15,6 +15,7 @@ backward.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import dataclasses
 import logging
 import time
@@ -144,7 +145,8 @@ class MemoptBackend:
     def __init__(self, budget: object = None, *, inplace: bool = True,
                  mirror: object = None, headroom: float = Options.headroom,
                  plan_only: bool = False, loops: bool = True,
-                 existing_grads: bool = False, progress: bool = True) -> None:
+                 existing_grads: bool = False, progress: bool = True,
+                 solver: str | None = None, solver_seconds: float = 30.0) -> None:
         self.budget: Budget | None = parse_budget(budget)
         for name, flag in (("loops", loops), ("existing_grads", existing_grads),
                            ("inplace", inplace), ("progress", progress)):
@@ -158,8 +160,14 @@ class MemoptBackend:
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
                 or not 0 <= headroom < 1:
             raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+        if solver not in (None, "milp"):
+            raise ValueError(f'solver must be None or "milp", got {solver!r}')
+        if solver == "milp" and importlib.util.find_spec("highspy") is None:
+            raise ImportError('solver="milp" needs HiGHS: pip install "memopt[solver]" '
+                              '(or pip install highspy)')
         self.options = Options(inplace=inplace, mirror=mirror, headroom=float(headroom),
-                               progress=progress)
+                               progress=progress, solver=solver,
+                               solver_seconds=float(solver_seconds))
         self.plan_only = plan_only
 
     @property

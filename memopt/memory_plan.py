@@ -93,7 +93,9 @@ class SearchCandidate(BaseModel):
 
     model_config = _FROZEN
     level: int = 1                 # 1: Alg. 3, m(v) <= 1; 2: inside level 1's segments
-                                   # (Sec. 4.4); 0: Sec. 4.2, every cheap op dropped (B unused)
+                                   # (Sec. 4.4); 0: Sec. 4.2, every cheap op dropped (B unused);
+                                   # 3: the exact MILP's plan (solver="milp"; B: its budget);
+                                   # 4: the peak-directed path (B: its step; pipeline.peak_path)
     segment_budget_bytes: Bytes    # Alg. 3's B
     predicted_peak_bytes: Bytes    # the simulator's peak for the plan Alg. 3 made with B
     recompute_flops: Count         # the forward work it recomputes

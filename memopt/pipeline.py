@@ -35,8 +35,10 @@ from memopt.passes.partition import find_cut, forward_region, partition, read_co
 from memopt.passes.meta import accumulates_into, mirror_level, recomputed_from
 from memopt.passes.workspace import measure_workspaces
 from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, node_flops,
-                                     storage_sizes)
+                                     recompute_sources, storage_sizes)
 from memopt.passes.simulate import Simulated, StepModel
+from memopt.passes.oracle import recompute_problem
+from memopt.allocator.milp import solve
 from memopt.passes._torch_compat import dce_impure_random
 
 from .budget import Budget, format_bytes
@@ -103,6 +105,11 @@ class Options:
     #: on CPU: the largest measured excess over the prediction was 5.3% (ResNet-50,
     #: BatchNorm recomputed, convolutions kept); 3% let a 305 MiB budget measure 309.
     headroom: float = 0.06
+    #: "milp": also solve the exact MILP (memopt.allocator.milp, the `[solver]` extra) and
+    #: take its plan where it recomputes less than Alg. 3's; None: Alg. 3 + grid only.
+    solver: str | None = None
+    #: Seconds HiGHS may spend per solve (its best plan so far is used after that).
+    solver_seconds: float = 30.0
     #: A progress bar (tqdm, on stderr) for a budget search that runs longer than
     #: PROGRESS_DELAY seconds, when stderr is a terminal; False: never.
     progress: bool = True
@@ -229,8 +236,8 @@ def _recomputed_nodes(built: _Built) -> tuple[RecomputedNode, ...]:
 
 
 def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: int,
-                   primal_kinds: dict[str, str], simulate: Callable[[Mirror], Simulated]
-                   ) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
+                   primal_kinds: dict[str, str], simulate: Callable[[Mirror], Simulated],
+                   path: bool = True) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
     """Chen et al. 2016, Alg. 3 with the Appendix A grid over B, each candidate scored
     by the step simulator (passes.simulate: the exact build's schedule, from arrays):
     the feasible plan (peak <= budget) with the least recomputed FLOPs, else the plan
@@ -255,14 +262,15 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     def named(mask: tuple[bool, ...]) -> frozenset[str]:
         return frozenset(n.name for n, m in zip(region, mask) if m)
 
+    def score_of(mirror: Mirror) -> tuple[bool, int, int]:
+        """(misses the budget, FLOPs or peak first, the other): lower is better."""
+        step = simulate(mirror)
+        if step.peak_bytes > budget_bytes:
+            return True, step.peak_bytes, step.recompute_flops
+        return False, step.recompute_flops, step.peak_bytes
+
     def scorer(mirror_of):
-        def score(segment_plan) -> tuple[bool, int, int]:
-            """(misses the budget, FLOPs or peak first, the other): lower is better."""
-            step = simulate(mirror_of(segment_plan.mirror))
-            if step.peak_bytes > budget_bytes:
-                return True, step.peak_bytes, step.recompute_flops
-            return False, step.recompute_flops, step.peak_bytes
-        return score
+        return lambda segment_plan: score_of(mirror_of(segment_plan.mirror))
 
     # Level 1: m(v) in {0, 1}.
     plans: dict[tuple[int, int], tuple[tuple[bool, int, int], Mirror]] = {}
@@ -276,6 +284,11 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     if any(cheap) and named(cheap) not in {m.names for _, m in plans.values()}:
         plans[(0, 0)] = (scorer(lambda mask: Mirror(named(mask)))(
             SegmentPlan(cheap, 0, 0, 0)), Mirror(named(cheap)))
+    # Level 4 (beyond the paper): the peak-directed path, for budgets Alg. 3's segments
+    # overshoot (a few cheap values dropped where the peak is)
+    for k, mirror in enumerate(peak_path(simulate, region, sizes, allowed) if path else (),
+                               start=1):
+        plans[(4, k)] = (score_of(mirror), mirror)
     if all(s[0] for s, _ in plans.values()):
         # Level 2 (Sec. 4.4): recurse inside the lowest-peak plan's segments.
         lowest = min(plans.values(), key=lambda v: peak_of(v[0]))[1]
@@ -389,6 +402,108 @@ def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
         reason=c.reason) for c in choices)
 
 
+#: Steps of the peak-directed path (`peak_path`); fewer on graphs of more nodes than
+#: PATH_NODES, each dropping more bytes, so plan time stays linear in the graph's size.
+PATH_STEPS, PATH_NODES, PATH_DEPTH = 64, 4096, 3
+
+
+def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
+              sizes: list[int], allowed: set[str]) -> Iterator[Mirror]:
+    """A greedy path of mirror sets, each adding to the last: at each step, the storages
+    live at the simulated peak of the last plan that recomputing frees (every node
+    holding one is mirrorable: the value and its views), the most bytes per recomputed
+    FLOP first, until they hold a 64th of those storages' bytes (a quarter past
+    PATH_NODES nodes). The path depends on the graph only, never on the budget, so with
+    Alg. 3's plans it keeps the choice monotone (a lower budget never gets a higher
+    peak). Alg. 3 cuts the graph in segments and recomputes each whole; near the
+    unconstrained peak that is far more than the few values that set the peak
+    (benchmarks/optimum_gap.py measures both against the optimum)."""
+    nbytes = {n.name: b for n, b in zip(region, sizes)}
+    cost = {n.name: node_flops(n) for n in region if n.name in allowed}
+    # what recomputing each reads: a value no longer held must then be saved
+    reads = {n.name: [(a.name, _storage_bytes(a)) for a in recompute_sources(n)
+                      if a.op != "placeholder"] for n in region if n.name in allowed}
+
+    def recomputation(group: tuple[str, ...], held: set[str]) -> tuple[int, set[str], int]:
+        """(FLOPs, the nodes, bytes newly saved) to recompute `group` from held values:
+        a source not held is recomputed too where it may be (up to PATH_DEPTH deep),
+        else saved."""
+        nodes, kept, flops = set(group), {}, 0
+        work = [(n, 0) for n in group]
+        while work:
+            name, depth = work.pop()
+            flops += cost[name]
+            for a, size in reads[name]:
+                if a in held or a in nodes:
+                    continue
+                if a in cost and depth < PATH_DEPTH:
+                    nodes.add(a)
+                    work.append((a, depth + 1))
+                else:
+                    kept[a] = size
+        return flops, nodes, sum(kept.values())
+    steps, share = (PATH_STEPS // 8, 4) if len(region) > PATH_NODES else (PATH_STEPS, 64)
+    current: frozenset[str] = frozenset()
+    for _ in range(steps):
+        at_peak = simulate(Mirror(current)).at_peak
+        held = {n for g in at_peak for n in g}
+        groups = []
+        for g in at_peak:
+            if not all(n in cost for n in g) or current.issuperset(g):
+                continue
+            flops, nodes, kept = recomputation(g, held)
+            freed = sum(nbytes.get(n, 0) for n in g) - kept
+            if freed > 0:
+                groups.append((freed, flops, tuple(sorted(nodes))))
+        groups.sort(key=lambda t: (t[1] / t[0], t[2]))
+        total = sum(b for b, _, _ in groups)
+        if not groups:
+            return
+        taken: set[str] = set()
+        dropped = 0
+        for size, _, nodes in groups:
+            taken.update(nodes)
+            dropped += size
+            if dropped * share >= total:
+                break
+        current = current | taken
+        yield Mirror(current)
+
+
+def _storage_bytes(node: fx.Node) -> int:
+    val = tensor_value(node)
+    return val.untyped_storage().nbytes() if val is not None else 0
+
+
+def _solve_exactly(model: StepModel, target: int, simulate: Callable[[Mirror], Simulated],
+                   chosen: Mirror, search: tuple[SearchCandidate, ...], seconds: float
+                   ) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
+    """Options.solver == "milp": the least-FLOPs plan of Checkmate's MILP over memopt's
+    plan space (memopt.allocator.milp, in-place rewrites not modelled), scored by the
+    simulator like every candidate, taken where it fits and recomputes less than
+    `chosen`. Where the simulator puts the MILP's plan above the target, it is solved
+    once more with the target lowered by the excess."""
+    problem, units = recompute_problem(model)
+    best = simulate(chosen)
+    aim = target
+    for _ in range(2):
+        solution = solve(problem, aim, time_limit=seconds)
+        if solution is None:
+            break
+        mirror = Mirror(frozenset(model.protos[units[u]].name for u in solution.recomputed))
+        step = simulate(mirror)
+        search += (SearchCandidate(level=3, segment_budget_bytes=aim,
+                                   predicted_peak_bytes=step.peak_bytes,
+                                   recompute_flops=step.recompute_flops,
+                                   fits=step.peak_bytes <= target),)
+        if step.peak_bytes <= target:
+            if best.peak_bytes > target or step.recompute_flops < best.recompute_flops:
+                return mirror, search
+            break
+        aim -= step.peak_bytes - target
+    return chosen, search
+
+
 def _costly(node: fx.Node) -> bool:
     """More than a few operations per output element (a matmul or a convolution)."""
     val = tensor_value(node)
@@ -465,6 +580,9 @@ def plan_joint(
             outside_grad_bytes=outside_grad_bytes, outside=(outside.forward, outside.backward),
             granularity=gran, impure_random=dce_impure_random())
 
+    for sink in _OBSERVERS.get():
+        sink(Observed(model=model, joint=joint, num_fwd_outputs=num_fwd_outputs,
+                      primal_kinds=primal_kinds, options=options))
     bar = tqdm(desc=f"memopt: planning{f' {label}' if label else ''}", unit=" plans",
                delay=PROGRESS_DELAY, leave=False, disable=None if options.progress else True)
 
@@ -503,8 +621,15 @@ def plan_joint(
         mirror = Mirror(frozenset(options.mirror))
     elif target is not None and simulate(Mirror()).peak_bytes > target:
         with _stage("budget search", done):
+            # the peak-directed path only where the step is this one graph: with graph
+            # breaks its lean plans measured above their prediction (tests/test_graph_breaks)
             mirror, search = _choose_mirror(joint, num_fwd_outputs, target, primal_kinds,
-                                           simulate)
+                                           simulate, path=cap is None and not (
+                                               outside.forward or outside.backward))
+        if options.solver == "milp":
+            with _stage("exact solver", done):
+                mirror, search = _solve_exactly(model, target, simulate, mirror, search,
+                                                options.solver_seconds)
     expected = simulate(mirror).peak_bytes
 
     def budget_error(peak: int) -> BudgetError:
@@ -573,6 +698,34 @@ def plan_joint(
     if must_fit and fits is not None and plan.predicted_peak_bytes > fits:
         raise budget_error(plan.predicted_peak_bytes)
     return final.fw, final.bw, plan
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What `observing()` hands its sink for each graph the pipeline plans: the step
+    model the budget search scores candidates on, and what built it (the oracle of
+    memopt.oracle plans the same step exactly)."""
+
+    model: StepModel
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    primal_kinds: dict[str, str]
+    options: Options
+
+
+_OBSERVERS: contextvars.ContextVar[tuple[Callable[[Observed], None], ...]] = \
+    contextvars.ContextVar("memopt_observers", default=())
+
+
+@contextmanager
+def observing() -> Iterator[list[Observed]]:
+    """Collect an `Observed` record for every graph planned inside the block."""
+    seen: list[Observed] = []
+    token = _OBSERVERS.set(_OBSERVERS.get() + (seen.append,))
+    try:
+        yield seen
+    finally:
+        _OBSERVERS.reset(token)
 
 
 #: Tests set this (`verifying()`): every candidate the planner simulates is also built

@@ -20,7 +20,7 @@ twins instead (passes.twins). Never mirrored: graph inputs and forward outputs
 Algorithm:
     Step 1: `mirrorable`: the forward nodes that may be recomputed.
     Step 2: the mirrored nodes backward needs: the mirrored ancestors of backward
-        reads (through the values each recomputation reads, `_sources`).
+        reads (through the values each recomputation reads, `recompute_sources`).
     Step 3: one mirror node per needed node: a copy of the node (a multi-output op
         copied once for all its getitems), or a twin; backward reads it.
     Step 4: `place_recomputation`: walk the nodes in order and emit each one's
@@ -90,7 +90,7 @@ def mirrorable(joint: fx.GraphModule, num_fwd_outputs: int,
     return result
 
 
-def _sources(node: fx.Node) -> list[fx.Node]:
+def recompute_sources(node: fx.Node) -> list[fx.Node]:
     """The forward values recomputing `node` reads (a getitem: its op's inputs)."""
     if is_twinned(node):
         return twin_sources(node)
@@ -139,7 +139,7 @@ def add_mirror_nodes(joint: fx.GraphModule, num_fwd_outputs: int, mirrored: froz
         node, lvl = stack.pop()
         if (node, lvl) not in needed:
             needed.add((node, lvl))
-            stack.extend((a, level(lvl, a)) for a in _sources(node) if a in mirror)
+            stack.extend((a, level(lvl, a)) for a in recompute_sources(node) if a in mirror)
     # Step 3: one mirror node per needed (node, level), in forward order, reading mirror
     # nodes where they exist; a getitem's op is mirrored once per level, a twin
     # replaces a random or stateful op. They go before the output; Step 4 moves them.

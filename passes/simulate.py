@@ -57,7 +57,7 @@ from .inplace import (_inplace_overload, _is_whole_dense, _opaque_output, _out_o
                       merge_storage)
 from .meta import fake_value, held_bytes, tensor_value, value_tensors
 from .partition import forward_region
-from .recompute import _sources, arithmetic, mirrorable
+from .recompute import arithmetic, mirrorable, recompute_sources
 from .twins import emit_twin, is_twinned
 from .workspace import Call, node_call, workspace_bytes_of
 
@@ -75,6 +75,9 @@ class Simulated:
     peak_bytes: int
     recompute_flops: int
     saved_bytes: int  # the storages of kind "saved" (passes.liveness.KINDS)
+    #: per forward storage live at every step the peak is reached, the mirrorable nodes
+    #: that hold it (the value and its views; memopt.pipeline's peak-directed path)
+    at_peak: frozenset[tuple[str, ...]] = frozenset()
 
 
 @dataclass
@@ -142,10 +145,15 @@ class StepModel:
         self.mirrorable = {self.index[n]: n for n in
                            mirrorable(joint, num_fwd_outputs, mutable_inputs)}
         # for Step 2, per mirrorable node: what recomputing it reads (passes.recompute's
-        # _sources), how its mirror is made ("twin", "getitem" of an op, or "copy"), and
+        # recompute_sources), how its mirror is made ("twin", "getitem" of an op, or "copy"), and
         # the backward nodes that read it
-        self.sources = {i: tuple(self.index[a] for a in _sources(n))
+        self.sources = {i: tuple(self.index[a] for a in recompute_sources(n))
                         for i, n in self.mirrorable.items()}
+        self.mirrorable_of: dict[Any, tuple[str, ...]] = {}  # storage -> its mirrorable nodes
+        for i, n in self.mirrorable.items():
+            if self.protos[i].single is not None:
+                key = self.protos[i].single
+                self.mirrorable_of[key] = self.mirrorable_of.get(key, ()) + (n.name,)
         self.made_by = {i: "twin" if is_twinned(n) else
                         "getitem" if n.target is operator.getitem else "copy"
                         for i, n in self.mirrorable.items()}
@@ -642,8 +650,9 @@ class _Candidate:
                         for k in keys_fw.get(i, ())}
         gradients = {find(k) for i in bw.outputs if i is not None for k in keys_bw.get(i, ())}
         held = resident | user_outputs | gradients
-        intervals = [(nbytes[key], s, max(end_of_step if key in held else last[key], s))
-                     for key, s in first.items()]
+        lifetimes = {key: (nbytes[key], s, max(end_of_step if key in held else last[key], s))
+                     for key, s in first.items()}
+        intervals = list(lifetimes.values())
         saved = {find(k) for i in saved_values for k in keys_fw.get(i, ())}
         tangents = {find(k) for i in m.tangents for k in keys_bw.get(i, ())}
         saved_bytes = sum(nbytes[key] for key, s in first.items()
@@ -659,8 +668,15 @@ class _Candidate:
         if m.outside_grad_bytes and num_forward < steps:
             intervals.append((m.outside_grad_bytes, num_forward, num_forward))
         flops = sum(self._flops(i) for i in bw.body if i in self.recomputed)
-        return Simulated(intervals=tuple(intervals), num_steps=steps,
-                         peak_bytes=_peak(intervals, steps, m.granularity),
+        # what memopt.oracle reads back: each storage's lifetime, each node's storages
+        self.lifetimes, self.unkeyed = lifetimes, intervals[len(lifetimes):]
+        self.keys = {**keys_fw, **keys_bw}
+        self.find, self.num_forward = find, num_forward
+        peak, first_at, last_at = _peak(intervals, steps, m.granularity)
+        at_peak = frozenset(m.mirrorable_of[k] for k, (_, s, e) in lifetimes.items()
+                            if s <= first_at and last_at <= e and k in m.mirrorable_of)
+        return Simulated(intervals=tuple(intervals), num_steps=steps, at_peak=at_peak,
+                         peak_bytes=peak,
                          recompute_flops=flops, saved_bytes=saved_bytes)
 
 
@@ -684,10 +700,12 @@ def _variant_call(p: _Proto, variant: Any) -> Call | None:
     return node_call(p.node, target=target, kwargs={**p.node.kwargs, out_name: src})
 
 
-def _peak(intervals: list[tuple[int, int, int]], num_steps: int, granularity: int) -> int:
-    """allocator.peak_live_bytes of the intervals, each rounded up to `granularity`."""
+def _peak(intervals: list[tuple[int, int, int]], num_steps: int, granularity: int
+          ) -> tuple[int, int, int]:
+    """allocator.peak_live_bytes of the intervals, each rounded up to `granularity`, and
+    the first and the last step where it is reached."""
     if num_steps <= 0:
-        return 0
+        return 0, -1, -1
     diff = [0] * (num_steps + 1)
     g = granularity
     for size, start, end in intervals:
@@ -697,7 +715,11 @@ def _peak(intervals: list[tuple[int, int, int]], num_steps: int, granularity: in
             diff[s] += size
             diff[e + 1] -= size
     peak = live = 0
-    for d in diff[:num_steps]:
+    first = last = 0
+    for step, d in enumerate(diff[:num_steps]):
         live += d
-        peak = max(peak, live)
-    return peak
+        if live > peak:
+            peak, first, last = live, step, step
+        elif live == peak:
+            last = step
+    return peak, first, last
