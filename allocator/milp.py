@@ -83,6 +83,8 @@ class RecomputeSolution:
     status: str
     seconds: float
     size: dict[str, int] = field(default_factory=dict)  # variables, rows, nonzeros
+    feasible: bool = True  # False: HiGHS proved no plan fits ("Infeasible"), or found
+                           # none within the time limit ("Time limit reached")
 
 
 class _Model:
@@ -112,9 +114,9 @@ class _Model:
 
 
 def solve(problem: RecomputeProblem, budget: int, *, time_limit: float = 60.0,
-          threads: int | None = None) -> RecomputeSolution | None:
-    """The least-cost recomputation set whose peak is <= `budget` bytes, or None if HiGHS
-    proves that none exists (or finds none within `time_limit` seconds)."""
+          threads: int | None = None) -> RecomputeSolution:
+    """The least-cost recomputation set whose peak is <= `budget` bytes; `feasible` is
+    False where HiGHS proves that none exists or finds none within `time_limit` s."""
     import highspy  # the [solver] extra
     import numpy as np
 
@@ -267,8 +269,11 @@ def solve(problem: RecomputeProblem, budget: int, *, time_limit: float = 60.0,
     info = h.getInfo()
     status = h.modelStatusToString(h.getModelStatus())
     size = {"variables": cols, "rows": len(model.rows), "nonzeros": len(index)}
-    if info.primal_solution_status != 2:  # no feasible point found (or proven infeasible)
-        return None
+    if info.primal_solution_status != 2:  # proven infeasible, or none found in time
+        return RecomputeSolution(recomputed=frozenset(), saved=frozenset(), cost=0,
+                                 bound=float(info.mip_dual_bound), optimal=False,
+                                 status=status, seconds=float(h.getRunTime()), size=size,
+                                 feasible=False)
     x = h.getSolution().col_value
     chosen = frozenset(i for (s, i), v in recompute.items() if x[v] > 0.5)
     return RecomputeSolution(

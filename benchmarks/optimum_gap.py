@@ -77,7 +77,10 @@ FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # of the way from memopt's minimum to the ba
 
 
 def _flops(plan: memopt.oracle.OraclePlan) -> str:
-    return f"{plan.recompute_flops:,}" if plan.fits else "no plan"
+    if plan.fits:
+        return f"{plan.recompute_flops:,}"
+    return {"Infeasible": "none with m(v) <= 1", "Time limit reached": "none found in time"
+            }.get(plan.status, "no plan")
 
 
 def _gap(mine: memopt.oracle.OraclePlan, best: memopt.oracle.OraclePlan) -> str:
@@ -114,9 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                 exact = OraclePlan(budget, plan.predicted_peak_bytes, plan.recompute_flops)
             except memopt.BudgetError:
                 exact = OraclePlan(budget, None, None)
-            proved = "yes" if best.optimal else (
-                f"no (bound {best.bound_flops:,.0f})" if best.bound_flops is not None
-                else "no (model inexact)" if not best.exact else "no")
+            proved = ("yes" if best.optimal or best.status == "Infeasible" else
+                      f"no (bound {best.bound_flops:,.0f})" if best.fits else "no")
             rows.append([name, f"{format_bytes(budget)} ({budget / base:.2f}x)", _flops(mine),
                          _gap(mine, best), _flops(exact), _gap(exact, best), _flops(best),
                          proved, f"{best.seconds:.1f}"])

@@ -49,6 +49,7 @@ class OraclePlan:
     bound_flops: float | None = None  # HiGHS's lower bound on the FLOPs (oracle only)
     seconds: float = 0.0
     exact: bool = True              # the MILP's own peak was the simulator's (oracle only)
+    status: str = ""                # HiGHS's ("Optimal", "Infeasible", "Time limit reached")
 
     @property
     def fits(self) -> bool:
@@ -84,16 +85,17 @@ class Oracle:
         """The MILP's plan at `budget_bytes`, re-simulated; see the module docstring."""
         target, seconds, exact = budget_bytes, 0.0, True
         for _ in range(retries + 1):
-            solution: RecomputeSolution | None = solve(self.problem, target,
-                                                       time_limit=time_limit)
-            if solution is None:
-                return OraclePlan(budget_bytes, None, None, seconds=seconds, exact=exact)
+            solution: RecomputeSolution = solve(self.problem, target, time_limit=time_limit)
             seconds += solution.seconds
+            if not solution.feasible:
+                return OraclePlan(budget_bytes, None, None, seconds=seconds, exact=exact,
+                                  status=solution.status)
             names = frozenset(self._names[u] for u in solution.recomputed)
             peak, flops = self.simulate(names)
             if peak <= budget_bytes:
                 return OraclePlan(budget_bytes, peak, flops, optimal=solution.optimal and exact,
-                                  bound_flops=solution.bound, seconds=seconds, exact=exact)
+                                  bound_flops=solution.bound, seconds=seconds, exact=exact,
+                                  status=solution.status)
             exact = False  # the model let through a plan the simulator puts above the budget
             target -= peak - budget_bytes
         return OraclePlan(budget_bytes, None, None, seconds=seconds, exact=False)

@@ -244,12 +244,15 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
     with the lowest peak.
 
     Beside Alg. 3's plans, Sec. 4.2's: every cheap op dropped, every costly one kept
-    (little recomputation, for budgets just under the peak). When no plan fits,
-    Sec. 4.4's recursion: inside the segments of the lowest-peak plan, Alg. 3 and the
-    same grid again pick sub-segment boundaries (m(v) = 1) and nodes recomputed
-    twice (m(v) = 2). The plans tried at each level do not depend
-    on the budget, and the second level runs only when no first-level plan fits,
-    so lowering the budget never raises the predicted peak."""
+    (little recomputation, for budgets just under the peak); and, beyond the paper,
+    `peak_path`'s plans (`path`), which drop only the values that set the peak (the
+    exact oracle, memopt.oracle, found Alg. 3 recomputing up to 200x the optimum's
+    FLOPs there). When no plan fits, Sec. 4.4's recursion: inside the segments of the
+    lowest-peak plan of Alg. 3 and Sec. 4.2, Alg. 3 and the same grid again pick
+    sub-segment boundaries (m(v) = 1) and nodes recomputed twice (m(v) = 2). The plans
+    tried at each level do not depend on the budget, and the second level runs only
+    when no first-level plan fits, so lowering the budget never raises the predicted
+    peak."""
     forward = forward_region(joint, num_fwd_outputs)
     region = [n for n in joint.graph.nodes if n.op == "call_function" and n in forward]
     allowed = {n.name for n in mirrorable(joint, num_fwd_outputs, _mutable_inputs(primal_kinds))}
@@ -291,7 +294,9 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
         plans[(4, k)] = (score_of(mirror), mirror)
     if all(s[0] for s, _ in plans.values()):
         # Level 2 (Sec. 4.4): recurse inside the lowest-peak plan's segments.
-        lowest = min(plans.values(), key=lambda v: peak_of(v[0]))[1]
+        # (from Alg. 3's and Sec. 4.2's plans, as the paper: the minimum does not move)
+        lowest = min((v for k, v in plans.items() if k[0] in (0, 1)),
+                     key=lambda v: peak_of(v[0]))[1]
         inside = [n.name in lowest.names for n in region]
         _, tried2 = search_budgets(
             sizes, candidates, droppable=inside,
@@ -488,7 +493,7 @@ def _solve_exactly(model: StepModel, target: int, simulate: Callable[[Mirror], S
     aim = target
     for _ in range(2):
         solution = solve(problem, aim, time_limit=seconds)
-        if solution is None:
+        if not solution.feasible:
             break
         mirror = Mirror(frozenset(model.protos[units[u]].name for u in solution.recomputed))
         step = simulate(mirror)

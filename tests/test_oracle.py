@@ -51,7 +51,8 @@ def test_the_milp_finds_the_brute_force_optimum_on_chains(layers: int) -> None:
         assert plan.optimal and plan.exact
         checked += best > 0
     assert checked >= 3  # the budgets bind: something is recomputed
-    assert not oracle.optimum(lowest - 1).fits  # below every subset: no plan
+    below = oracle.optimum(lowest - 1)  # below every subset: proven, no plan
+    assert not below.fits and below.status == "Infeasible"
 
 
 def test_the_milp_can_be_shown_wrong() -> None:
@@ -63,7 +64,7 @@ def test_the_milp_can_be_shown_wrong() -> None:
     p = oracle.problem
     wrong = RecomputeProblem(**{**p.__dict__, "reads": tuple(() for _ in p.reads)})
     solution = solve(wrong, lowest)
-    assert solution is not None and solution.cost < min(f for pk, f in every if pk <= lowest)
+    assert solution.feasible and solution.cost < min(f for pk, f in every if pk <= lowest)
 
 
 def test_memopt_is_never_below_the_optimum_and_the_gap_is_measured() -> None:
