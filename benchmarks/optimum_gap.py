@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             except memopt.BudgetError:
                 exact = OraclePlan(budget, None, None)
             proved = ("yes" if best.optimal or best.status == "Infeasible" else
+                      "no: re-solved below the budget" if best.fits and not best.exact else
                       f"no (bound {best.bound_flops:,.0f})" if best.fits else "no")
             rows.append([name, f"{format_bytes(budget)} ({budget / base:.2f}x)", _flops(mine),
                          _gap(mine, best), _flops(exact), _gap(exact, best), _flops(best),

@@ -407,18 +407,21 @@ def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
         reason=c.reason) for c in choices)
 
 
-#: Steps of the peak-directed path (`peak_path`); fewer on graphs of more nodes than
-#: PATH_NODES, each dropping more bytes, so plan time stays linear in the graph's size.
-PATH_STEPS, PATH_NODES, PATH_DEPTH = 64, 4096, 3
+#: The peak-directed path (`peak_path`): (forward nodes up to, steps, the share of the
+#: peak's droppable bytes each step drops at least), so that its simulations cost about
+#: what Alg. 3's grid does and plan time stays linear in the graph's size; how many
+#: values deep a recomputation may reach for sources no longer held.
+PATH_TIERS = ((1024, 64, 1 / 64), (4096, 16, 1 / 16), (None, 4, 1 / 2))
+PATH_DEPTH = 3
 
 
 def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
               sizes: list[int], allowed: set[str]) -> Iterator[Mirror]:
     """A greedy path of mirror sets, each adding to the last: at each step, the storages
     live at the simulated peak of the last plan that recomputing frees (every node
-    holding one is mirrorable: the value and its views), the most bytes per recomputed
-    FLOP first, until they hold a 64th of those storages' bytes (a quarter past
-    PATH_NODES nodes). The path depends on the graph only, never on the budget, so with
+    holding one is mirrorable: the value and its views), the most bytes freed per
+    recomputed FLOP first (sources no longer held recomputed too, or saved), until they
+    hold a share of those storages' bytes (PATH_TIERS, by the graph's size). The path depends on the graph only, never on the budget, so with
     Alg. 3's plans it keeps the choice monotone (a lower budget never gets a higher
     peak). Alg. 3 cuts the graph in segments and recomputes each whole; near the
     unconstrained peak that is far more than the few values that set the peak
@@ -447,7 +450,7 @@ def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
                 else:
                     kept[a] = size
         return flops, nodes, sum(kept.values())
-    steps, share = (PATH_STEPS // 8, 4) if len(region) > PATH_NODES else (PATH_STEPS, 64)
+    steps, share = next((k, f) for n, k, f in PATH_TIERS if n is None or len(region) <= n)
     current: frozenset[str] = frozenset()
     for _ in range(steps):
         at_peak = simulate(Mirror(current)).at_peak
@@ -469,7 +472,7 @@ def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
         for size, _, nodes in groups:
             taken.update(nodes)
             dropped += size
-            if dropped * share >= total:
+            if dropped >= share * total:
                 break
         current = current | taken
         yield Mirror(current)
