@@ -411,8 +411,10 @@ def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
 #: peak's droppable bytes each step drops at least), so that its simulations cost about
 #: what Alg. 3's grid does and plan time stays linear in the graph's size; how many
 #: values deep a recomputation may reach for sources no longer held.
-PATH_TIERS = ((1024, 64, 1 / 64), (4096, 16, 1 / 16), (None, 4, 1 / 2))
+PATH_TIERS = ((512, 64, 1 / 64), (2048, 16, 1 / 16), (None, 4, 1 / 2))
 PATH_DEPTH = 3
+#: The path ends once this many steps in a row found no lower peak.
+PATH_PATIENCE = 8
 
 
 def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
@@ -421,7 +423,8 @@ def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
     live at the simulated peak of the last plan that recomputing frees (every node
     holding one is mirrorable: the value and its views), the most bytes freed per
     recomputed FLOP first (sources no longer held recomputed too, or saved), until they
-    hold a share of those storages' bytes (PATH_TIERS, by the graph's size). The path depends on the graph only, never on the budget, so with
+    hold a share of those storages' bytes (PATH_TIERS, by the graph's size), until
+    PATH_PATIENCE steps find no lower peak. The path depends on the graph only, never on the budget, so with
     Alg. 3's plans it keeps the choice monotone (a lower budget never gets a higher
     peak). Alg. 3 cuts the graph in segments and recomputes each whole; near the
     unconstrained peak that is far more than the few values that set the peak
@@ -452,8 +455,14 @@ def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
         return flops, nodes, sum(kept.values())
     steps, share = next((k, f) for n, k, f in PATH_TIERS if n is None or len(region) <= n)
     current: frozenset[str] = frozenset()
+    lowest, since = None, 0
     for _ in range(steps):
-        at_peak = simulate(Mirror(current)).at_peak
+        step = simulate(Mirror(current))
+        if lowest is None or step.peak_bytes < lowest:
+            lowest, since = step.peak_bytes, 0
+        elif (since := since + 1) >= PATH_PATIENCE:
+            return
+        at_peak = step.at_peak
         held = {n for g in at_peak for n in g}
         groups = []
         for g in at_peak:
