@@ -156,11 +156,13 @@ def solve(problem: RecomputeProblem, budget: int, *, time_limit: float = 60.0,
 
     saved = [model.var() for _ in range(n)]
     recompute: dict[tuple[int, int], int] = {}
+    recompute_of: dict[int, list[int]] = {}  # unit -> its R columns, for m(v) <= 1
     for i in range(n):
         if p.recomputable[i]:
             for s in sorted(can_run[i]):
                 if s <= first_read[i]:
                     recompute[(s, i)] = model.var(cost=float(p.costs[i]))
+                    recompute_of.setdefault(i, []).append(recompute[(s, i)])
     # present[s, i]: unit i is in memory when stage s starts (s = 0: saved)
     present: dict[tuple[int, int], int] = {}
     for i in range(n):
@@ -174,8 +176,7 @@ def solve(problem: RecomputeProblem, budget: int, *, time_limit: float = 60.0,
 
     for i in range(n):
         # computed once in the backward, or saved: memopt's m(v) in {0, 1}
-        model.row([(saved[i], 1.0)] + [(v, 1.0) for (s, j), v in recompute.items() if j == i],
-                  -inf, 1.0)
+        model.row([(saved[i], 1.0)] + [(v, 1.0) for v in recompute_of.get(i, ())], -inf, 1.0)
         if not can_run[i]:
             model.row([(saved[i], 1.0)], 0.0, 0.0)
         for s in range(last_need[i]):  # kept only if there before, or made in stage s

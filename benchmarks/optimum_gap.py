@@ -23,35 +23,17 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import memopt
 from memopt.budget import format_bytes
 
-from .workloads import mlp
-
-
-class _Block(nn.Module):
-    """A ResNet basic block: conv-BN-ReLU-conv-BN plus the identity."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+from .workloads import ResNet, mlp
 
 
 def _cnn() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """A stem and 3 residual blocks with BatchNorm, 8 channels, batch 8 of 3x16x16."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
-                          *[_Block(8) for _ in range(3)], nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(8, 10))
-    return model.train(), (torch.randn(8, 3, 16, 16),)
+    return ResNet(channels=8, num_blocks=3).train(), (torch.randn(8, 3, 16, 16),)
 
 
 def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

@@ -13,6 +13,9 @@ working directory.
 | lstm      | LSTMCell(256, 256) in a Python loop over T=256 steps     | randn(256, 64, 256) (T, B, F) | MSE to a random target    |
 | lstm_sum  | the same                                                | the same                      | sum of the hidden states  |
 | tiny_mlp  | 4 x (Linear(64, 64) + GELU), for tests                   | randn(32, 64)                 | sum of the output         |
+
+`ResNet` (a stem and BatchNorm basic blocks) is a model class shared by the test corpus
+and `benchmarks.optimum_gap`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from torch.nn import functional as F
 
 from memopt.measure import Workload
 
-__all__ = ["LSTMLoop", "gpt2", "lstm", "lstm_sum", "mlp", "mlp64", "resnet50", "tiny_mlp"]
+__all__ = ["BasicBlock", "LSTMLoop", "ResNet", "gpt2", "lstm", "lstm_sum", "mlp", "mlp64",
+           "resnet50", "tiny_mlp"]
 
 
 def mlp(device: str, *, layers: int, width: int, batch: int) -> Workload:
@@ -45,6 +49,36 @@ def mlp64(device: str) -> Workload:
 def tiny_mlp(device: str) -> Workload:
     """A small MLP for tests: 4 x (Linear(64, 64) + GELU), batch 32."""
     return mlp(device, layers=4, width=64, batch=32)
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block (He et al. 2016): conv-BN-ReLU-conv-BN plus the identity, ReLU."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + x)
+
+
+class ResNet(nn.Module):
+    """A stem and three residual blocks with identity skip connections."""
+
+    def __init__(self, channels: int = 8, num_blocks: int = 3, num_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.Sequential(*[BasicBlock(channels) for _ in range(num_blocks)])
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.stem(x)))
+        return self.head(x.mean(dim=(2, 3)))
 
 
 def _pooler_sum(output) -> torch.Tensor:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.workloads import ResNet  # the ResNet of the optimum-gap benchmark
+
 # --------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------
@@ -49,34 +51,6 @@ class ConvBN(nn.Module):
         x = F.relu(self.bn1(self.conv1(x)))
         x = F.relu(self.bn2(self.conv2(x)))
         return self.fc(torch.flatten(self.pool(x), 1))
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + x)
-
-
-class ResNet(nn.Module):
-    """A stem and three residual blocks with identity skip connections."""
-
-    def __init__(self, channels: int = 8, num_blocks: int = 3, num_classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, channels, 3, padding=1)
-        self.blocks = nn.Sequential(*[BasicBlock(channels) for _ in range(num_blocks)])
-        self.head = nn.Linear(channels, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.blocks(F.relu(self.stem(x)))
-        return self.head(x.mean(dim=(2, 3)))
 
 
 class SelfAttention(nn.Module):
