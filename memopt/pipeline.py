@@ -13,6 +13,7 @@ import contextvars
 import itertools
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -289,8 +290,8 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
             SegmentPlan(cheap, 0, 0, 0)), Mirror(named(cheap)))
     # Level 4 (beyond the paper): the peak-directed path, for budgets Alg. 3's segments
     # overshoot (a few cheap values dropped where the peak is)
-    for k, mirror in enumerate(peak_path(simulate, region, sizes, allowed) if path else (),
-                               start=1):
+    walks = (peak_path(simulate, region, sizes, allowed, whole_ops=w) for w in (False, True))
+    for k, mirror in enumerate(itertools.chain(*walks) if path else (), start=1):
         plans[(4, k)] = (score_of(mirror), mirror)
     if all(s[0] for s, _ in plans.values()):
         # Level 2 (Sec. 4.4): recurse inside the lowest-peak plan's segments.
@@ -418,34 +419,43 @@ PATH_PATIENCE = 8
 
 
 def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
-              sizes: list[int], allowed: set[str]) -> Iterator[Mirror]:
+              sizes: list[int], allowed: set[str], whole_ops: bool = False
+              ) -> Iterator[Mirror]:
     """A greedy path of mirror sets, each adding to the last: at each step, the storages
     live at the simulated peak of the last plan that recomputing frees (every node
     holding one is mirrorable: the value and its views), the most bytes freed per
     recomputed FLOP first (sources no longer held recomputed too, or saved), until they
-    hold a share of those storages' bytes (PATH_TIERS, by the graph's size), until
-    PATH_PATIENCE steps find no lower peak. The path depends on the graph only, never on the budget, so with
-    Alg. 3's plans it keeps the choice monotone (a lower budget never gets a higher
-    peak). Alg. 3 cuts the graph in segments and recomputes each whole; near the
-    unconstrained peak that is far more than the few values that set the peak
+    hold a share of those storages' bytes (PATH_TIERS, by the graph's size). A step that
+    neither lowers the simulated peak nor comes free (recomputing a value read early in
+    the backward can even raise it) is undone and its groups are not tried again; the
+    path ends after PATH_PATIENCE steps in a row without a lower peak. Each plan it yields has a lower peak and more FLOPs than
+    the last. The path depends on the graph only, never on the
+    budget, so with Alg. 3's plans it keeps the choice monotone (a lower budget never
+    gets a higher peak). Alg. 3 cuts the graph in segments and recomputes each whole;
+    near the unconstrained peak that is far more than the few values that set the peak
     (benchmarks/optimum_gap.py measures both against the optimum)."""
     nbytes = {n.name: b for n, b in zip(region, sizes)}
-    cost = {n.name: node_flops(n) for n in region if n.name in allowed}
+    # `whole_ops`: a getitem priced at all its op's outputs, so that a 32-byte BatchNorm
+    # statistic is not the first value dropped (on a residual CNN that path reaches the
+    # optimum where the one pricing each output alone recomputes 6x its FLOPs, and the
+    # other way round on smaller batches: the search walks both)
+    cost = {n.name: sum(map(node_flops, n.args[0].users)) if whole_ops and _of_tuple(n)
+            else node_flops(n) for n in region if n.name in allowed}
     # what recomputing each reads: a value no longer held must then be saved
     reads = {n.name: [(a.name, _storage_bytes(a)) for a in recompute_sources(n)
                       if a.op != "placeholder"] for n in region if n.name in allowed}
 
     def recomputation(group: tuple[str, ...], held: set[str]) -> tuple[int, set[str], int]:
         """(FLOPs, the nodes, bytes newly saved) to recompute `group` from held values:
-        a source not held is recomputed too where it may be (up to PATH_DEPTH deep),
-        else saved."""
+        a source neither held nor already recomputed (`current`) is recomputed too where
+        it may be (up to PATH_DEPTH deep), else saved."""
         nodes, kept, flops = set(group), {}, 0
         work = [(n, 0) for n in group]
         while work:
             name, depth = work.pop()
             flops += cost[name]
             for a, size in reads[name]:
-                if a in held or a in nodes:
+                if a in held or a in nodes or a in current:  # recomputed anyway
                     continue
                 if a in cost and depth < PATH_DEPTH:
                     nodes.add(a)
@@ -455,36 +465,50 @@ def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
         return flops, nodes, sum(kept.values())
     steps, share = next((k, f) for n, k, f in PATH_TIERS if n is None or len(region) <= n)
     current: frozenset[str] = frozenset()
-    lowest, since = None, 0
+    step = simulate(Mirror(current))
+    barred: set[tuple[str, ...]] = set()  # groups whose recomputation did not lower the peak
+    since = 0
     for _ in range(steps):
-        step = simulate(Mirror(current))
-        if lowest is None or step.peak_bytes < lowest:
-            lowest, since = step.peak_bytes, 0
-        elif (since := since + 1) >= PATH_PATIENCE:
-            return
-        at_peak = step.at_peak
-        held = {n for g in at_peak for n in g}
-        groups = []
-        for g in at_peak:
-            if not all(n in cost for n in g) or current.issuperset(g):
-                continue
-            flops, nodes, kept = recomputation(g, held)
-            freed = sum(nbytes.get(n, 0) for n in g) - kept
-            if freed > 0:
-                groups.append((freed, flops, tuple(sorted(nodes))))
-        groups.sort(key=lambda t: (t[1] / t[0], t[2]))
-        total = sum(b for b, _, _ in groups)
-        if not groups:
-            return
+        held = {n for run in step.at_peak for g in run for n in g}
         taken: set[str] = set()
-        dropped = 0
-        for size, _, nodes in groups:
-            taken.update(nodes)
-            dropped += size
-            if dropped >= share * total:
-                break
-        current = current | taken
-        yield Mirror(current)
+        taking: set[tuple[str, ...]] = set()
+        for run in step.at_peak:  # each run of peak steps gets its share
+            groups = []
+            for g in run:
+                if g in barred or not all(n in cost for n in g) or current.issuperset(g):
+                    continue
+                flops, nodes, kept = recomputation(g, held)
+                freed = sum(nbytes.get(n, 0) for n in g) - kept
+                if freed > 0:
+                    groups.append((freed, flops, tuple(sorted(nodes)), g))
+            groups.sort(key=lambda t: (t[1] / t[0], t[2]))
+            total, dropped = sum(t[0] for t in groups), 0
+            for size, _, nodes, g in groups:
+                if dropped >= share * total:
+                    break
+                taken.update(nodes)
+                taking.add(g)
+                dropped += size
+        if not taken:
+            return
+        barred |= taking
+        trial = simulate(Mirror(current | taken))
+        lower = trial.peak_bytes < step.peak_bytes
+        if lower or (trial.peak_bytes == step.peak_bytes
+                     and trial.recompute_flops <= step.recompute_flops):  # else undone
+            current, step = current | taken, trial
+            if lower:
+                since = 0
+                yield Mirror(current)
+                continue
+        if (since := since + 1) >= PATH_PATIENCE:
+            return
+
+
+def _of_tuple(node: fx.Node) -> bool:
+    """`node` picks one output of an op with several (a getitem of a tuple)."""
+    return (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+            and isinstance(node.args[0].meta.get("val"), (tuple, list)))
 
 
 def _storage_bytes(node: fx.Node) -> int:

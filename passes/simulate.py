@@ -75,9 +75,11 @@ class Simulated:
     peak_bytes: int
     recompute_flops: int
     saved_bytes: int  # the storages of kind "saved" (passes.liveness.KINDS)
-    #: per forward storage live at every step the peak is reached, the mirrorable nodes
-    #: that hold it (the value and its views; memopt.pipeline's peak-directed path)
-    at_peak: frozenset[tuple[str, ...]] = frozenset()
+    #: per run of consecutive steps where the peak is reached (at most PEAK_RUNS, the last
+    #: one stretched over the rest), the forward storages live throughout it, each as the
+    #: mirrorable nodes that hold it (the value and its views; memopt.pipeline's
+    #: peak-directed path)
+    at_peak: tuple[frozenset[tuple[str, ...]], ...] = ()
 
 
 @dataclass
@@ -672,9 +674,10 @@ class _Candidate:
         self.lifetimes, self.unkeyed = lifetimes, intervals[len(lifetimes):]
         self.keys = {**keys_fw, **keys_bw}
         self.find, self.num_forward = find, num_forward
-        peak, first_at, last_at = _peak(intervals, steps, m.granularity)
-        at_peak = frozenset(m.mirrorable_of[k] for k, (_, s, e) in lifetimes.items()
-                            if s <= first_at and last_at <= e and k in m.mirrorable_of)
+        peak, runs = _peak(intervals, steps, m.granularity)
+        at_peak = tuple(frozenset(m.mirrorable_of[k] for k, (_, s, e) in lifetimes.items()
+                                  if s <= first_at and last_at <= e and k in m.mirrorable_of)
+                        for first_at, last_at in runs)
         return Simulated(intervals=tuple(intervals), num_steps=steps, at_peak=at_peak,
                          peak_bytes=peak,
                          recompute_flops=flops, saved_bytes=saved_bytes)
@@ -700,12 +703,17 @@ def _variant_call(p: _Proto, variant: Any) -> Call | None:
     return node_call(p.node, target=target, kwargs={**p.node.kwargs, out_name: src})
 
 
+#: How many runs of peak steps `Simulated.at_peak` tells apart.
+PEAK_RUNS = 8
+
+
 def _peak(intervals: list[tuple[int, int, int]], num_steps: int, granularity: int
-          ) -> tuple[int, int, int]:
+          ) -> tuple[int, list[tuple[int, int]]]:
     """allocator.peak_live_bytes of the intervals, each rounded up to `granularity`, and
-    the first and the last step where it is reached."""
+    the runs of consecutive steps where it is reached, as (first, last) (at most
+    PEAK_RUNS: the last run reaches to the last peak step)."""
     if num_steps <= 0:
-        return 0, -1, -1
+        return 0, [(-1, -1)]
     diff = [0] * (num_steps + 1)
     g = granularity
     for size, start, end in intervals:
@@ -715,11 +723,14 @@ def _peak(intervals: list[tuple[int, int, int]], num_steps: int, granularity: in
             diff[s] += size
             diff[e + 1] -= size
     peak = live = 0
-    first = last = 0
+    runs: list[tuple[int, int]] = [(0, 0)]
     for step, d in enumerate(diff[:num_steps]):
         live += d
         if live > peak:
-            peak, first, last = live, step, step
+            peak, runs = live, [(step, step)]
         elif live == peak:
-            last = step
-    return peak, first, last
+            if runs[-1][1] == step - 1 or len(runs) == PEAK_RUNS:
+                runs[-1] = (runs[-1][0], step)
+            else:
+                runs.append((step, step))
+    return peak, runs
