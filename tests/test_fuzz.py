@@ -438,7 +438,7 @@ _SETTINGS = {"derandomize": True, "database": None, "deadline": None, "print_blo
                                        HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 
-@settings(max_examples=10, report_multiple_bugs=False, **_SETTINGS)
+@settings(max_examples=6, report_multiple_bugs=False, **_SETTINGS)
 @given(spec=model_specs(max_layers=6))
 def test_fuzz_slice(spec: ModelSpec, tally: Tally, one_thread) -> None:
     """A few random models, every check; runs in every suite run."""

@@ -109,7 +109,8 @@ def _flat(built: tuple) -> tuple:
 
 
 @pytest.mark.parametrize("name, budget", [
-    ("resnet", 0.7), pytest.param("transformer", 0.98, marks=pytest.mark.slow)])
+    pytest.param("resnet", 0.7, marks=pytest.mark.slow),  # by default: the kept-gradient test
+    pytest.param("transformer", 0.98, marks=pytest.mark.slow)])
 def test_solver_milp_trains_with_eager_gradients_under_the_budget(name: str,
                                                                   budget: float) -> None:
     """BatchNorm (twins, running statistics) and dropout (saved masks) under the MILP's
@@ -132,8 +133,9 @@ def test_solver_option_is_checked() -> None:
 
 def test_solver_milp_plans_the_step_with_kept_gradients() -> None:
     """Gradient accumulation: the second micro-batch adds into kept `.grad` tensors (the
-    plan's existing_grads, a step of its own); solver="milp" solves that step too, and
-    both micro-batches give eager's gradients."""
+    plan's existing_grads, a step of its own); solver="milp" solves that step too, both
+    micro-batches give eager's gradients and BatchNorm's running statistics, and the
+    plan recomputes no more than the search's best."""
     case = CASES["resnet"]
     torch.manual_seed(0)
     eager = case.make_model()
@@ -148,5 +150,9 @@ def test_solver_milp_plans_the_step_with_kept_gradients() -> None:
     assert plan.existing_grad_bytes > 0
     assert any(c.level == 3 for c in plan.search), "the MILP's plan was not scored"
     assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.recompute_flops <= min(c.recompute_flops for c in plan.search
+                                       if c.fits and c.level != 3)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
