@@ -428,10 +428,10 @@ def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
     hold a share of those storages' bytes (PATH_TIERS, by the graph's size). A step that
     neither lowers the simulated peak nor comes free (recomputing a value read early in
     the backward can even raise it) is undone and its groups are not tried again; the
-    path ends after PATH_PATIENCE steps in a row without a lower peak. Each plan it yields has a lower peak and more FLOPs than
-    the last. The path depends on the graph only, never on the
-    budget, so with Alg. 3's plans it keeps the choice monotone (a lower budget never
-    gets a higher peak). Alg. 3 cuts the graph in segments and recomputes each whole;
+    path ends after PATH_PATIENCE steps in a row without a lower peak. Each plan it
+    yields has a lower peak and more FLOPs than the last. The path depends on the graph
+    only, never on the budget, so with Alg. 3's plans it keeps the choice monotone (a
+    lower budget never gets a higher peak). Alg. 3 cuts the graph in segments and recomputes each whole;
     near the unconstrained peak that is far more than the few values that set the peak
     (benchmarks/optimum_gap.py measures both against the optimum)."""
     nbytes = {n.name: b for n, b in zip(region, sizes)}
