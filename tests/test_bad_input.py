@@ -310,6 +310,7 @@ def test_input_on_another_device_is_an_input_error() -> None:
     assert compiled.memopt_plan is None
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_input_to_a_cpu_model_is_an_input_error() -> None:
     model, x = trained_conv_bn()

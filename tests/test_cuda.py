@@ -1,0 +1,370 @@
+"""memopt on a CUDA device (issue 16, item 4): ``python -m pytest -q -m cuda``.
+
+Every test here is marked ``cuda`` and skips when ``torch.cuda.is_available()`` is
+false, so the default suite reports them as skipped on a CPU machine (CI's) and
+runs them where a GPU is present. What they check, each against eager PyTorch on the
+same device:
+
+* the corpus (tests/models.py) with eager's outputs, gradients, input gradients,
+  buffers and parameters after two SGD steps, with no budget and with every
+  mirrorable node recomputed (``mirror="all"``);
+* the predicted peak against ``torch.cuda.max_memory_allocated`` at no budget and at
+  binding budgets, the measured step within the budget;
+* dropout under CUDA's Philox generator with its region recomputed: eager's masks,
+  and the generator left where eager leaves it (a recomputation that drew again would
+  shift every later mask);
+* ``nn.LSTM`` / ``nn.GRU`` split into chunks, each a cuDNN call, under a budget;
+* fp16 autocast with ``torch.amp.GradScaler``, with and without a budget.
+
+Tolerances. Matmuls run without TF32 (PyTorch's default) and cuDNN's TF32 is turned
+off for these tests (``torch.backends.cudnn.flags``, scoped), so both sides compute
+in fp32; cuDNN and cuBLAS still pick algorithms per call and some backward kernels
+accumulate with atomics in no fixed order, and memopt's graph sums gradients of reused
+values in AOTAutograd's order: fp32 reassociation, rtol 1e-4 (the CPU corpus's RNN
+chunks use the same).
+
+Measured peaks. ``max_memory_allocated`` counts everything the caching allocator hands
+out, also the cuBLAS workspace allocated at the first matmul and kept for the
+process's life. The step's peak is read as the rise of ``max_memory_allocated``
+over what was allocated just before the step, plus the resident tensors
+(parameters, buffers, inputs) the budget counts; the raw counter is reported beside it.
+Set ``MEMOPT_CUDA_REPORT=path.jsonl`` to append every measurement there (the README's
+CUDA table is made from it).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from benchmarks.workloads import ResNet
+from models import CORPUS, Case, TransformerBlock
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32() -> Iterator[None]:
+    """cuDNN convolutions in fp32, scoped to each test (matmuls already are)."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        yield
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+
+def _leaves(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for key in out for t in _leaves(out[key])]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _leaves(v)]
+    return []
+
+
+def _projection_loss(out: Any) -> torch.Tensor:
+    """A fixed random projection of every floating output (each element gets its own
+    gradient), drawn from a CPU generator so the device's RNG is not touched."""
+    total = torch.zeros((), device=DEVICE)
+    for i, t in enumerate(_leaves(out)):
+        if t.is_floating_point():
+            w = torch.randn(tuple(t.shape), generator=torch.Generator().manual_seed(1234 + i))
+            total = total + (t.float() * w.to(t.device)).sum()
+    return total
+
+
+def _to_device(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(x.detach().to(DEVICE).requires_grad_(x.requires_grad)
+                 if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def _clone(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(x.detach().clone().requires_grad_(x.requires_grad)
+                 if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str,
+           tol: dict[str, float] = TOL) -> None:
+    torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", **tol)
+
+
+def _assert_same_state(model: nn.Module, eager: nn.Module, when: str,
+                       tol: dict[str, float] = TOL) -> None:
+    """Gradients, parameters and buffers equal eager's (integer buffers exactly)."""
+    ours = dict(model.named_parameters())
+    for name, p in eager.named_parameters():
+        assert (p.grad is None) == (ours[name].grad is None), f"{when}: grad of {name}"
+        if p.grad is not None:
+            _close(ours[name].grad, p.grad, f"{when}: grad of {name}", tol)
+        _close(ours[name].detach(), p.detach(), f"{when}: parameter {name}", tol)
+    ours_b = dict(model.named_buffers())
+    for name, b in eager.named_buffers():
+        if b.is_floating_point():
+            _close(ours_b[name], b, f"{when}: buffer {name}", tol)
+        else:
+            assert torch.equal(ours_b[name], b), f"{when}: buffer {name}"
+
+
+def _report(**row: Any) -> None:
+    path = os.environ.get("MEMOPT_CUDA_REPORT")
+    if path:
+        row["device"] = torch.cuda.get_device_name()
+        row["torch"] = torch.__version__
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _resident_bytes(module: nn.Module, inputs: tuple[Any, ...]) -> int:
+    storages = {}
+    for t in [*module.parameters(), *module.buffers(), *_leaves(list(inputs))]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def cuda_step_peak(module: nn.Module, inputs: tuple[Any, ...],
+                   loss_fn: Callable[[Any], torch.Tensor]) -> tuple[int, int]:
+    """(the step's peak as a budget counts it, the raw ``max_memory_allocated``) of
+    one forward and backward with no ``.grad`` held before it."""
+    for p in module.parameters():
+        p.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = module(*inputs)
+    loss_fn(out).backward()
+    del out
+    torch.cuda.synchronize()
+    raw = torch.cuda.max_memory_allocated()
+    return raw - before + _resident_bytes(module, inputs), raw
+
+
+def _step(module: nn.Module, inputs: tuple[Any, ...], seed: int,
+          loss_fn: Callable[[Any], torch.Tensor] = _projection_loss) -> Any:
+    torch.manual_seed(seed)  # seeds CUDA's generator too: dropout draws the same masks
+    out = module(*inputs)
+    loss_fn(out).backward()
+    return out
+
+
+# --------------------------------------------------------------------------
+# The corpus on CUDA
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [{}, {"mirror": "all"}], ids=["no_budget", "mirror_all"])
+@pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
+def test_corpus_matches_eager_on_cuda(case: Case, options: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    eager = case.make_model().to(DEVICE)
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, **options)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, compiled)]
+    for k in range(2):
+        torch.manual_seed(100 + k)
+        inputs = _to_device(case.make_inputs())
+        ins_e, ins_o = _clone(inputs), _clone(inputs)
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+        out_e = _step(eager, ins_e, 1000 + k)
+        out_o = _step(compiled, ins_o, 1000 + k)
+        for i, (a, e) in enumerate(zip(_leaves(out_o), _leaves(out_e))):
+            _close(a, e, f"step {k + 1}: output {i}")
+        for i, (a, e) in enumerate(zip(ins_o, ins_e)):
+            if isinstance(e, torch.Tensor) and e.requires_grad:
+                _close(a.grad, e.grad, f"step {k + 1}: grad of input {i}")
+        for opt in opts:
+            opt.step()
+        _assert_same_state(model, eager, f"after step {k + 1}")
+    plan = compiled.memopt_plan
+    assert plan is not None and plan.predicted_peak_bytes > 0
+
+
+# --------------------------------------------------------------------------
+# Predicted peak against torch.cuda.max_memory_allocated
+# --------------------------------------------------------------------------
+
+
+def _mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(1024, 16)), (torch.randn(512, 1024),)
+
+
+def _resnet() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return ResNet(channels=32, num_blocks=4), (torch.randn(32, 3, 32, 32),)
+
+
+def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return (nn.Sequential(*[TransformerBlock(256, 8, 0.1) for _ in range(4)]),
+            (torch.randn(8, 256, 256),))
+
+
+PEAK_MODELS = {"mlp": _mlp, "resnet": _resnet, "transformer": _transformer}
+
+
+def _compile_within_reach(model: nn.Module, inputs: tuple[Any, ...], budget: Any) -> nn.Module:
+    """Compile and run one step at `budget`; where it is below memopt's reach, at the
+    smallest byte budget memopt accepts instead (the minimum over 1 - headroom)."""
+    compiled = memopt.compile(model, budget=budget)
+    try:
+        _step(compiled, inputs, 0)
+    except memopt.BudgetError as exc:
+        compiled = memopt.compile(model, budget=int(exc.minimum_bytes / 0.94) + 1)
+        _step(compiled, inputs, 0)
+    return compiled
+
+
+@pytest.mark.parametrize("budget", [None, 0.7, 0.5])
+@pytest.mark.parametrize("name", sorted(PEAK_MODELS))
+def test_predicted_peak_matches_cuda_max_memory_allocated(name: str, budget: Any) -> None:
+    torch.manual_seed(0)
+    model, inputs = PEAK_MODELS[name]()
+    model = model.to(DEVICE)
+    inputs = _to_device(inputs)
+    compiled = _compile_within_reach(model, inputs, budget)
+    torch.manual_seed(1)
+    step_peak, raw = cuda_step_peak(compiled, inputs, _projection_loss)
+    plan = compiled.memopt_plan
+    predicted = plan.predicted_peak_bytes
+    _report(test="peak", model=name, budget=budget, budget_bytes=plan.budget_bytes,
+            baseline=plan.baseline_peak_bytes, predicted=predicted, measured=step_peak,
+            raw_max_memory_allocated=raw, recompute_flops=plan.recompute_flops,
+            forward_flops=plan.forward_flops)
+    assert abs(step_peak - predicted) <= 0.10 * predicted, (step_peak, predicted)
+    if plan.budget_bytes is not None:
+        assert step_peak <= plan.budget_bytes, (step_peak, plan.budget_bytes)
+
+
+# --------------------------------------------------------------------------
+# Dropout under CUDA's generator, recomputed
+# --------------------------------------------------------------------------
+
+
+def test_dropout_masks_under_cuda_rng_with_recomputation() -> None:
+    """With every mirrorable node recomputed, dropout's region re-runs in backward:
+    eager's gradients (so the masks are eager's) and CUDA's generator in eager's state
+    after each step (the recomputation drew nothing); then the next step's masks too."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(TransformerBlock(64, 4, 0.3), TransformerBlock(64, 4, 0.3)).to(DEVICE)
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, mirror="all")
+    x = torch.randn(4, 32, 64, device=DEVICE)
+    for k in range(3):
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+        out_e = _step(eager, (x,), 10 + k)
+        state_e = torch.cuda.get_rng_state()
+        out_o = _step(compiled, (x,), 10 + k)
+        state_o = torch.cuda.get_rng_state()
+        _close(out_o, out_e, f"step {k + 1}: output")
+        _assert_same_state(model, eager, f"step {k + 1}")
+        assert torch.equal(state_o, state_e), "CUDA's generator is not where eager leaves it"
+    assert compiled.memopt_plan.recompute_flops > 0, "nothing was recomputed"
+
+
+# --------------------------------------------------------------------------
+# cuDNN RNNs split into chunks
+# --------------------------------------------------------------------------
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, rnn: nn.Module, vocab: int = 500) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 64)
+        self.rnn = rnn
+        self.head = nn.Linear(rnn.hidden_size, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(self.embed(tokens))
+        return nn.functional.cross_entropy(self.head(y).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cudnn_rnn_chunks_under_a_budget(kind: str) -> None:
+    torch.manual_seed(0)
+    rnn = nn.LSTM(64, 256, num_layers=2) if kind == "lstm" else nn.GRU(64, 256)
+    eager = LanguageModel(rnn).to(DEVICE)
+    tokens = torch.randint(0, 500, (256, 32), device=DEVICE)
+    targets = torch.randint(0, 500, (256, 32), device=DEVICE)
+    free = memopt.compile(copy.deepcopy(eager))
+    _step(free, (tokens, targets), 0, loss_fn=lambda loss: loss)
+    budget = int(0.85 * free.memopt_plan.predicted_peak_bytes)
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, budget=budget)
+    eager.zero_grad(set_to_none=True)
+    loss_e = _step(eager, (tokens, targets), 1, loss_fn=lambda loss: loss)
+    loss_o = _step(compiled, (tokens, targets), 1, loss_fn=lambda loss: loss)
+    _close(loss_o, loss_e, "loss")
+    _assert_same_state(model, eager, "after one step")
+    (chain,) = compiled.memopt_plan.chains
+    assert chain.t > 1 and chain.recompute_steps > 0, chain
+    step_peak, raw = cuda_step_peak(compiled, (tokens, targets), lambda loss: loss)
+    plan = compiled.memopt_plan
+    _report(test="rnn", model=kind, budget_bytes=plan.budget_bytes,
+            baseline=plan.baseline_peak_bytes, predicted=plan.predicted_peak_bytes,
+            measured=step_peak, raw_max_memory_allocated=raw, chunks=chain.t, m=chain.m)
+    assert step_peak <= plan.budget_bytes, (step_peak, plan.budget_bytes)
+
+
+# --------------------------------------------------------------------------
+# fp16 autocast with GradScaler
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [None, 0.6])
+def test_fp16_autocast_with_grad_scaler(budget: Any) -> None:
+    """Three optimizer steps under ``torch.autocast("cuda", torch.float16)`` with a
+    GradScaler: the scaled gradients (unscaled by the scaler) and the parameters equal
+    eager's to fp16's rounding, and the scaler's scale follows eager's."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(TransformerBlock(128, 4, 0.1), TransformerBlock(128, 4, 0.1),
+                          nn.Linear(128, 8)).to(DEVICE)
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, budget=budget)
+    pairs = []
+    for m in (eager, compiled):
+        pairs.append((torch.optim.SGD(m.parameters(), lr=0.05),
+                      torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)))
+    x = torch.randn(8, 64, 128, device=DEVICE)
+    # fp16 keeps 11 significant bits (2**-11 = 4.9e-4 per rounding); eager and the graph
+    # round at different points, so relative error as the CPU corpus's bf16 rule, scaled.
+    for k in range(3):
+        for m, (opt, scaler) in zip((eager, compiled), pairs):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(20 + k)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = m(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        for name, p in eager.named_parameters():
+            q = dict(model.named_parameters())[name]
+            scale = p.grad.abs().max().item()
+            _close(q.grad, p.grad, f"step {k + 1}: grad of {name}",
+                   {"rtol": 1e-2, "atol": 1e-2 * max(scale, 1e-6)})
+            _close(q.detach(), p.detach(), f"step {k + 1}: parameter {name}",
+                   {"rtol": 1e-3, "atol": 1e-4})
+        assert pairs[0][1].get_scale() == pairs[1][1].get_scale()
+    plan = compiled.memopt_plan
+    if budget is not None:
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
