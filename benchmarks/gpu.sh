@@ -7,26 +7,22 @@
 #    every predicted-vs-measured row appended to OUTDIR/cuda_rows.jsonl;
 # 2. the core benchmark on CUDA (`python -m benchmarks.run --device cuda`), its table in
 #    OUTDIR/core.md.
-# The two run side by side (each measurement is its own process, and a CUDA peak counter
-# is per process); the benchmark's time ratios are then read on a shared machine, so run
-# `python -m benchmarks.run --device cuda` alone for timings to quote.
+# The benchmark runs after the tests, alone on the device, so its time ratios can be quoted.
 set -uo pipefail
 out=${1:-gpu-results}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 py=${PYTHON:-python3}
 $py -c "import torch, memopt; print('torch', torch.__version__, '| memopt', memopt.__version__,
 '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" \
     | tee "$out/env.txt"
 MEMOPT_CUDA_REPORT="$out/cuda_rows.jsonl" $py -m pytest -q -m cuda -p no:cacheprovider \
-    -p no:logging --junitxml="$out/junit.xml" > "$out/tests.log" 2>&1 &
-tests=$!
+    -p no:logging --junitxml="$out/junit.xml" > "$out/tests.log" 2>&1
+status=$?
 # shellcheck disable=SC2086
 $py -m benchmarks.run --device cuda --models ${MODELS:-mlp64 resnet50 gpt2 lstm} \
     > "$out/core.md" 2> "$out/core.err"
 bench=$?
-wait $tests
-status=$?
 tail -n 40 "$out/tests.log"
 cat "$out/core.md"
 tail -n 5 "$out/core.err"

@@ -54,13 +54,14 @@ class Row:
 
 
 HEADER = ["model", "eager peak", "memopt predicted", "memopt measured", "measured / eager",
-          "predicted vs measured", "eager RSS peak (CPU)", "memopt RSS peak (CPU)",
+          "predicted vs measured", "eager process peak", "memopt process peak",
           "time / eager", "plan time"]
 
 
 def rss_cell(m: Measurement) -> str:
-    """The RSS peak on CPU ("-" on CUDA, where it is the allocated peak)."""
-    return format_bytes(m.peak_bytes) if m.device == "cpu" else "-"
+    """The process's peak: the RSS peak on CPU, the raw ``max_memory_allocated`` on CUDA
+    (library workspaces kept for the process included)."""
+    return format_bytes(m.peak_bytes)
 
 
 def markdown(rows: list[list[str]], header: list[str]) -> str:
@@ -69,18 +70,26 @@ def markdown(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def run_core(models: list[str], device: str, timed_steps: int) -> list[Row]:
-    rows = []
+def run_core(models: list[str], device: str,
+             timed_steps: int) -> tuple[list[Row], dict[str, str]]:
+    """Eager and memopt (budget=None) per model; a model whose measurement fails is
+    reported in the second result (model -> the error's last line) and the rest go on."""
+    rows, failed = [], {}
     for model in models:
         spec = f"benchmarks.workloads:{model}"
         t0 = time.perf_counter()
-        eager = measure_step(spec, mode="eager", device=device, timed_steps=timed_steps,
-                             isolate=True)
-        compiled = measure_step(spec, mode="memopt", device=device, timed_steps=timed_steps,
-                                isolate=True)
+        try:
+            eager = measure_step(spec, mode="eager", device=device, timed_steps=timed_steps,
+                                 isolate=True)
+            compiled = measure_step(spec, mode="memopt", device=device,
+                                    timed_steps=timed_steps, isolate=True)
+        except RuntimeError as err:
+            failed[model] = str(err).strip().splitlines()[-1]
+            print(f"# {model}: failed: {err}", file=sys.stderr, flush=True)
+            continue
         rows.append(Row(model, eager, compiled))
         print(f"# {model}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    return rows
+    return rows, failed
 
 
 BUDGET_MODELS = ("mlp64", "resnet50", "gpt2")
@@ -239,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nBudgets, device={args.device} (one fresh process per cell)\n")
         print(markdown(rows, BUDGET_HEADER))
         return 0
-    rows = run_core(args.models, args.device, args.timed_steps)
+    rows, failed = run_core(args.models, args.device, args.timed_steps)
     print(f"\nCore pipeline, budget=None, device={args.device} (one fresh process per cell)\n")
     print(markdown([r.cells() for r in rows], HEADER))
-    return 0
+    for model, reason in failed.items():
+        print(f"\n{model}: measurement failed: {reason}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
