@@ -587,7 +587,8 @@ def plan_joint(
     Step 2: the baseline: no in-place, no recomputation.
     Step 3: the mirror set: the user's (`options.mirror`), none when the plan without
         recomputation fits the budget, else Chen's Alg. 3 + grid search.
-    Step 4: the final graphs and the plan.
+    Step 4: the final graphs and the plan, with the timelines of live bytes by kind of the
+        step and of the baseline (allocator.timeline; memopt.report draws them).
     """
     t0 = time.perf_counter()
     done: list[str] = []
