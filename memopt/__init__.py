@@ -31,8 +31,11 @@ _EXPORTS = {
     "CaptureError": "errors",
     "InputError": "errors",
     "MemoptError": "errors",
+    "NoTimelineError": "errors",
+    "OptionalDependencyError": "errors",
     "PassError": "errors",
     "MemoryPlan": "memory_plan",
+    "StepPlan": "memory_plan",
 }
 
 __all__ = sorted(_EXPORTS)

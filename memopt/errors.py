@@ -5,9 +5,11 @@
     ├── BudgetError                  a budget below the smallest peak memopt can reach
     ├── InputError                   (also a ValueError) a model or inputs memopt cannot run
     ├── CaptureError                 the forward does not capture as one training graph
-    └── PassError                    a memopt pass failed
+    ├── PassError                    a memopt pass failed
+    ├── NoTimelineError              (also a ValueError) a plan with no timeline to plot
+    └── OptionalDependencyError      (also an ImportError) an extra is not installed
 
-Every one of them is raised before the user's model changes: no parameter, buffer,
+Every one of the first five is raised before the user's model changes: no parameter, buffer,
 `.grad` or train/eval flag is touched by a call that raises one.
 """
 
@@ -147,3 +149,35 @@ class PassError(MemoptError):
 
 class CaptureError(MemoptError):
     """The model could not be captured as one training graph."""
+
+
+class NoTimelineError(MemoptError, ValueError):
+    """`plot()` of a plan with no timeline: one written before memopt recorded live bytes
+    over the step (MemoryPlan.timeline), or edited by hand. `graph` is the index of the
+    graph whose plan lacks it (0 for a plan of one graph)."""
+
+    def __init__(self, graph: int = 0) -> None:
+        self.graph = graph
+        super().__init__(
+            f"this plan{f' (graph {graph + 1})' if graph else ''} has no timeline of live bytes "
+            f"to plot: it was written by a memopt that did not record one. Plan the step again "
+            f"(memopt.plan(model, *inputs, budget=...), or compiled.memopt_plan after a "
+            f"training step) and save it with plan.to_json() or plan.save_report(dir).")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.graph,)
+
+
+class OptionalDependencyError(MemoptError, ImportError):
+    """A feature needs a package memopt installs only with an extra: `package` (the module
+    that failed to import) and `extra` (`pip install "memopt[<extra>]"`)."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        self.package = package
+        self.extra = extra
+        self._parts = (package, extra, feature)
+        super().__init__(f'{feature} needs {package}, which is not installed: '
+                         f'pip install "memopt[{extra}]"', name=package)
+
+    def __reduce__(self) -> tuple:
+        return type(self), self._parts

@@ -13,7 +13,16 @@ step counts are non-negative ints, and `from_json` is strict about types ("12" i
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, PositiveInt
+from pathlib import Path
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    model_validator,
+)
 
 from .budget import format_bytes
 
@@ -144,6 +153,43 @@ class ReversibleRecord(BaseModel):
     workspace_bytes: Bytes         # allocated by the backward op while it runs
 
 
+class Timeline(BaseModel):
+    """Bytes live over one training step as memopt's liveness counts them for the
+    predicted peak (passes.liveness; passes.simulate for the baseline), by kind
+    (memopt.allocator.timeline.KINDS: parameters, inputs, gradients, chain_states, saved,
+    recomputed, temporaries, workspace, other_graphs). x is the step schedule: every
+    forward op, then every backward op. At most allocator.timeline.MAX_POINTS points, each
+    the step of its bucket of consecutive steps where the total is highest, so the
+    timeline's peak is the plan's."""
+
+    model_config = _FROZEN
+    num_steps: Count
+    num_forward_steps: Count
+    steps: tuple[Count, ...]               # the schedule step of each point, ascending
+    kinds: tuple[str, ...]                 # the kinds present, bottom to top
+    live: tuple[tuple[Bytes, ...], ...]    # live[k][p]: bytes of kinds[k] at steps[p]
+    peak_step: str = ""                    # the op where the peak is first reached ("bw.mm")
+    peak_module: str = ""                  # the user's module it came from ("fc1 (Linear)")
+
+    @model_validator(mode="after")
+    def _columns_match(self) -> Timeline:
+        if len(self.live) != len(self.kinds) or any(len(c) != len(self.steps)
+                                                    for c in self.live):
+            raise ValueError(f"a timeline needs one column of {len(self.steps)} points per "
+                             f"kind ({len(self.kinds)} kinds, {len(self.live)} columns)")
+        return self
+
+    @property
+    def totals(self) -> tuple[int, ...]:
+        """Bytes live at each point, every kind together."""
+        return tuple(sum(column) for column in zip(*self.live)) if self.live else \
+            (0,) * len(self.steps)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.totals, default=0)
+
+
 class GraphBreak(BaseModel):
     """Where dynamo ended a graph before the forward ended, and why (its words)."""
 
@@ -201,6 +247,10 @@ class MemoryPlan(BaseModel):
     outside_forward_bytes: Bytes = 0
     outside_backward_bytes: Bytes = 0
     baseline_saved_bytes: Bytes = 0    # what the baseline (no memopt passes) keeps for backward
+    #: Live bytes over the step by kind, as memopt runs it and in the baseline; None in a
+    #: plan written before memopt recorded them (plot() then asks to re-plan).
+    timeline: Timeline | None = None
+    baseline_timeline: Timeline | None = None
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""
@@ -219,6 +269,22 @@ class MemoryPlan(BaseModel):
     @property
     def saved_bytes(self) -> int:
         return sum(s.nbytes for s in self.saved if s.decision == "saved")
+
+    def plot(self, path: str | Path) -> Path:
+        """Draw the bytes live over the step, as memopt runs it beside the baseline,
+        stacked by kind, with the budget and the lower bound, to an image at `path`
+        (its suffix picks the format: .png, .svg, .pdf). Needs matplotlib
+        (`pip install "memopt[plot]"`); see memopt.report."""
+        from .report import plot  # matplotlib loads only here
+
+        return plot(self, path)
+
+    def save_report(self, directory: str | Path) -> tuple[Path, Path, Path]:
+        """Write memory.png (`plot`), summary.txt (`summary()`) and plan.json (`to_json`)
+        into `directory` (created if missing); return their paths."""
+        from .report import save_report
+
+        return save_report(self, directory)
 
     @property
     def held_bytes(self) -> int:
@@ -355,6 +421,19 @@ class StepPlan(BaseModel):
     @classmethod
     def from_json(cls, text: str | bytes) -> "StepPlan":
         return cls.model_validate_json(text, strict=True)
+
+    def plot(self, path: str | Path) -> Path:
+        """MemoryPlan.plot for each graph, one row of panels per graph, sharing the y axis
+        (each graph's timeline counts what the rest of the step holds around it)."""
+        from .report import plot
+
+        return plot(self, path)
+
+    def save_report(self, directory: str | Path) -> tuple[Path, Path, Path]:
+        """MemoryPlan.save_report for the whole step."""
+        from .report import save_report
+
+        return save_report(self, directory)
 
     def summary(self, max_rows: int = 10) -> str:
         b = format_bytes

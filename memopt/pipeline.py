@@ -30,8 +30,8 @@ from memopt.passes import chains as chain_pass
 from memopt.passes import reversible as reversible_pass
 from memopt.passes.gradients import accumulate_in_place, save_parameters
 from memopt.passes.inplace import InplaceResult, reinplace
-from memopt.passes.liveness import StepSchedule, analyze_liveness
-from memopt.passes.meta import op_name, tensor_value, user_module
+from memopt.passes.liveness import StepSchedule, analyze_liveness, timeline_kinds
+from memopt.passes.meta import op_name, source_module, tensor_value, user_module
 from memopt.passes.partition import find_cut, forward_region, partition, read_concat_views
 from memopt.passes.meta import accumulates_into, mirror_level, recomputed_from
 from memopt.passes.workspace import measure_workspaces
@@ -40,6 +40,7 @@ from memopt.passes.recompute import (add_mirror_nodes, last_uses, mirrorable, no
 from memopt.passes.simulate import Simulated, StepModel
 from memopt.passes.oracle import recompute_problem
 from memopt.allocator.milp import solve
+from memopt.allocator.timeline import downsample, live_by_kind
 from memopt.passes._torch_compat import dce_impure_random
 
 from .budget import Budget, format_bytes
@@ -47,7 +48,7 @@ from .steps import Outside
 from .errors import BudgetError, PassError
 from .memory_plan import (ChainRecord, InplaceRecord, MemoryPlan, RecomputedNode,
                           ReversibleRecord, SavedTensor, SearchCandidate, SharingGroup,
-                          StorageRecord)
+                          StorageRecord, Timeline)
 
 log = logging.getLogger("memopt")
 
@@ -586,7 +587,8 @@ def plan_joint(
     Step 2: the baseline: no in-place, no recomputation.
     Step 3: the mirror set: the user's (`options.mirror`), none when the plan without
         recomputation fits the budget, else Chen's Alg. 3 + grid search.
-    Step 4: the final graphs and the plan.
+    Step 4: the final graphs and the plan, with the timelines of live bytes by kind of the
+        step and of the baseline (allocator.timeline; memopt.report draws them).
     """
     t0 = time.perf_counter()
     done: list[str] = []
@@ -616,6 +618,7 @@ def plan_joint(
     with _stage("step model", done):
         model = StepModel(
             joint, num_fwd_outputs, mutable_inputs=_mutable_inputs(primal_kinds),
+            primal_kinds=primal_kinds,
             existing_grads=grads.nbytes if grads is not None else None,
             accumulate=grads.add if grads is not None else None,
             outside_grad_bytes=outside_grad_bytes, outside=(outside.forward, outside.backward),
@@ -629,9 +632,11 @@ def plan_joint(
 
     simulated: dict[tuple[Mirror, bool], Simulated] = {}  # no candidate twice
 
-    def simulate(mirror: Mirror, inplace: bool = options.inplace) -> Simulated:
-        if (mirror, inplace) not in simulated:
-            result = model.simulate(mirror.names, mirror.twice, inplace)
+    def simulate(mirror: Mirror, inplace: bool = options.inplace, kinds: bool = False
+                 ) -> Simulated:
+        if (mirror, inplace) not in simulated or (kinds and not simulated[mirror, inplace].kinds):
+            result = model.simulate(mirror.names, mirror.twice, inplace,
+                                    kinds=kinds or _VERIFY.get())
             if _VERIFY.get():
                 _verify(result, build(mirror, inplace), mirror)
             bar.update()
@@ -639,7 +644,7 @@ def plan_joint(
         return simulated[(mirror, inplace)]
 
     with _stage("baseline", done):
-        baseline = simulate(Mirror(), inplace=False)
+        baseline = simulate(Mirror(), inplace=False, kinds=True)  # kinds: its timeline
     baseline_peak = baseline.peak_bytes
     budget_bytes = budget.resolve(step_baseline or baseline_peak) if budget is not None else None
     # Headroom guards byte budgets against what the plan does not model; a fraction is
@@ -721,6 +726,9 @@ def plan_joint(
             "existing_grad_bytes": sum(grads.nbytes.values()) if grads is not None else 0,
             "outside_forward_bytes": outside.forward, "outside_backward_bytes": outside.backward,
             "baseline_saved_bytes": baseline.saved_bytes,
+            "timeline": _timeline(_as_simulated(final), {"fw": final.fw, "bw": final.bw},
+                                  gran),
+            "baseline_timeline": _timeline(baseline, {"fw": joint, "bw": joint}, gran),
             "grads_added_in_place": sum(1 for n in final.bw.graph.nodes if accumulates_into(n)),
             "saved": tuple(
                 r.model_copy(update={"reason": "kept: a segment boundary of the Alg. 3 plan, "
@@ -785,17 +793,45 @@ def verifying() -> Iterator[None]:
 
 
 def _as_simulated(built: _Built) -> Simulated:
-    intervals = tuple((s.nbytes, s.start, s.end) for s in built.schedule.storages)
-    return Simulated(intervals=intervals, num_steps=len(built.schedule.steps),
+    schedule = built.schedule
+    intervals = tuple((s.nbytes, s.start, s.end) for s in schedule.storages)
+    at = peak_live_bytes(_intervals(schedule, allocation_granularity(_device_of(built.fw))),
+                         len(schedule.steps)).peak_step
+    return Simulated(intervals=intervals, num_steps=len(schedule.steps),
                      peak_bytes=built.peak_bytes,
                      recompute_flops=sum(r.flops for r in _recomputed_nodes(built)),
-                     saved_bytes=sum(s.nbytes for s in built.schedule.storages
-                                     if s.kind == "saved"))
+                     saved_bytes=sum(s.nbytes for s in schedule.storages
+                                     if s.kind == "saved"),
+                     kinds=timeline_kinds(schedule, built.fw, built.bw),
+                     peak_step=schedule.steps[at] if at >= 0 else "",
+                     num_forward_steps=schedule.num_forward_steps)
+
+
+def _timeline(step: Simulated, graphs: dict[str, fx.GraphModule], granularity: int
+              ) -> Timeline:
+    """The plan's record of `step`'s live bytes by kind (allocator.timeline), its peak
+    op and the user's module that op came from (looked up in `graphs` by the step's
+    prefix, "fw" or "bw")."""
+    profiles = live_by_kind(step.intervals, step.kinds, step.num_steps, granularity)
+    steps, columns = downsample(profiles, step.num_steps)
+    prefix, _, name = step.peak_step.partition(".")
+    node = _node_named(graphs.get(prefix), name)
+    module, module_type = source_module(node) if node is not None else ("", "")
+    return Timeline(num_steps=step.num_steps, num_forward_steps=step.num_forward_steps,
+                    steps=steps, kinds=tuple(columns), live=tuple(columns.values()),
+                    peak_step=step.peak_step,
+                    peak_module=f"{module} ({module_type})" if module else module_type)
+
+
+def _node_named(gm: fx.GraphModule | None, name: str) -> fx.Node | None:
+    return next((n for n in gm.graph.nodes if n.name == name), None) if gm is not None \
+        else None
 
 
 def _verify(simulated: Simulated, built: _Built, mirror: Mirror) -> None:
     exact = _as_simulated(built)
-    if (sorted(simulated.intervals) != sorted(exact.intervals)
+    if (sorted(zip(simulated.intervals, simulated.kinds))
+            != sorted(zip(exact.intervals, exact.kinds))
             or (simulated.num_steps, simulated.peak_bytes, simulated.recompute_flops,
                 simulated.saved_bytes) != (exact.num_steps, exact.peak_bytes,
                                            exact.recompute_flops, exact.saved_bytes)):
@@ -804,7 +840,8 @@ def _verify(simulated: Simulated, built: _Built, mirror: Mirror) -> None:
             f"({len(mirror.twice)} twice): peak {simulated.peak_bytes} vs {exact.peak_bytes}, "
             f"steps {simulated.num_steps} vs {exact.num_steps}, flops "
             f"{simulated.recompute_flops} vs {exact.recompute_flops}, saved "
-            f"{simulated.saved_bytes} vs {exact.saved_bytes}"))
+            f"{simulated.saved_bytes} vs {exact.saved_bytes}, intervals by kind differing "
+            f"{sorted(set(zip(simulated.intervals, simulated.kinds)) ^ set(zip(exact.intervals, exact.kinds)))[:4]}"))
 
 
 def _step_words(grads: ExistingGrads | None, label: str) -> str:

@@ -27,6 +27,7 @@ Algorithm:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +35,63 @@ from torch import fx
 
 from ._torch_compat import is_tangent, storage_key
 
-from .meta import fake_value, held_bytes, inplace_source, value_tensors, workspace_bytes
+from .meta import (fake_value, held_bytes, inplace_source, recomputed_from, value_tensors,
+                   workspace_bytes)
 
 #: Storage kinds, in the order a plan lists them.
 KINDS = ("parameter", "buffer", "input", "existing_grad", "activation", "saved", "output",
          "tangent", "backward", "gradient", "outside")
+
+
+#: Each storage kind as a timeline of the step counts it (allocator.timeline.KINDS).
+TIMELINE_KINDS = {"parameter": "parameters", "buffer": "parameters", "input": "inputs",
+                  "existing_grad": "gradients", "gradient": "gradients",
+                  "activation": "temporaries", "saved": "saved", "output": "temporaries",
+                  "tangent": "temporaries", "backward": "temporaries",
+                  "outside": "other_graphs"}
+_RESIDENT = ("parameter", "buffer", "input", "existing_grad")
+
+
+def timeline_kind(kind: str, *, workspace: bool = False, recomputed: bool = False,
+                  chain: bool = False) -> str:
+    """The timeline kind (allocator.timeline.KINDS) of a storage of `kind` (KINDS):
+    an op's workspace is "workspace", or "chain_states" for memopt's chain and
+    reversible ops, as are the states they hold behind their outputs (`chain`); a
+    backward allocation of a recomputed node (Chen Alg. 2's mirror) is "recomputed"."""
+    if workspace:
+        return "chain_states" if chain else "workspace"
+    if chain and kind not in _RESIDENT:
+        return "chain_states"
+    if recomputed and kind == "backward":
+        return "recomputed"
+    return TIMELINE_KINDS[kind]
+
+
+def timeline_kinds(schedule: StepSchedule, fw: fx.GraphModule, bw: fx.GraphModule | None
+                   ) -> tuple[str, ...]:
+    """`timeline_kind` of each of `schedule.storages` (analyze_liveness of `fw` and `bw`),
+    read from the node that first produced it: its name ("bw.mm", "fw.op[1]",
+    "bw.op.workspace") names the node and output."""
+    graphs = [("fw", fw)] + ([("bw", bw)] if bw is not None else [])
+    nodes = {f"{prefix}.{n.name}": n for prefix, gm in graphs for n in gm.graph.nodes}
+    kinds = []
+    for s in schedule.storages:
+        workspace = s.name.endswith(".workspace")
+        name, index = _output_of(s.name.removesuffix(".workspace"))
+        node = nodes.get(name)
+        opaque = node is not None and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target.namespace == "memopt"
+        kinds.append(timeline_kind(
+            s.kind, workspace=workspace,
+            chain=opaque and (workspace or index in held_bytes(node)),
+            recomputed=node is not None and recomputed_from(node) is not None))
+    return tuple(kinds)
+
+
+def _output_of(name: str) -> tuple[str, int]:
+    """("fw.op", 1) for the storage name "fw.op[1]"; ("bw.mm", 0) for "bw.mm"."""
+    match = re.fullmatch(r"(.*)\[(\d+)\]", name)
+    return (match[1], int(match[2])) if match else (name, 0)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ ACCUMULATES = "memopt.accumulates_into"
 #: Keys written by PyTorch's tracers that memopt reads.
 VAL = "val"
 NN_MODULE_STACK = "nn_module_stack"
+#: On a backward node: the module stack of the forward node it differentiates.
+FWD_NN_MODULE_STACK = "fwd_nn_module_stack"
 PARTITIONER_TAG = "partitioner_tag"
 
 
@@ -130,7 +132,18 @@ def user_module(node: fx.Node) -> tuple[str, str]:
     Read from `node.meta['nn_module_stack']`, which dynamo and AOTAutograd keep on
     every traced aten node. Returns ("", "") for nodes outside any submodule.
     """
-    stack = node.meta.get(NN_MODULE_STACK)
+    return _module_of(node.meta.get(NN_MODULE_STACK))
+
+
+def source_module(node: fx.Node) -> tuple[str, str]:
+    """`user_module` of a forward node; of a backward node, that of the forward node it
+    differentiates (AOTAutograd's `fwd_nn_module_stack`). ("", "") where neither is known."""
+    return user_module(node) if node.meta.get(NN_MODULE_STACK) else \
+        _module_of(node.meta.get(FWD_NN_MODULE_STACK))
+
+
+def _module_of(stack: dict | None) -> tuple[str, str]:
+    """(qualified path, class name) of the innermost entry of a module stack."""
     if not stack:
         return "", ""
     path, cls = list(stack.values())[-1]

@@ -15,7 +15,7 @@ context (memopt.pipeline.StepContext: existing gradients, what the rest of the s
 holds). Recurrent chains' and reversible stacks' held and workspace bytes are read from
 their nodes' meta at each simulation, so passes.chains may reconfigure them in between.
 
-Ensures: `StepModel(...).simulate(mirror, twice, inplace)` returns the storages'
+Ensures: `StepModel(...).simulate(mirror, twice, inplace, kinds)` returns the storages'
 (bytes, first step, last step) that memopt.pipeline's exact build of the same mirror
 counts would give to liveness, the recomputed FLOPs, and the peak. Nothing is
 changed: not the joint graph, not its nodes' meta.
@@ -34,7 +34,9 @@ models, and memopt.pipeline builds the plan it chooses for real):
         the nodes AOTAutograd's extraction keeps in each graph (passes.partition).
     Step 4: in-place rewrites where an input dies (passes.inplace), and the kernel
         workspace of each op variant that runs (passes.workspace's cache).
-    Step 5: liveness over the whole step (passes.liveness) and its peak.
+    Step 5: liveness over the whole step (passes.liveness) and its peak, and the kind
+        of each storage as a timeline of the step counts it (passes.liveness
+        .timeline_kind).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from memopt.allocator.mirror import placement_order
 
 from ._torch_compat import is_sym_node, is_tangent, storage_key
 
+from .liveness import timeline_kind
 from .inplace import (_inplace_overload, _is_whole_dense, _opaque_output, _out_overload,
                       merge_storage)
 from .meta import fake_value, held_bytes, tensor_value, value_tensors
@@ -80,6 +83,13 @@ class Simulated:
     #: mirrorable nodes that hold it (the value and its views; memopt.pipeline's
     #: peak-directed path)
     at_peak: tuple[frozenset[tuple[str, ...]], ...] = ()
+    #: per interval, its kind in a timeline of the step (allocator.timeline.KINDS), where
+    #: asked for (StepModel.simulate's `kinds`)
+    kinds: tuple[str, ...] = ()
+    #: the step where the peak is first reached, as passes.liveness names steps
+    #: ("fw.addmm", "bw.mm_3"), and the number of forward steps
+    peak_step: str = ""
+    num_forward_steps: int = 0
 
 
 @dataclass
@@ -110,12 +120,13 @@ class StepModel:
     """The joint graph of one training step as arrays (Step 1), for `simulate`."""
 
     def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int, *,
-                 mutable_inputs: frozenset[str],
+                 mutable_inputs: frozenset[str], primal_kinds: dict[str, str] | None = None,
                  existing_grads: dict[str, int] | None = None,
                  accumulate: Callable[..., Any] | None = None, outside_grad_bytes: int = 0,
                  outside: tuple[int, int] = (0, 0), granularity: int = 1,
                  impure_random: bool = False) -> None:
         self.num_fwd_outputs = num_fwd_outputs
+        self.primal_kinds = primal_kinds or {}  # parameter / buffer / input, by primal name
         self.existing_grads = existing_grads
         self.accumulate = accumulate
         self.outside_grad_bytes = outside_grad_bytes
@@ -265,16 +276,17 @@ class StepModel:
     # Steps 2-5 ----------------------------------------------------------------------
 
     def simulate(self, mirrored: Iterable[str] = (), twice: Iterable[str] = (),
-                 inplace: bool = True) -> Simulated:
+                 inplace: bool = True, kinds: bool = False) -> Simulated:
         """The step of mirror counts m(v) = 1 for the nodes named in `mirrored`, 2 for
         those also in `twice` (memopt.pipeline.Mirror), with or without in-place
-        rewrites."""
+        rewrites; with `kinds`, each interval's timeline kind too (Simulated.kinds, for
+        a plan's timeline: the search does without)."""
         run = _Candidate(self)
         run.add_mirror_nodes(frozenset(mirrored), frozenset(twice))     # Step 2
         fw, bw, saved = run.partition()                                 # Step 3
         fw.rewrites = run.reinplace(fw, inplace)                        # Step 4
         bw.rewrites = run.reinplace(bw, inplace)
-        return run.liveness(fw, bw, saved)                              # Step 5
+        return run.liveness(fw, bw, saved, kinds)                       # Step 5
 
 
 def _static_overwrite(node: fx.Node, src: fx.Node) -> bool:
@@ -561,7 +573,8 @@ class _Candidate:
         return p.flops
 
     # Step 5: passes.liveness.analyze_liveness, and the peak.
-    def liveness(self, fw: "_Graph", bw: "_Graph", saved_values: list[int]) -> Simulated:
+    def liveness(self, fw: "_Graph", bw: "_Graph", saved_values: list[int],
+                 with_kinds: bool = False) -> Simulated:
         m = self.m
         parent: dict[int, int] = {}   # storages an in-place rewrite merged into another
         nbytes: dict[int, int] = {}
@@ -579,8 +592,11 @@ class _Candidate:
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         resident: set[int] = set()
+        resident_kind: dict[int, str] = {}  # passes.liveness's kind of each primal's storage
+        recomputed_keys: set[int] = set()  # allocated by a mirror node (Step 2)
+        chain_keys: set[int] = set()  # where memopt's opaque ops hold their states
         steps = num_forward = 0
-        workspaces: list[tuple[int, int]] = []
+        workspaces: list[tuple[int, int, bool]] = []  # (bytes, step, of an opaque op)
         keys_fw: dict[int, tuple[int, ...]] = {}
         keys_bw: dict[int, tuple[int, ...]] = {}
         for graph, keys, backward in ((fw, keys_fw, False), (bw, keys_bw, True)):
@@ -594,6 +610,7 @@ class _Candidate:
                     k = find(key)
                     if not backward:
                         resident.add(k)
+                        resident_kind.setdefault(k, m.primal_kinds.get(p.name, "input"))
                     if k not in first:
                         first[k] = start
                     last[k] = start
@@ -609,6 +626,8 @@ class _Candidate:
                             if raw not in alias:
                                 alias[raw] = key
                     own = tuple(alias[raw] if raw in alias else next(fresh) for raw in p.raw)
+                    if i in self.recomputed:
+                        recomputed_keys.update(key for key in own if key < 0)
                 else:
                     own = p.raw
                 for key, size in zip(own, p.nbytes):
@@ -618,6 +637,7 @@ class _Candidate:
                     for index, held in held_bytes(p.node).items():  # set by passes.chains
                         if index < len(own):
                             nbytes[find(own[index])] = held
+                            chain_keys.add(find(own[index]))
                 if i in rewrites and own and rewrites[i][0] in keys:
                     ra, rb = find(own[0]), find(keys[rewrites[i][0]][0])
                     if ra != rb:
@@ -637,7 +657,7 @@ class _Candidate:
                             first[k] = step
                         last[k] = step
                 if i in spaces:
-                    workspaces.append((spaces[i], step))
+                    workspaces.append((spaces[i], step, p.opaque))
                 for key in own:
                     k = find(key) if key in parent else key
                     if k not in first:
@@ -660,15 +680,29 @@ class _Candidate:
         saved_bytes = sum(nbytes[key] for key, s in first.items()
                           if key in saved and s < num_forward and not (
                               key in resident or key in tangents or key in user_outputs))
-        intervals += [(size, step, step) for size, step in workspaces]
-        intervals += [(size, -1, end_of_step) for size in (m.existing_grads or {}).values()]
+        # (bytes, first, last, timeline kind) of what has no storage of its own
         forward_bytes, backward_bytes = m.outside
+        extras = [(size, step, step, timeline_kind("activation", workspace=True, chain=opaque))
+                  for size, step, opaque in workspaces]
+        extras += [(size, -1, end_of_step, timeline_kind("existing_grad"))
+                   for size in (m.existing_grads or {}).values()]
         if forward_bytes and num_forward - 1 >= 0:
-            intervals.append((forward_bytes, 0, num_forward - 1))
+            extras.append((forward_bytes, 0, num_forward - 1, timeline_kind("outside")))
         if backward_bytes and num_forward <= end_of_step:
-            intervals.append((backward_bytes, num_forward, end_of_step))
+            extras.append((backward_bytes, num_forward, end_of_step, timeline_kind("outside")))
         if m.outside_grad_bytes and num_forward < steps:
-            intervals.append((m.outside_grad_bytes, num_forward, num_forward))
+            extras.append((m.outside_grad_bytes, num_forward, num_forward,
+                           timeline_kind("tangent")))
+        intervals += [extra[:3] for extra in extras]
+        kinds: tuple[str, ...] = ()
+        if with_kinds:  # passes.liveness Step 3's kinds, in that order
+            kinds = tuple(timeline_kind(
+                resident_kind[key] if key in resident else "tangent" if key in tangents
+                else "gradient" if key in gradients and s >= num_forward
+                else "backward" if s >= num_forward else "output" if key in user_outputs
+                else "saved" if key in saved else "activation",
+                recomputed=key in recomputed_keys, chain=key in chain_keys)
+                for key, s in first.items()) + tuple(extra[3] for extra in extras)
         flops = sum(self._flops(i) for i in bw.body if i in self.recomputed)
         # what memopt.oracle reads back: each storage's lifetime, each node's storages
         self.lifetimes, self.unkeyed = lifetimes, intervals[len(lifetimes):]
@@ -678,9 +712,14 @@ class _Candidate:
         at_peak = tuple(frozenset(m.mirrorable_of[k] for k, (_, s, e) in lifetimes.items()
                                   if s <= first_at and last_at <= e and k in m.mirrorable_of)
                         for first_at, last_at in runs)
+        at = runs[0][0]
+        peak_node = (fw.body + bw.body)[at] if 0 <= at < steps else None
         return Simulated(intervals=tuple(intervals), num_steps=steps, at_peak=at_peak,
                          peak_bytes=peak,
-                         recompute_flops=flops, saved_bytes=saved_bytes)
+                         recompute_flops=flops, saved_bytes=saved_bytes, kinds=kinds,
+                         peak_step="" if peak_node is None else
+                         f"{'fw' if at < num_forward else 'bw'}.{P[peak_node].name}",
+                         num_forward_steps=num_forward)
 
 
 @dataclass
