@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from memopt.passes._torch_compat import (FailOnRecompileLimitHit, ignored_logging_config, recompile_limit,
                             unwrap_backend_error)
 from .backend import MemoptBackend, _PlanOnly
+from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
 from .memory_plan import MemoryPlan, StepPlan
 from .recurrent.modules import substitute_rnns
@@ -45,6 +46,13 @@ _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers
 #: (MemoptBackend.graph_limit, the user's `recompile_limit`).
 _DYNAMO_LIMITS = {"recompile_limit": 1 << 20, "accumulated_recompile_limit": 1 << 20}
 
+#: Dynamo's DDPOptimizer off while memopt's compiled steps run: inside DDP's forward it
+#: would split memopt's graph at DDP's bucket boundaries and hand memopt each piece as if
+#: it were the whole step (each planned without what the others hold), and it refuses a
+#: `bucket_cap_mb` under 1 MB outright. memopt plans the one graph; DDP's reducer
+#: all-reduces the gradients its backward returns (memopt.ddp).
+_DYNAMO_DDP = {"optimize_ddp": False}
+
 
 def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
                   model: nn.Module) -> Any:
@@ -54,7 +62,7 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
     backend._log.clock = time.perf_counter()  # a plan's capture time counts from here
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS,
-                                        **ignored_logging_config()):
+                                        **_DYNAMO_DDP, **ignored_logging_config()):
             return fn(*args, **kwargs)
     except (MemoptError, _PlanOnly):
         raise
@@ -201,7 +209,7 @@ class CompiledModule(nn.Module):
             compiled = _compile_step(self._memopt_traced, backend.with_existing_grads(),
                                      self._memopt_fullgraph)
             self._memopt_compiled[existing] = compiled
-        backend.forward_begins(model, args, kwargs)
+        backend.forward_begins(model, args, kwargs, ddp=buckets_of(self, model))
         try:
             out = _run_captured(compiled, args, kwargs, backend, model)
         except BaseException:

@@ -36,6 +36,7 @@ from .recurrent import modules as _chain_runtime  # noqa: F401
 from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified, compiling_frame,
                             last_guard_failure, loss_decompositions, make_boxed, storage_key)
 from .budget import Budget, format_bytes, parse_budget
+from .ddp import DDPBuckets
 from .errors import BudgetError, CaptureError, PassError
 from .grads import GradSink
 from .memory_plan import GraphBreak, MemoryPlan, StepPlan
@@ -130,6 +131,8 @@ class _PlanLog:
     #: perf_counter when the compiled call began or the last graph was planned: a plan's
     #: capture time (dynamo's and AOTAutograd's tracing) runs from here to partition_fn
     clock: float = 0.0
+    #: the gradient buckets of the DDP running the current forward (None: no DDP)
+    ddp: DDPBuckets | None = None
 
 
 class MemoptBackend:
@@ -267,11 +270,15 @@ class MemoptBackend:
                 "tracing time: keep such state and branches outside forward.",
                 UserWarning, stacklevel=2)
 
-    def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict,
+                       ddp: DDPBuckets | None = None) -> None:
         """A memopt module's forward starts: trace its graphs (memopt.steps) when it
-        records gradients."""
-        self._log.trace = ForwardTrace.begin(model, args, kwargs) if torch.is_grad_enabled() \
-            else None
+        records gradients; `ddp`: the gradient buckets of the DDP running it (memopt.ddp),
+        which the trace counts as held for the whole step."""
+        self._log.ddp = ddp
+        self._log.trace = ForwardTrace.begin(
+            model, args, kwargs, ddp.counted_bytes if ddp is not None else 0) \
+            if torch.is_grad_enabled() else None
 
     def forward_aborted(self) -> None:
         self._log.trace = None
@@ -400,13 +407,14 @@ class _Graph:
                     joint, num_fwd_outputs, primal_kinds=self.kinds, budget=budget,
                     options=options, grads=self.grads, outside_grad_bytes=self.outside_grads,
                     outside=outside, label="" if self.alone else self.label(), cap=cap,
-                    step_baseline=step_baseline, must_fit=must_fit)
+                    step_baseline=step_baseline, must_fit=must_fit, whole_step=self.alone)
             except BudgetError as err:
                 err.capture_seconds = max(0.0, captured)
                 raise
             plan = plan.model_copy(update={"graph_index": self.index,
                                            "graph_break": self.graph_break(),
-                                           "capture_seconds": max(0.0, captured)})
+                                           "capture_seconds": max(0.0, captured),
+                                           **_ddp_fields(backend._log.ddp)})
             backend._log.clock = time.perf_counter()
             planned.append(plan)
             backend._log.plans.append(plan)
@@ -463,6 +471,14 @@ class _Graph:
         if record is not None:
             record.record_outputs(out)
         return out
+
+
+def _ddp_fields(ddp: DDPBuckets | None) -> dict[str, int]:
+    """The plan's record of DDP's gradient buckets (their bytes are in its outside bytes,
+    through the forward's trace: memopt.steps)."""
+    if ddp is None:
+        return {}
+    return {"ddp_bucket_bytes": ddp.nbytes, "ddp_bucket_counted_bytes": ddp.counted_bytes}
 
 
 def _graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], frame: CompilingFrame,

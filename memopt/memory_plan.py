@@ -251,6 +251,12 @@ class MemoryPlan(BaseModel):
     #: plan written before memopt recorded them (plot() then asks to re-plan).
     timeline: Timeline | None = None
     baseline_timeline: Timeline | None = None
+    #: Under DistributedDataParallel (memopt.ddp): the bytes of DDP's gradient buckets on
+    #: this rank, and the part of them the predicted peak counts as held for the whole step
+    #: (in the outside bytes): all of them, less the kept .grad tensors that are views of
+    #: the buckets (gradient_as_bucket_view=True), counted as existing .grad instead.
+    ddp_bucket_bytes: Bytes = 0
+    ddp_bucket_counted_bytes: Bytes = 0
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""
@@ -298,6 +304,16 @@ class MemoryPlan(BaseModel):
         return self.budget_bytes is None or \
             self.predicted_peak_bytes <= self.budget_bytes - self.headroom_bytes
 
+    def _ddp_line(self) -> str:
+        """The summary's line on DDP's gradient buckets."""
+        b = format_bytes
+        line = f"  DDP gradient buckets: {b(self.ddp_bucket_bytes)} (counted"
+        in_grads = self.ddp_bucket_bytes - self.ddp_bucket_counted_bytes
+        if in_grads:
+            line += (f": {b(self.ddp_bucket_counted_bytes)} held outside, {b(in_grads)} are "
+                     f"the kept .grad tensors (gradient_as_bucket_view=True)")
+        return line + ")"
+
     def summary(self, max_rows: int = 20) -> str:
         """A readable report: the headline numbers, then the largest saved tensors."""
         b = format_bytes
@@ -325,9 +341,12 @@ class MemoryPlan(BaseModel):
             lines.append(
                 f"  held outside     {b(self.outside_forward_bytes):>12}   during its forward, "
                 f"{b(self.outside_backward_bytes)} during its backward (other graphs of the "
-                f"step, parameters and inputs it does not take, gradients of later graphs)")
+                f"step, parameters and inputs it does not take, gradients of later graphs"
+                f"{', DDP gradient buckets' if self.ddp_bucket_counted_bytes else ''})")
         if self.graph_break is not None:
             lines.append(f"  ends at break    {self.graph_break.where()}")
+        if self.ddp_bucket_bytes:
+            lines.append(self._ddp_line())
         if self.existing_grad_bytes:
             lines.append(
                 f"  existing .grad   {b(self.existing_grad_bytes):>12}   (kept from earlier "

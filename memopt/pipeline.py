@@ -572,6 +572,7 @@ def plan_joint(
     cap: int | None = None,
     step_baseline: int | None = None,
     must_fit: bool = True,
+    whole_step: bool = False,
 ) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
     """Run memopt's passes on `joint`; return the forward, backward and the plan.
     `grads`: plan the step in which parameters' `.grad` already exist (ExistingGrads);
@@ -581,7 +582,9 @@ def plan_joint(
     its lowest-peak plan, with or without a budget); a BudgetError is raised only when
     the budget itself is missed, and only if `must_fit` (else the caller reads
     `plan.fits`). `step_baseline`: the baseline peak of the whole step a fraction budget
-    is of, when the step has several graphs (else this graph's).
+    is of, when the step has several graphs (else this graph's). `whole_step`: the graph is
+    the whole forward, so what `outside` holds (DDP's gradient buckets, parameters it does
+    not take) is held unchanged through its step, and the peak-directed path plans around it.
 
     Step 1: declare minimum dependencies (passes.partition.read_concat_views).
     Step 2: the baseline: no in-place, no recomputation.
@@ -668,10 +671,11 @@ def plan_joint(
     elif target is not None and simulate(Mirror()).peak_bytes > target:
         with _stage("budget search", done):
             # the peak-directed path only where the step is this one graph: with graph
-            # breaks its lean plans measured above their prediction (tests/test_graph_breaks)
+            # breaks its lean plans measured above their prediction (tests/test_graph_breaks);
+            # what a whole step holds outside its graph is a constant (DDP's buckets)
             mirror, search = _choose_mirror(joint, num_fwd_outputs, target, primal_kinds,
-                                           simulate, path=cap is None and not (
-                                               outside.forward or outside.backward))
+                                           simulate, path=cap is None and (whole_step or not (
+                                               outside.forward or outside.backward)))
         if options.solver == "milp":
             with _stage("exact solver", done):
                 mirror, search = _solve_exactly(model, target, simulate, mirror, search,

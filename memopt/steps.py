@@ -39,6 +39,11 @@ from memopt.passes._torch_compat import storage_ref
 StorageId = tuple[str, int]
 
 
+#: The key of DDP's gradient buckets among a trace's resident storages: memopt does not
+#: see their tensors (they live in DDP's C++ reducer), only their bytes.
+DDP_BUCKETS: StorageId = ("ddp buckets", 0)
+
+
 def storage_id(t: torch.Tensor) -> StorageId:
     return (str(t.device), t.untyped_storage().data_ptr())
 
@@ -103,8 +108,16 @@ class ForwardTrace:
     runs: list[GraphRun] = field(default_factory=list)
     returned: dict[StorageId, int] | None = None  # the step's return value, once it ended
 
+    #: bytes held for the whole step that are no tensor of the model's (DDP's gradient
+    #: buckets, memopt.ddp), in `resident` under the key DDP_BUCKETS
+    ddp_bucket_bytes: int = 0
+
     @classmethod
-    def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "ForwardTrace":
+    def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
+              ddp_bucket_bytes: int = 0) -> "ForwardTrace":
+        """Start the trace of a forward of `model`; `ddp_bucket_bytes`: what the DDP
+        around it holds besides the model's tensors (memopt.ddp.DDPBuckets.counted_bytes),
+        counted like a resident storage that no graph takes."""
         params = list(model.parameters())
         resident = storages([*params, *model.buffers(), args, kwargs])
         grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
@@ -112,7 +125,9 @@ class ForwardTrace:
         kept = {storage_id(p): storage_id(p.grad) for p in params
                 if p.requires_grad and p.grad is not None}
         resident.update(storages(p.grad for p in params if p.grad is not None))
-        return cls(resident, grads, kept)
+        if ddp_bucket_bytes:
+            resident[DDP_BUCKETS] = ddp_bucket_bytes
+        return cls(resident, grads, kept, ddp_bucket_bytes=ddp_bucket_bytes)
 
     def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int) -> GraphRun:
         """A graph is about to run: record it, with what the rest holds now."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +24,18 @@ def test_example_runs_and_matches_eager(script: str, tmp_path: Path) -> None:
     if script == "quickstart.py":  # the picture, or why not (no [plot] extra)
         picture = tmp_path / "memopt_quickstart.png"
         assert picture.is_file() or 'pip install "memopt[plot]"' in proc.stdout
+
+
+def test_ddp_example_under_torchrun() -> None:
+    """examples/ddp.py on 2 gloo ranks as torchrun starts them (`--standalone`: a free
+    rendezvous port): every rank within its budget, gradients equal to eager's."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", str(EXAMPLES / "ddp.py")], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("rank ")]
+    assert sorted(ln.split(":")[0] for ln in lines) == ["rank 0", "rank 1"], proc.stdout
+    for line in lines:
+        assert "within budget: True" in line and "gradients equal eager's: True" in line, line
+    assert "DDP gradient buckets:" in proc.stdout
