@@ -231,7 +231,8 @@ class MemoptBackend:
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
             if alone:  # the whole forward in one graph: nothing is planned after it
-                outside = Outside(outside.forward, outside.forward)
+                outside = Outside(outside.forward,
+                                  outside.forward - trace.forward_only_bytes())
         if trace is None or alone:
             return graph.compile(example_inputs, outside, GREEDY, self.budget)
         # The forward has graph breaks, and what its other graphs hold is not known
@@ -267,11 +268,15 @@ class MemoptBackend:
                 "tracing time: keep such state and branches outside forward.",
                 UserWarning, stacklevel=2)
 
-    def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict,
+                       held: Sequence[torch.Tensor] = (),
+                       forward_held: Sequence[torch.Tensor] = ()) -> None:
         """A memopt module's forward starts: trace its graphs (memopt.steps) when it
-        records gradients."""
-        self._log.trace = ForwardTrace.begin(model, args, kwargs) if torch.is_grad_enabled() \
-            else None
+        records gradients. `held`, `forward_held`: tensors that are not the model's, held
+        for the whole step and while its forward runs (FSDP2's parameter shards and
+        all-gather output, memopt.fsdp)."""
+        self._log.trace = ForwardTrace.begin(model, args, kwargs, held, forward_held) \
+            if torch.is_grad_enabled() else None
 
     def forward_aborted(self) -> None:
         self._log.trace = None

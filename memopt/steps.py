@@ -102,17 +102,25 @@ class ForwardTrace:
     kept_grads: dict[StorageId, StorageId]  # parameter storage -> its kept .grad's storage
     runs: list[GraphRun] = field(default_factory=list)
     returned: dict[StorageId, int] | None = None  # the step's return value, once it ended
+    forward_only: dict[StorageId, int] = field(default_factory=dict)  # freed as forward ends
 
     @classmethod
-    def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict) -> "ForwardTrace":
+    def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
+              held: Iterable[torch.Tensor] = (),
+              forward_held: Iterable[torch.Tensor] = ()) -> "ForwardTrace":
+        """`held`: tensors resident for the whole step besides the model's and the inputs
+        (FSDP2's parameter shards); `forward_held`: resident until the forward ends
+        (FSDP2's all-gather output)."""
         params = list(model.parameters())
-        resident = storages([*params, *model.buffers(), args, kwargs])
+        resident = storages([*params, *model.buffers(), args, kwargs, list(held)])
         grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
                  if p.requires_grad and p.grad is None}
         kept = {storage_id(p): storage_id(p.grad) for p in params
                 if p.requires_grad and p.grad is not None}
         resident.update(storages(p.grad for p in params if p.grad is not None))
-        return cls(resident, grads, kept)
+        forward_only = {s: n for s, n in storages(list(forward_held)).items()
+                        if s not in resident}
+        return cls(resident, grads, kept, forward_only=forward_only)
 
     def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int) -> GraphRun:
         """A graph is about to run: record it, with what the rest holds now."""
@@ -125,6 +133,11 @@ class ForwardTrace:
         """What the rest of the step holds around a graph that would run at `position`
         with these inputs, as far as the trace knows now."""
         return self._base(position, storages(inputs)).plus(self.held_before(position))
+
+    def forward_only_bytes(self) -> int:
+        """Bytes held while the forward runs and freed as it ends (FSDP2's all-gather
+        output), which its backward does not hold."""
+        return sum(self.forward_only.values())
 
     def held_before(self, position: int) -> int:
         return sum(run.held_bytes for run in self.runs[:position])
@@ -149,7 +162,8 @@ class ForwardTrace:
             later_inputs = set().union(*(run.inputs for run in self.runs[position + 1:]))
             other_grads = sum(n for s, n in self.grads.items()
                               if s in later_inputs and s not in own)
-        return Outside(forward, forward + other_grads + sum(later.values()))
+        return Outside(forward + self.forward_only_bytes(),
+                       forward + other_grads + sum(later.values()))
 
     def end(self, returned: Any) -> list[Outside]:
         """The forward returned `returned`: every run's base with the whole forward known
