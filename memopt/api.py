@@ -31,6 +31,7 @@ from memopt.passes._torch_compat import (FailOnRecompileLimitHit, ignored_loggin
 from .backend import MemoptBackend, _PlanOnly
 from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
+from .fsdp import fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .memory_plan import MemoryPlan, StepPlan
 from .recurrent.modules import substitute_rnns
 
@@ -171,6 +172,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_memopt_pairs", pairs)
         object.__setattr__(self, "_memopt_traced", traced)
         object.__setattr__(self, "_memopt_fullgraph", fullgraph)
+        object.__setattr__(self, "_memopt_fsdp", None)  # FsdpRecord under fully_shard
         # a graph of this code that returns is the whole forward (memopt.steps)
         backend._log.forward_code = getattr(traced.forward, "__func__", traced.forward).__code__
         # One compiled step per gradient state (memopt.grads): .grad absent, or kept from
@@ -185,8 +187,9 @@ class CompiledModule(nn.Module):
     def memopt_plan(self) -> MemoryPlan | StepPlan | None:
         """The plan of the training step that ran most recently (None before the first
         call): a MemoryPlan, or a StepPlan of one MemoryPlan per graph when dynamo split
-        the forward at graph breaks."""
-        return self._memopt_backend.step_plan()
+        the forward at graph breaks. Under `fully_shard` each MemoryPlan's `fsdp` reports
+        the FSDP2 unit (memopt.fsdp)."""
+        return _with_fsdp(self._memopt_backend.step_plan(), self.__dict__["_memopt_fsdp"])
 
     @property
     def memopt_plans(self) -> tuple[MemoryPlan, ...]:
@@ -209,7 +212,13 @@ class CompiledModule(nn.Module):
             compiled = _compile_step(self._memopt_traced, backend.with_existing_grads(),
                                      self._memopt_fullgraph)
             self._memopt_compiled[existing] = compiled
-        backend.forward_begins(model, args, kwargs, ddp=buckets_of(self, model))
+        unit = fsdp_unit(self)  # fully_shard(memopt.compile(model)): what FSDP holds
+        if unit is not None:
+            refuse_sharded_inside(self, model)
+            self.__dict__["_memopt_fsdp"] = unit.record
+        backend.forward_begins(model, args, kwargs, ddp=buckets_of(self, model),
+                               held=unit.held if unit else (),
+                               forward_held=unit.forward_held if unit else ())
         try:
             out = _run_captured(compiled, args, kwargs, backend, model)
         except BaseException:
@@ -239,6 +248,17 @@ class CompiledModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"memopt: {self._memopt_backend!r}"
+
+
+def _with_fsdp(plan: MemoryPlan | StepPlan | None,
+               record: Any) -> MemoryPlan | StepPlan | None:
+    """`plan` with its FSDP2 record set (every graph's, for a StepPlan)."""
+    if plan is None or record is None:
+        return plan
+    if isinstance(plan, StepPlan):
+        return plan.model_copy(update={"graphs": tuple(
+            g.model_copy(update={"fsdp": record}) for g in plan.graphs)})
+    return plan.model_copy(update={"fsdp": record})
 
 
 def _forward_with_signature(compiled: CompiledModule, model: nn.Module) -> Any:
@@ -306,6 +326,7 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
     backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
     _refuse_meta(model)
     _refuse_wrappers(model)
+    refuse_fsdp(model, "memopt.compile")
     return CompiledModule(model, backend, fullgraph)
 
 
@@ -358,6 +379,7 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
     if isinstance(model, CompiledModule):
         model = model.original_module
     backend = MemoptBackend(budget, plan_only=True, **options)
+    refuse_fsdp(model, "memopt.plan")
     traced, _ = substitute_rnns(model)
     backend._log.forward_code = getattr(traced.forward, "__func__", traced.forward).__code__
     compiled = _compile_step(traced, _never_run(backend), fullgraph=True)

@@ -234,7 +234,8 @@ class MemoptBackend:
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
             if alone:  # the whole forward in one graph: nothing is planned after it
-                outside = Outside(outside.forward, outside.forward)
+                outside = Outside(outside.forward,
+                                  outside.forward - trace.forward_only_bytes())
         if trace is None or alone:
             return graph.compile(example_inputs, outside, GREEDY, self.budget)
         # The forward has graph breaks, and what its other graphs hold is not known
@@ -271,13 +272,17 @@ class MemoptBackend:
                 UserWarning, stacklevel=2)
 
     def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict,
-                       ddp: DDPBuckets | None = None) -> None:
+                       ddp: DDPBuckets | None = None, held: Sequence[torch.Tensor] = (),
+                       forward_held: Sequence[torch.Tensor] = ()) -> None:
         """A memopt module's forward starts: trace its graphs (memopt.steps) when it
-        records gradients; `ddp`: the gradient buckets of the DDP running it (memopt.ddp),
-        which the trace counts as held for the whole step."""
+        records gradients. `ddp`: the gradient buckets of the DDP running it (memopt.ddp),
+        which the trace counts as held for the whole step; `held`, `forward_held`: tensors
+        that are not the model's, held for the whole step and while its forward runs
+        (FSDP2's parameter shards and all-gather output, memopt.fsdp)."""
         self._log.ddp = ddp
         self._log.trace = ForwardTrace.begin(
-            model, args, kwargs, ddp.counted_bytes if ddp is not None else 0) \
+            model, args, kwargs, ddp.counted_bytes if ddp is not None else 0, held,
+            forward_held) \
             if torch.is_grad_enabled() else None
 
     def forward_aborted(self) -> None:

@@ -203,6 +203,40 @@ class GraphBreak(BaseModel):
         return f"{self.filename}:{self.lineno}: {first}"
 
 
+class FsdpRecord(BaseModel):
+    """The FSDP2 unit (`fully_shard(memopt.compile(model))`) around a compiled step, per
+    rank: `world_size` ranks each keep `sharded_bytes` of parameter shards (and
+    `sharded_grad_bytes` of gradient shards kept from earlier steps) for the whole step, on
+    top of the `unsharded_bytes` of parameters FSDP all-gathers before the forward and frees
+    after the backward, and keep the flat all-gather output (`kept_all_gather_bytes`)
+    until the forward ends. The plan counts the shards and that buffer as held outside its
+    graph; the all-gathered parameters are the graph's own parameters. Values as the step
+    that made the plan began. FSDP's collectives run outside
+    the graph: the all-gather before the forward holds about `all_gather_bytes` (shards,
+    the gathered flat buffer and the parameters it is copied into), the reduce-scatter after
+    the backward about `reduce_scatter_bytes` (shards, gradients, the flat buffer they are
+    copied into and its output shard). memopt reports these two, it does not plan them."""
+
+    model_config = _FROZEN
+    world_size: Count
+    sharded_bytes: Bytes
+    sharded_grad_bytes: Bytes = 0
+    unsharded_bytes: Bytes
+    kept_all_gather_bytes: Bytes = 0
+    all_gather_bytes: Bytes
+    reduce_scatter_bytes: Bytes
+
+    def summary_line(self) -> str:
+        b = format_bytes
+        grads = f", + {b(self.sharded_grad_bytes)} of .grad shards" \
+            if self.sharded_grad_bytes else ""
+        return (f"  FSDP2 shards     {b(self.sharded_bytes):>12}   (1/{self.world_size} of "
+                f"{b(self.unsharded_bytes)} of parameters{grads}, held outside the graph, and "
+                f"{b(self.kept_all_gather_bytes)} of all-gather output during its forward; "
+                f"collectives before and after it, not planned: all-gather "
+                f"~{b(self.all_gather_bytes)}, reduce-scatter ~{b(self.reduce_scatter_bytes)})")
+
+
 class MemoryPlan(BaseModel):
     """The plan of one captured training graph (forward + backward)."""
 
@@ -257,6 +291,7 @@ class MemoryPlan(BaseModel):
     #: the buckets (gradient_as_bucket_view=True), counted as existing .grad instead.
     ddp_bucket_bytes: Bytes = 0
     ddp_bucket_counted_bytes: Bytes = 0
+    fsdp: FsdpRecord | None = None     # the FSDP2 unit around this step, if any
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""
@@ -347,6 +382,8 @@ class MemoryPlan(BaseModel):
             lines.append(f"  ends at break    {self.graph_break.where()}")
         if self.ddp_bucket_bytes:
             lines.append(self._ddp_line())
+        if self.fsdp is not None:
+            lines.append(self.fsdp.summary_line())
         if self.existing_grad_bytes:
             lines.append(
                 f"  existing .grad   {b(self.existing_grad_bytes):>12}   (kept from earlier "

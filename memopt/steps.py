@@ -107,6 +107,7 @@ class ForwardTrace:
     kept_grads: dict[StorageId, StorageId]  # parameter storage -> its kept .grad's storage
     runs: list[GraphRun] = field(default_factory=list)
     returned: dict[StorageId, int] | None = None  # the step's return value, once it ended
+    forward_only: dict[StorageId, int] = field(default_factory=dict)  # freed as forward ends
 
     #: bytes held for the whole step that are no tensor of the model's (DDP's gradient
     #: buckets, memopt.ddp), in `resident` under the key DDP_BUCKETS
@@ -114,12 +115,15 @@ class ForwardTrace:
 
     @classmethod
     def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
-              ddp_bucket_bytes: int = 0) -> "ForwardTrace":
-        """Start the trace of a forward of `model`; `ddp_bucket_bytes`: what the DDP
+              ddp_bucket_bytes: int = 0, held: Iterable[torch.Tensor] = (),
+              forward_held: Iterable[torch.Tensor] = ()) -> "ForwardTrace":
+        """Start the trace of a forward of `model`. `ddp_bucket_bytes`: what the DDP
         around it holds besides the model's tensors (memopt.ddp.DDPBuckets.counted_bytes),
-        counted like a resident storage that no graph takes."""
+        counted like a resident storage that no graph takes; `held`: tensors resident for
+        the whole step besides the model's and the inputs (FSDP2's parameter shards);
+        `forward_held`: resident until the forward ends (FSDP2's all-gather output)."""
         params = list(model.parameters())
-        resident = storages([*params, *model.buffers(), args, kwargs])
+        resident = storages([*params, *model.buffers(), args, kwargs, list(held)])
         grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
                  if p.requires_grad and p.grad is None}
         kept = {storage_id(p): storage_id(p.grad) for p in params
@@ -127,7 +131,10 @@ class ForwardTrace:
         resident.update(storages(p.grad for p in params if p.grad is not None))
         if ddp_bucket_bytes:
             resident[DDP_BUCKETS] = ddp_bucket_bytes
-        return cls(resident, grads, kept, ddp_bucket_bytes=ddp_bucket_bytes)
+        forward_only = {s: n for s, n in storages(list(forward_held)).items()
+                        if s not in resident}
+        return cls(resident, grads, kept, forward_only=forward_only,
+                   ddp_bucket_bytes=ddp_bucket_bytes)
 
     def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int) -> GraphRun:
         """A graph is about to run: record it, with what the rest holds now."""
@@ -140,6 +147,11 @@ class ForwardTrace:
         """What the rest of the step holds around a graph that would run at `position`
         with these inputs, as far as the trace knows now."""
         return self._base(position, storages(inputs)).plus(self.held_before(position))
+
+    def forward_only_bytes(self) -> int:
+        """Bytes held while the forward runs and freed as it ends (FSDP2's all-gather
+        output), which its backward does not hold."""
+        return sum(self.forward_only.values())
 
     def held_before(self, position: int) -> int:
         return sum(run.held_bytes for run in self.runs[:position])
@@ -164,7 +176,8 @@ class ForwardTrace:
             later_inputs = set().union(*(run.inputs for run in self.runs[position + 1:]))
             other_grads = sum(n for s, n in self.grads.items()
                               if s in later_inputs and s not in own)
-        return Outside(forward, forward + other_grads + sum(later.values()))
+        return Outside(forward + self.forward_only_bytes(),
+                       forward + other_grads + sum(later.values()))
 
     def end(self, returned: Any) -> list[Outside]:
         """The forward returned `returned`: every run's base with the whole forward known

@@ -39,3 +39,23 @@ def test_ddp_example_under_torchrun() -> None:
     for line in lines:
         assert "within budget: True" in line and "gradients equal eager's: True" in line, line
     assert "DDP gradient buckets:" in proc.stdout
+
+
+def test_fsdp_example_runs_on_two_gloo_ranks() -> None:
+    """examples/fsdp.py as documented (`torchrun --nproc_per_node 2`), on a free port."""
+    import socket  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this build")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master-port", str(port), str(EXAMPLES / "fsdp.py")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "equal eager's on the whole batch: True" in proc.stdout
+    assert "FSDP2 shards" in proc.stdout and "refused" in proc.stdout
