@@ -60,9 +60,9 @@ def main() -> None:
     y = torch.randint(0, 10, (16,))
 
     for step in range(5):
+        optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(step)                      # same dropout mask as the eager twin
         loss = nn.functional.cross_entropy(compiled(x), y)
-        optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0:
             torch.manual_seed(step)
