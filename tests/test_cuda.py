@@ -38,15 +38,16 @@ import copy
 import gc
 import json
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from models import CORPUS, Case, TransformerBlock
 from torch import nn
 
 import memopt
 from benchmarks.workloads import ResNet
-from models import CORPUS, Case, TransformerBlock
 
 pytestmark = [
     pytest.mark.cuda,
