@@ -315,15 +315,15 @@ class MemoryPlan(BaseModel):
         """Draw the bytes live over the step, as memopt runs it beside the baseline,
         stacked by kind, with the budget and the lower bound, to an image at `path`
         (its suffix picks the format: .png, .svg, .pdf). Needs matplotlib
-        (`pip install "memopt[plot]"`); see memopt.report."""
-        from .report import plot  # matplotlib loads only here
+        (`pip install "memopt[plot]"`); see memopt.plot."""
+        from .plot import plot  # matplotlib loads only here
 
         return plot(self, path)
 
     def save_report(self, directory: str | Path) -> tuple[Path, Path, Path]:
         """Write memory.png (`plot`), summary.txt (`summary()`) and plan.json (`to_json`)
         into `directory` (created if missing); return their paths."""
-        from .report import save_report
+        from .plot import save_report
 
         return save_report(self, directory)
 
@@ -481,13 +481,13 @@ class StepPlan(BaseModel):
     def plot(self, path: str | Path) -> Path:
         """MemoryPlan.plot for each graph, one row of panels per graph, sharing the y axis
         (each graph's timeline counts what the rest of the step holds around it)."""
-        from .report import plot
+        from .plot import plot
 
         return plot(self, path)
 
     def save_report(self, directory: str | Path) -> tuple[Path, Path, Path]:
         """MemoryPlan.save_report for the whole step."""
-        from .report import save_report
+        from .plot import save_report
 
         return save_report(self, directory)
 
