@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 import memopt
 
 STEPS = 3
-BATCH = 128  # per rank
+BATCH = 512  # per rank
 
 
 def make_model() -> nn.Module:
@@ -58,7 +58,7 @@ def main() -> None:
         except memopt.InputError as err:
             if rank == 0:
                 print(f"memopt.compile(fully_shard(model)) refused: {str(err)[:120]}...")
-        model = fully_shard(memopt.compile(make_model(), budget=0.75), mesh=mesh)
+        model = fully_shard(memopt.compile(make_model(), budget=0.85), mesh=mesh)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(STEPS):
             optimizer.zero_grad()

@@ -215,7 +215,8 @@ class FsdpRecord(BaseModel):
     the graph: the all-gather before the forward holds about `all_gather_bytes` (shards,
     the gathered flat buffer and the parameters it is copied into), the reduce-scatter after
     the backward about `reduce_scatter_bytes` (shards, gradients, the flat buffer they are
-    copied into and its output shard). memopt reports these two, it does not plan them."""
+    copied into and its output shard). memopt reports these two; of the reduce-scatter it
+    plans the buffers allocated as the backward ends (`outside_after_backward_bytes`)."""
 
     model_config = _FROZEN
     world_size: Count
@@ -233,8 +234,9 @@ class FsdpRecord(BaseModel):
         return (f"  FSDP2 shards     {b(self.sharded_bytes):>12}   (1/{self.world_size} of "
                 f"{b(self.unsharded_bytes)} of parameters{grads}, held outside the graph, and "
                 f"{b(self.kept_all_gather_bytes)} of all-gather output during its forward; "
-                f"collectives before and after it, not planned: all-gather "
-                f"~{b(self.all_gather_bytes)}, reduce-scatter ~{b(self.reduce_scatter_bytes)})")
+                f"the collectives around it hold about: all-gather {b(self.all_gather_bytes)} "
+                f"(not planned), reduce-scatter {b(self.reduce_scatter_bytes)} (its buffers "
+                f"planned: see 'after backward'))")
 
 
 class MemoryPlan(BaseModel):
@@ -280,6 +282,9 @@ class MemoryPlan(BaseModel):
     graph_break: GraphBreak | None = None
     outside_forward_bytes: Bytes = 0
     outside_backward_bytes: Bytes = 0
+    #: allocated outside the graph as its backward ends, on top of what is live then
+    #: (FSDP2's reduce-scatter of the gradients, memopt.fsdp)
+    outside_after_backward_bytes: Bytes = 0
     baseline_saved_bytes: Bytes = 0    # what the baseline (no memopt passes) keeps for backward
     #: Live bytes over the step by kind, as memopt runs it and in the baseline; None in a
     #: plan written before memopt recorded them (plot() then asks to re-plan).
@@ -378,6 +383,10 @@ class MemoryPlan(BaseModel):
                 f"{b(self.outside_backward_bytes)} during its backward (other graphs of the "
                 f"step, parameters and inputs it does not take, gradients of later graphs"
                 f"{', DDP gradient buckets' if self.ddp_bucket_counted_bytes else ''})")
+        if self.outside_after_backward_bytes:
+            lines.append(
+                f"  after backward   {b(self.outside_after_backward_bytes):>12}   allocated as "
+                f"the backward ends, outside the graph (FSDP2's reduce-scatter)")
         if self.graph_break is not None:
             lines.append(f"  ends at break    {self.graph_break.where()}")
         if self.ddp_bucket_bytes:

