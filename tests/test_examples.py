@@ -12,8 +12,10 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("script", ["quickstart.py", "budget.py", "word_language_model.py",
-                                    "reversible_language_model.py"])
+@pytest.mark.parametrize("script", [
+    "quickstart.py", "budget.py", "word_language_model.py",
+    # 39 s; tests/test_reversible_compile.py trains the same RevGRU by default
+    pytest.param("reversible_language_model.py", marks=pytest.mark.slow)])
 def test_example_runs_and_matches_eager(script: str, tmp_path: Path) -> None:
     """Run from an empty directory: what an example writes (the quickstart's picture of
     its plan) lands there, not in the repository."""

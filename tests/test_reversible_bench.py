@@ -33,6 +33,7 @@ def _times(cell: str) -> float:
     return float(cell[:-1])
 
 
+@pytest.mark.slow  # 24 s; test_row_in_a_child_process runs the same rows' code by default
 def test_tiny_grid_in_process() -> None:
     rows = _table(run_reversible(TINY, repeats=1, isolate=False))
     assert [(r["cell"], r["T"], r["hidden"], r["cap"]) for r in rows] == [
