@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -95,10 +96,14 @@ def train(rank: int, world: int) -> None:
         opt.step()
     plan = ddp.module.memopt_plan
     mib = memopt.format_bytes
-    print(f"rank {rank}: budget {mib(plan.budget_bytes)} ({plan.budget_bytes} B), predicted "
-          f"peak {plan.predicted_peak_bytes} B, measured peak {measured} B, DDP buckets "
-          f"{plan.ddp_bucket_bytes} B counted; within budget: {measured <= plan.budget_bytes}; "
-          f"gradients equal eager's: {equal}", flush=True)
+    # one write per line: the ranks share torchrun's stdout, and print() writes its end
+    # apart, so two ranks' lines could run together
+    sys.stdout.write(
+        f"rank {rank}: budget {mib(plan.budget_bytes)} ({plan.budget_bytes} B), predicted "
+        f"peak {plan.predicted_peak_bytes} B, measured peak {measured} B, DDP buckets "
+        f"{plan.ddp_bucket_bytes} B counted; within budget: {measured <= plan.budget_bytes}; "
+        f"gradients equal eager's: {equal}\n")
+    sys.stdout.flush()
     if rank == 0:
         print(plan.summary(max_rows=0), flush=True)
 
