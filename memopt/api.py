@@ -218,7 +218,6 @@ class CompiledModule(nn.Module):
             self.__dict__["_memopt_fsdp"] = unit.record
         backend.forward_begins(model, args, kwargs, ddp=buckets_of(self, model),
                                held=unit.held if unit else (),
-                               forward_held=unit.forward_held if unit else (),
                                after_backward=unit.after_backward if unit else 0)
         try:
             out = _run_captured(compiled, args, kwargs, backend, model)

@@ -234,9 +234,7 @@ class MemoptBackend:
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
             if alone:  # the whole forward in one graph: nothing is planned after it
-                outside = Outside(outside.forward,
-                                  outside.forward - trace.forward_only_bytes(),
-                                  outside.after_backward)
+                outside = Outside(outside.forward, outside.forward, outside.after_backward)
         if trace is None or alone:
             return graph.compile(example_inputs, outside, GREEDY, self.budget)
         # The forward has graph breaks, and what its other graphs hold is not known
@@ -274,18 +272,17 @@ class MemoptBackend:
 
     def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict,
                        ddp: DDPBuckets | None = None, held: Sequence[torch.Tensor] = (),
-                       forward_held: Sequence[torch.Tensor] = (),
                        after_backward: int = 0) -> None:
         """A memopt module's forward starts: trace its graphs (memopt.steps) when it
         records gradients. `ddp`: the gradient buckets of the DDP running it (memopt.ddp),
-        which the trace counts as held for the whole step; `held`, `forward_held`: tensors
-        that are not the model's, held for the whole step and while its forward runs
-        (FSDP2's parameter shards and all-gather output, memopt.fsdp); `after_backward`:
+        which the trace counts as held for the whole step; `held`: tensors that are not the
+        model's, held for the whole step (FSDP2's shards and all-gather output,
+        memopt.fsdp); `after_backward`:
         bytes allocated as the backward ends (FSDP2's reduce-scatter)."""
         self._log.ddp = ddp
         self._log.trace = ForwardTrace.begin(
             model, args, kwargs, ddp.counted_bytes if ddp is not None else 0, held,
-            forward_held, after_backward) \
+            after_backward) \
             if torch.is_grad_enabled() else None
 
     def forward_aborted(self) -> None:

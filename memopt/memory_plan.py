@@ -209,8 +209,8 @@ class FsdpRecord(BaseModel):
     `sharded_grad_bytes` of gradient shards kept from earlier steps) for the whole step, on
     top of the `unsharded_bytes` of parameters FSDP all-gathers before the forward and frees
     after the backward, and keep the flat all-gather output (`kept_all_gather_bytes`)
-    until the forward ends. The plan counts the shards and that buffer as held outside its
-    graph; the all-gathered parameters are the graph's own parameters. Values as the step
+    at least until the forward ends (sometimes longer: memopt.fsdp.FsdpUnit). The plan
+    counts the shards and that buffer as held outside its graph for the whole step; the all-gathered parameters are the graph's own parameters. Values as the step
     that made the plan began. FSDP's collectives run outside
     the graph: the all-gather before the forward holds about `all_gather_bytes` (shards,
     the gathered flat buffer and the parameters it is copied into), the reduce-scatter after
@@ -233,7 +233,7 @@ class FsdpRecord(BaseModel):
             if self.sharded_grad_bytes else ""
         return (f"  FSDP2 shards     {b(self.sharded_bytes):>12}   (1/{self.world_size} of "
                 f"{b(self.unsharded_bytes)} of parameters{grads}, held outside the graph, and "
-                f"{b(self.kept_all_gather_bytes)} of all-gather output during its forward; "
+                f"{b(self.kept_all_gather_bytes)} of all-gather output; "
                 f"the collectives around it hold about: all-gather {b(self.all_gather_bytes)} "
                 f"(not planned), reduce-scatter {b(self.reduce_scatter_bytes)} (its buffers "
                 f"planned: see 'after backward'))")

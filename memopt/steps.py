@@ -117,7 +117,6 @@ class ForwardTrace:
     kept_grads: dict[StorageId, StorageId]  # parameter storage -> its kept .grad's storage
     runs: list[GraphRun] = field(default_factory=list)
     returned: dict[StorageId, int] | None = None  # the step's return value, once it ended
-    forward_only: dict[StorageId, int] = field(default_factory=dict)  # freed as forward ends
 
     #: bytes held for the whole step that are no tensor of the model's (DDP's gradient
     #: buckets, memopt.ddp), in `resident` under the key DDP_BUCKETS
@@ -129,14 +128,12 @@ class ForwardTrace:
     @classmethod
     def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
               ddp_bucket_bytes: int = 0, held: Iterable[torch.Tensor] = (),
-              forward_held: Iterable[torch.Tensor] = (),
               after_backward: int = 0) -> "ForwardTrace":
         """Start the trace of a forward of `model`. `ddp_bucket_bytes`: what the DDP
         around it holds besides the model's tensors (memopt.ddp.DDPBuckets.counted_bytes),
         counted like a resident storage that no graph takes; `held`: tensors resident for
-        the whole step besides the model's and the inputs (FSDP2's parameter shards);
-        `forward_held`: resident until the forward ends (FSDP2's all-gather output);
-        `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter)."""
+        the whole step besides the model's and the inputs (FSDP2's parameter shards and
+        all-gather output); `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter)."""
         params = list(model.parameters())
         resident = storages([*params, *model.buffers(), args, kwargs, list(held)])
         grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
@@ -146,9 +143,7 @@ class ForwardTrace:
         resident.update(storages(p.grad for p in params if p.grad is not None))
         if ddp_bucket_bytes:
             resident[DDP_BUCKETS] = ddp_bucket_bytes
-        forward_only = {s: n for s, n in storages(list(forward_held)).items()
-                        if s not in resident}
-        return cls(resident, grads, kept, forward_only=forward_only,
+        return cls(resident, grads, kept,
                    ddp_bucket_bytes=ddp_bucket_bytes, after_backward=after_backward)
 
     def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int) -> GraphRun:
@@ -163,11 +158,6 @@ class ForwardTrace:
         with these inputs, as far as the trace knows now."""
         base = self._base(position, storages(inputs)).plus(self.held_before(position))
         return Outside(base.forward, base.backward, self.after_backward)
-
-    def forward_only_bytes(self) -> int:
-        """Bytes held while the forward runs and freed as it ends (FSDP2's all-gather
-        output), which its backward does not hold."""
-        return sum(self.forward_only.values())
 
     def held_before(self, position: int) -> int:
         return sum(run.held_bytes for run in self.runs[:position])
@@ -192,7 +182,7 @@ class ForwardTrace:
             later_inputs = set().union(*(run.inputs for run in self.runs[position + 1:]))
             other_grads = sum(n for s, n in self.grads.items()
                               if s in later_inputs and s not in own)
-        return Outside(forward + self.forward_only_bytes(),
+        return Outside(forward,
                        forward + other_grads + sum(later.values()))
 
     def end(self, returned: Any) -> list[Outside]:

@@ -4,10 +4,10 @@
 memopt's compiled step and reduce-scatters its gradients after. The parameters after two
 optimizer steps equal single-process eager's on the whole batch; each rank's plan counts
 FSDP's parameter shards (held outside the graph, `MemoryPlan.fsdp`) and the buffers of
-its reduce-scatter as the backward ends (left out, those buffers put 3 of 16 rank-runs
-4.2% over a 0.75 budget), and each rank's allocated peak over its second step (the
-collectives included) is within 10% of its plan: not always within the budget (see the
-test's comment). The other orders, `memopt.compile(fully_shard(model))` and a
+its reduce-scatter as the backward ends, and the all-gather output for the whole step
+(each left out, or held for the forward only, put some rank-runs over budget), and each
+rank's allocated peak over its second step (the collectives included) is within its
+budget and at most its plan's. The other orders, `memopt.compile(fully_shard(model))` and a
 model whose layers are FSDP2 units, are refused with an InputError naming the one that
 works (on torch 2.13 dynamo does not trace FSDP2's hooks: memopt would plan nothing).
 """
@@ -28,7 +28,7 @@ from torch import nn
 
 WORLD = 2
 STEPS = 2
-BATCH = 256  # per rank
+BATCH = 512  # per rank
 
 
 def _model() -> nn.Module:
@@ -91,7 +91,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         model = _model()
         # a fraction of this rank's baseline step, FSDP's shards and all-gather output in it
-        sharded = fully_shard(memopt.compile(model, budget=0.85), mesh=mesh)
+        sharded = fully_shard(memopt.compile(model, budget=0.92), mesh=mesh)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
         measured = None
         for step in range(STEPS):
@@ -164,10 +164,11 @@ def test_fsdp2_of_compiled_matches_eager_within_budget(tmp_path) -> None:
         assert "FSDP2 shards" in got["summary"]
         assert got["predicted"] <= got["budget"], got
         assert got["after_backward"] > 0, "FSDP's reduce-scatter is not planned"
-        # Not `measured <= budget`: in about 1 rank-run of 5 on this machine one more
-        # activation-sized tensor (131,072 B, allocated on the main thread) is live at the
-        # peak of memopt's backward under FSDP2 than the plan has, 6.1% above it and 0.6%
-        # above this budget; the cause is not found (no hash seed decides it, and DDP's
-        # steps measure their plan exactly). The README says the budget is not a guarantee
-        # under FSDP2; held here to the suite's 10% between plan and measurement.
-        assert abs(got["measured"] - got["predicted"]) <= 0.10 * got["predicted"], got
+        assert got["measured"] <= got["budget"], got
+        # Two of FSDP's buffers are planned at their longest: the all-gather output for the
+        # whole step (freed after the forward in most runs, kept through the backward in
+        # some) and the reduce-scatter's buffers at the end of the backward (overlapping
+        # the step's peak in some runs). The measured peak is the plan's or below it by at
+        # most those.
+        slack = got["after_backward"] + fsdp["kept_all_gather_bytes"]
+        assert got["predicted"] - slack <= got["measured"] <= got["predicted"], got
