@@ -44,6 +44,7 @@ from typing import Any
 import pytest
 import torch
 from models import CORPUS, Case, TransformerBlock
+from test_corpus import leaves
 from torch import nn
 
 import memopt
@@ -70,21 +71,11 @@ def _no_tf32() -> Iterator[None]:
 # --------------------------------------------------------------------------
 
 
-def _leaves(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for key in out for t in _leaves(out[key])]
-    if isinstance(out, (tuple, list)):
-        return [t for v in out for t in _leaves(v)]
-    return []
-
-
 def _projection_loss(out: Any) -> torch.Tensor:
     """A fixed random projection of every floating output (each element gets its own
     gradient), drawn from a CPU generator so the device's RNG is not touched."""
     total = torch.zeros((), device=DEVICE)
-    for i, t in enumerate(_leaves(out)):
+    for i, t in enumerate(leaves(out)):
         if t.is_floating_point():
             w = torch.randn(tuple(t.shape), generator=torch.Generator().manual_seed(1234 + i))
             total = total + (t.float() * w.to(t.device)).sum()
@@ -134,7 +125,7 @@ def _report(**row: Any) -> None:
 
 def _resident_bytes(module: nn.Module, inputs: tuple[Any, ...]) -> int:
     storages = {}
-    for t in [*module.parameters(), *module.buffers(), *_leaves(list(inputs))]:
+    for t in [*module.parameters(), *module.buffers(), *leaves(list(inputs))]:
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
 
@@ -192,7 +183,7 @@ def test_corpus_matches_eager_on_cuda(case: Case, options: dict[str, Any]) -> No
             m.zero_grad(set_to_none=True)
         out_e = _step(eager, ins_e, 1000 + k)
         out_o = _step(compiled, ins_o, 1000 + k)
-        for i, (a, e) in enumerate(zip(_leaves(out_o), _leaves(out_e))):
+        for i, (a, e) in enumerate(zip(leaves(out_o), leaves(out_e))):
             _close(a, e, f"step {k + 1}: output {i}")
         for i, (a, e) in enumerate(zip(ins_o, ins_e)):
             if isinstance(e, torch.Tensor) and e.requires_grad:

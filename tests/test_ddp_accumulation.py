@@ -27,16 +27,9 @@ bucket bytes equal the parameters' bytes and what DDP's reducer holds.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 from torch import nn
 
 WORLD = 2
@@ -88,9 +81,10 @@ def _micro_step(ddp: nn.Module, x: torch.Tensor, sync: bool) -> None:
 
 
 def _run_scenario(rank: int, name: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
     import memopt  # noqa: PLC0415
     from memopt.allocation import allocation_peak  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
     use_no_sync, bucket_view, set_to_none, measure = SCENARIOS[name]
     model = _model()
@@ -135,22 +129,8 @@ def _run_scenario(rank: int, name: str) -> dict:
             "reducer": _reducer_bucket_bytes(ddp)}
 
 
-def _rank(rank: int, port: int, out_dir: str) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
-    try:
-        results = {name: _run_scenario(rank, name) for name in SCENARIOS}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _results(rank: int) -> dict:
+    return {name: _run_scenario(rank, name) for name in SCENARIOS}
 
 
 def _eager_reference() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -171,20 +151,7 @@ def _eager_reference() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Both scenarios on 2 gloo ranks, in one spawn: each rank's results."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
-    out = tmp_path_factory.mktemp("ddp")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        mp.start_processes(_rank, args=(_free_port(), str(out)), nprocs=WORLD, join=True,
-                           start_method="spawn")
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_on_ranks(_results, WORLD, tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

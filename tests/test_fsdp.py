@@ -14,16 +14,8 @@ works (on torch 2.13 dynamo does not trace FSDP2's hooks: memopt would plan noth
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import sys
-from pathlib import Path
-
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 from torch import nn
 
 WORLD = 2
@@ -75,8 +67,7 @@ def _refusals(mesh) -> list[str | None]:
     return seen
 
 
-def _rank(rank: int, port: int, out_dir: str) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
+def _results(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
@@ -84,46 +75,33 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     from memopt.allocation import allocation_peak  # noqa: PLC0415
     from memopt.pipeline import verifying  # noqa: PLC0415
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = _model()
-        # a fraction of this rank's baseline step, FSDP's shards and all-gather output in it
-        sharded = fully_shard(memopt.compile(model, budget=0.92), mesh=mesh)
-        opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
-        measured = None
-        for step in range(STEPS):
-            opt.zero_grad()
-            x = _batch(step, rank)
-            if step == STEPS - 1:
-                before = _local_bytes(sharded, x)
-                with allocation_peak("cpu") as seen:
-                    _loss(sharded(x)).backward()
-                measured = seen.peak + before
-            else:  # the plan: every candidate simulated, FSDP's held bytes included, is
-                with verifying():  # checked against its exact build
-                    _loss(sharded(x)).backward()
-            opt.step()
-        plan = sharded.memopt_plan
-        result = {
-            "params": [p.full_tensor().tolist() for p in sharded.parameters()],
-            "measured": measured, "predicted": plan.predicted_peak_bytes,
-            "budget": plan.budget_bytes, "fsdp": plan.fsdp.model_dump(),
-            "outside": plan.outside_forward_bytes, "summary": plan.summary(max_rows=0),
-            "after_backward": plan.outside_after_backward_bytes,
-            "refused": _refusals(mesh),
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _model()
+    # a fraction of this rank's baseline step, FSDP's shards and all-gather output in it
+    sharded = fully_shard(memopt.compile(model, budget=0.92), mesh=mesh)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    measured = None
+    for step in range(STEPS):
+        opt.zero_grad()
+        x = _batch(step, rank)
+        if step == STEPS - 1:
+            before = _local_bytes(sharded, x)
+            with allocation_peak("cpu") as seen:
+                _loss(sharded(x)).backward()
+            measured = seen.peak + before
+        else:  # the plan: every candidate simulated, FSDP's held bytes included, is
+            with verifying():  # checked against its exact build
+                _loss(sharded(x)).backward()
+        opt.step()
+    plan = sharded.memopt_plan
+    return {
+        "params": [p.full_tensor().tolist() for p in sharded.parameters()],
+        "measured": measured, "predicted": plan.predicted_peak_bytes,
+        "budget": plan.budget_bytes, "fsdp": plan.fsdp.model_dump(),
+        "outside": plan.outside_forward_bytes, "summary": plan.summary(max_rows=0),
+        "after_backward": plan.outside_after_backward_bytes,
+        "refused": _refusals(mesh),
+    }
 
 
 def _eager_reference() -> list[torch.Tensor]:
@@ -139,21 +117,9 @@ def _eager_reference() -> list[torch.Tensor]:
 
 
 def test_fsdp2_of_compiled_matches_eager_within_budget(tmp_path) -> None:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True,
-                           start_method="spawn")
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    results = run_on_ranks(_results, WORLD, tmp_path)
     reference = _eager_reference()
-    for rank in range(WORLD):
-        got = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+    for got in results:
         for p, q in zip(got["params"], reference):
             torch.testing.assert_close(torch.tensor(p), q, rtol=1e-4, atol=1e-5)
         assert got["refused"] == ["InputError", "InputError"]
