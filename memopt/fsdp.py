@@ -94,16 +94,16 @@ def refuse_sharded_inside(compiled: nn.Module, model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class FsdpUnit:
-    """What the FSDP2 unit around a compiled module holds on this rank as its forward
-    starts (after FSDP's pre-forward all-gather): `held`, resident for the whole step: the
-    parameter shards, the gradient shards kept from earlier steps, and the flat all-gather
-    output FSDP keeps for its post-forward hook (to overlap the copy-out with a next
-    all-gather). That hook drops it, but on 2 gloo ranks it was still allocated through
-    the backward in 2 of 12 rank-runs (freed later, outside any op), which put the step
-    131 KB over a plan that freed it as the forward ended; so the plan holds it for the
-    whole step. `record`: what `MemoryPlan.fsdp` reports. `after_backward`: what FSDP's post-backward allocates on
-    top of what the step still holds as the backward ends (reduce_scatter_extra_bytes),
-    planned as a last step of the backward (memopt.steps.Outside.after_backward)."""
+    """What the FSDP2 unit around a compiled module holds on this rank as its forward starts (after
+    FSDP's pre-forward all-gather): `held`, resident for the whole step: the parameter shards, the
+    gradient shards kept from earlier steps, and the flat all-gather output FSDP keeps for its
+    post-forward hook (to overlap the copy-out with a next all-gather). That hook drops it, but on 2
+    gloo ranks it was still allocated through the backward in 2 of 12 rank-runs (freed later,
+    outside any op), which put the step 131 KB over a plan that freed it as the forward ended; so
+    the plan holds it for the whole step. `record`: what `MemoryPlan.fsdp` reports.
+    `after_backward`: what FSDP's post-backward allocates on top of what the step still holds as the
+    backward ends (reduce_scatter_extra_bytes), planned as a last step of the backward
+    (memopt.steps.Outside.after_backward)."""
 
     held: tuple[torch.Tensor, ...]
     record: FsdpRecord

@@ -204,19 +204,19 @@ class GraphBreak(BaseModel):
 
 
 class FsdpRecord(BaseModel):
-    """The FSDP2 unit (`fully_shard(memopt.compile(model))`) around a compiled step, per
-    rank: `world_size` ranks each keep `sharded_bytes` of parameter shards (and
-    `sharded_grad_bytes` of gradient shards kept from earlier steps) for the whole step, on
-    top of the `unsharded_bytes` of parameters FSDP all-gathers before the forward and frees
-    after the backward, and keep the flat all-gather output (`kept_all_gather_bytes`)
-    at least until the forward ends (sometimes longer: memopt.fsdp.FsdpUnit). The plan
-    counts the shards and that buffer as held outside its graph for the whole step; the all-gathered parameters are the graph's own parameters. Values as the step
-    that made the plan began. FSDP's collectives run outside
-    the graph: the all-gather before the forward holds about `all_gather_bytes` (shards,
-    the gathered flat buffer and the parameters it is copied into), the reduce-scatter after
-    the backward about `reduce_scatter_bytes` (shards, gradients, the flat buffer they are
-    copied into and its output shard). memopt reports these two; of the reduce-scatter it
-    plans the buffers allocated as the backward ends (`outside_after_backward_bytes`)."""
+    """The FSDP2 unit (`fully_shard(memopt.compile(model))`) around a compiled step, per rank:
+    `world_size` ranks each keep `sharded_bytes` of parameter shards (and `sharded_grad_bytes` of
+    gradient shards kept from earlier steps) for the whole step, on top of the `unsharded_bytes` of
+    parameters FSDP all-gathers before the forward and frees after the backward, and keep the flat
+    all-gather output (`kept_all_gather_bytes`) at least until the forward ends (sometimes longer:
+    memopt.fsdp.FsdpUnit). The plan counts the shards and that buffer as held outside its graph for
+    the whole step; the all-gathered parameters are the graph's own parameters. Values as the step
+    that made the plan began. FSDP's collectives run outside the graph: the all-gather before the
+    forward holds about `all_gather_bytes` (shards, the gathered flat buffer and the parameters it
+    is copied into), the reduce-scatter after the backward about `reduce_scatter_bytes` (shards,
+    gradients, the flat buffer they are copied into and its output shard). memopt reports these two;
+    of the reduce-scatter it plans the buffers allocated as the backward ends
+    (`outside_after_backward_bytes`)."""
 
     model_config = _FROZEN
     world_size: Count

@@ -429,12 +429,12 @@ def peak_path(simulate: Callable[[Mirror], Simulated], region: list[fx.Node],
     hold a share of those storages' bytes (PATH_TIERS, by the graph's size). A step that
     neither lowers the simulated peak nor comes free (recomputing a value read early in
     the backward can even raise it) is undone and its groups are not tried again; the
-    path ends after PATH_PATIENCE steps in a row without a lower peak. Each plan it
-    yields has a lower peak and more FLOPs than the last. The path depends on the graph
-    only, never on the budget, so with Alg. 3's plans it keeps the choice monotone (a
-    lower budget never gets a higher peak). Alg. 3 cuts the graph in segments and recomputes each whole;
-    near the unconstrained peak that is far more than the few values that set the peak
-    (benchmarks/optimum_gap.py measures both against the optimum)."""
+    path ends after PATH_PATIENCE steps in a row without a lower peak. Each plan it yields has a
+    lower peak and more FLOPs than the last. The path depends on the graph only, never on the
+    budget, so with Alg. 3's plans it keeps the choice monotone (a lower budget never gets a higher
+    peak). Alg. 3 cuts the graph in segments and recomputes each whole; near the unconstrained peak
+    that is far more than the few values that set the peak (benchmarks/optimum_gap.py measures both
+    against the optimum)."""
     nbytes = {n.name: b for n, b in zip(region, sizes)}
     # `whole_ops`: a getitem priced at all its op's outputs, so that a 32-byte BatchNorm
     # statistic is not the first value dropped (on a residual CNN that path reaches the
@@ -591,7 +591,7 @@ def plan_joint(
     Step 3: the mirror set: the user's (`options.mirror`), none when the plan without
         recomputation fits the budget, else Chen's Alg. 3 + grid search.
     Step 4: the final graphs and the plan, with the timelines of live bytes by kind of the
-        step and of the baseline (allocator.timeline; memopt.report draws them).
+        step and of the baseline (allocator.timeline; memopt.plot draws them).
     """
     t0 = time.perf_counter()
     done: list[str] = []
@@ -846,7 +846,13 @@ def _verify(simulated: Simulated, built: _Built, mirror: Mirror) -> None:
             f"steps {simulated.num_steps} vs {exact.num_steps}, flops "
             f"{simulated.recompute_flops} vs {exact.recompute_flops}, saved "
             f"{simulated.saved_bytes} vs {exact.saved_bytes}, intervals by kind differing "
-            f"{sorted(set(zip(simulated.intervals, simulated.kinds)) ^ set(zip(exact.intervals, exact.kinds)))[:4]}"))
+            f"{_differing(simulated, exact)[:4]}"))
+
+
+def _differing(simulated: Simulated, exact: Simulated) -> list:
+    """The (interval, kind) pairs of one side only: where the simulator went wrong."""
+    return sorted(set(zip(simulated.intervals, simulated.kinds))
+                  ^ set(zip(exact.intervals, exact.kinds)))
 
 
 def _step_words(grads: ExistingGrads | None, label: str) -> str:

@@ -129,11 +129,11 @@ class ForwardTrace:
     def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
               ddp_bucket_bytes: int = 0, held: Iterable[torch.Tensor] = (),
               after_backward: int = 0) -> "ForwardTrace":
-        """Start the trace of a forward of `model`. `ddp_bucket_bytes`: what the DDP
-        around it holds besides the model's tensors (memopt.ddp.DDPBuckets.counted_bytes),
-        counted like a resident storage that no graph takes; `held`: tensors resident for
-        the whole step besides the model's and the inputs (FSDP2's parameter shards and
-        all-gather output); `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter)."""
+        """Start the trace of a forward of `model`. `ddp_bucket_bytes`: what the DDP around it holds
+        besides the model's tensors (memopt.ddp.DDPBuckets.counted_bytes), counted like a resident
+        storage that no graph takes; `held`: tensors resident for the whole step besides the model's
+        and the inputs (FSDP2's parameter shards and all-gather output); `after_backward`: bytes
+        allocated as the backward ends (FSDP2's reduce-scatter)."""
         params = list(model.parameters())
         resident = storages([*params, *model.buffers(), args, kwargs, list(held)])
         grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
