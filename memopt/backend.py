@@ -26,10 +26,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from memopt.passes.heads import chunk_heads
 from memopt.passes.loops import chain_loops
 
 # The runtimes of memopt's own operators, which the passes reach through
 # memopt.passes.runtime: loaded before any graph is planned.
+from . import lm_head as _head_runtime  # noqa: F401
 from . import nn as _reversible_runtime  # noqa: F401
 from .recurrent import modules as _chain_runtime  # noqa: F401
 
@@ -102,6 +104,18 @@ def _chain_loops(gm: fx.GraphModule) -> None:
         chain_loops(gm, keep=True)
     except Exception as exc:
         raise PassError("recurrent loops", ("capture",), exc) from exc
+
+
+def _chunk_heads(gm: fx.GraphModule) -> None:
+    """Run language-model heads chunk by chunk over the tokens (memopt.passes.heads), in
+    graphs that record gradients outside autocast (the op would run outside it)."""
+    if not torch.is_grad_enabled() or _autocast_on():
+        log.debug("memopt heads: an inference graph or autocast: heads left as they are")
+        return
+    try:
+        chunk_heads(gm)
+    except Exception as exc:
+        raise PassError("language-model heads", ("capture",), exc) from exc
 
 
 @dataclass
@@ -230,6 +244,8 @@ class MemoptBackend:
         self._log.by_key[key] = graph
         if self.loops:
             _chain_loops(gm)
+        if self.budget is not None:  # with no budget the head stays eager's (nothing to gain)
+            _chunk_heads(gm)
         outside = Outside()
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])

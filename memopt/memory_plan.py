@@ -135,6 +135,24 @@ class ChainRecord(BaseModel):
     reason: str
 
 
+class HeadRecord(BaseModel):
+    """A language model's head and loss (a projection to the vocabulary and its
+    cross-entropy) and the chunk of tokens memopt runs it in (memopt.lm_head): one chunk
+    keeps eager's log-probabilities; more recompute each chunk's logits in backward."""
+
+    model_config = _FROZEN
+    module: str
+    tokens: Count                  # rows of the logits
+    vocab: Count
+    chunk: Count                   # tokens computed at once
+    chunks: Count
+    held_bytes: Bytes              # kept from forward to backward (the log-probabilities)
+    forward_workspace_bytes: Bytes  # allocated by the forward op while it runs
+    workspace_bytes: Bytes         # allocated by the backward op while it runs
+    recompute_flops: Count         # the projection again in backward, when chunked
+    reason: str
+
+
 class ReversibleRecord(BaseModel):
     """A reversible RNN stack (memopt.nn.RevGRU / RevLSTM, MacKay et al. 2018): its
     backward reconstructs the hidden states, so it takes no hidden-state slots; it holds
@@ -268,6 +286,7 @@ class MemoryPlan(BaseModel):
     search: tuple[SearchCandidate, ...] = ()
     headroom_bytes: Bytes = 0          # of the budget, kept free: the peak fits budget - this
     chains: tuple[ChainRecord, ...] = ()  # recurrent chains and their policies
+    heads: tuple[HeadRecord, ...] = ()    # language-model heads and their chunks
     reversible: tuple[ReversibleRecord, ...] = ()  # reversible RNN stacks
     #: The step planned with parameters' .grad already allocated (gradients kept between
     #: steps, gradient accumulation): their bytes, resident for the whole step, and how many
@@ -415,6 +434,12 @@ class MemoryPlan(BaseModel):
                 f"{c.estimated_seconds * 1e3:.0f} ms forward + backward), holds {b(c.held_bytes)} "
                 f"(+ {b(c.forward_workspace_bytes)} while its forward runs, "
                 f"+ {b(c.workspace_bytes)} while its backward runs); {c.reason}")
+        for h in self.heads:
+            lines.append(
+                f"  head {h.module}: {h.tokens} tokens x vocabulary {h.vocab} in {h.chunks} "
+                f"chunk(s) of {h.chunk}, holds {b(h.held_bytes)} (+ "
+                f"{b(h.forward_workspace_bytes)} while its forward runs, + "
+                f"{b(h.workspace_bytes)} while its backward runs); {h.reason}")
         for r in self.reversible:
             cap = r.max_forget_bits if r.max_forget_bits is not None else "none"
             lines.append(

@@ -27,6 +27,7 @@ from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_li
 from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_by_tags,
                               split_candidates)
 from memopt.passes import chains as chain_pass
+from memopt.passes import heads as head_pass
 from memopt.passes import reversible as reversible_pass
 from memopt.passes.gradients import accumulate_in_place, save_parameters
 from memopt.passes.inplace import InplaceResult, reinplace
@@ -46,7 +47,7 @@ from memopt.passes._torch_compat import dce_impure_random
 from .budget import Budget, format_bytes
 from .steps import Outside
 from .errors import BudgetError, PassError
-from .memory_plan import (ChainRecord, InplaceRecord, MemoryPlan, RecomputedNode,
+from .memory_plan import (ChainRecord, HeadRecord, InplaceRecord, MemoryPlan, RecomputedNode,
                           ReversibleRecord, SavedTensor, SearchCandidate, SharingGroup,
                           StorageRecord, Timeline)
 
@@ -312,6 +313,70 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
         SearchCandidate(level=level, segment_budget_bytes=b, predicted_peak_bytes=peak_of(s)[0],
                         recompute_flops=peak_of(s)[1], fits=not s[0])
         for (level, b), (s, _) in sorted(plans.items()))
+
+
+@dataclass(frozen=True)
+class _HeadChoice:
+    site: head_pass.HeadSite
+    config: head_pass.HeadConfig
+    reason: str
+
+
+def _choose_heads(sites: list[head_pass.HeadSite], joint: fx.GraphModule,
+                  num_fwd_outputs: int, target: int | None, step: StepContext, build,
+                  costs: dict[str, head_pass.HeadCosts]) -> list[_HeadChoice]:
+    """Each language-model head's chunk (passes.heads), chosen before the chains and
+    the Chen planner see the rest of the graph.
+
+    Step 1: every head starts as one chunk (eager's log-probabilities kept, nothing
+        recomputed).
+    Step 2: with no budget, or when that fits, done.
+    Step 3: else price each head's chunk sizes (head_pass.configurations) by the exact
+        liveness of one build, other heads fixed. Every split recomputes the same one
+        matmul of the head, so take the largest chunk that fits; where none fits alone,
+        the largest chunk of the lowest peak (the head then no longer sets it), and
+        leave the rest of the budget to the chains and the Chen planner.
+    """
+    whole = {s.fwd: head_pass.configure(s, costs[s.fwd], s.rows) for s in sites}
+    if target is None:
+        return [_HeadChoice(s, whole[s.fwd], "no budget: one chunk, nothing recomputed")
+                for s in sites]
+    built = build(Mirror())
+    if built.peak_bytes <= target:
+        return [_HeadChoice(s, whole[s.fwd], "the budget fits with one chunk: nothing "
+                                             "recomputed") for s in sites]
+    gran = allocation_granularity(_device_of(built.fw))
+    choices = []
+    for s in sites:
+        priced = []
+        for config in head_pass.configurations(s, costs[s.fwd]):
+            head_pass.apply([built.fw, built.bw], s, config)
+            schedule = step.liveness(built.fw, built.bw, built.saved_names, num_fwd_outputs)
+            priced.append((_peak_bytes(schedule, gran), config))
+        fitting = [(p, c) for p, c in priced if p <= target]
+        if fitting:
+            p, best = max(fitting, key=lambda pc: pc[1].chunk)
+            reason = (f"the largest of {len(priced)} chunk sizes that fits"
+                      if best.chunks > 1 else "the budget fits with one chunk")
+        else:
+            low = min(p for p, _ in priced)
+            p, best = max(((p, c) for p, c in priced if p <= low), key=lambda pc: pc[1].chunk)
+            reason = (f"the largest chunk of the lowest peak of {len(priced)} chunk sizes "
+                      f"(none fits alone; the rest is recomputed elsewhere)")
+        log.debug("memopt head %s: %d chunks of %d tokens, peak %s", s.name, best.chunks,
+                  best.chunk, format_bytes(p))
+        head_pass.apply([joint, built.fw, built.bw], s, best)
+        choices.append(_HeadChoice(s, best, reason))
+    return choices
+
+
+def _head_records(choices: list[_HeadChoice]) -> tuple[HeadRecord, ...]:
+    return tuple(HeadRecord(
+        module=c.site.name, tokens=c.site.rows, vocab=c.site.vocab, chunk=c.config.chunk,
+        chunks=c.config.chunks, held_bytes=c.config.held_bytes,
+        forward_workspace_bytes=c.config.forward_workspace_bytes,
+        workspace_bytes=c.config.workspace_bytes, recompute_flops=c.config.recompute_flops,
+        reason=c.reason) for c in choices)
 
 
 @dataclass(frozen=True)
@@ -611,6 +676,14 @@ def plan_joint(
                 costs[site.fwd] = chain_pass.chunk_costs(joint, site)
                 chain_pass.apply([joint], site,
                                  chain_pass.configure(site, costs[site.fwd], site.steps, 1))
+    head_costs: dict[str, head_pass.HeadCosts] = {}
+    head_sites = head_pass.find_heads(joint)
+    if head_sites:
+        with _stage("language-model heads", done):  # each as one chunk, for the baseline
+            for head in head_sites:
+                head_costs[head.fwd] = head_pass.head_costs(joint, head)
+                head_pass.apply([joint], head,
+                                head_pass.configure(head, head_costs[head.fwd], head.rows))
     reversible: list[reversible_pass.ReversibleSite] = []
     if reversible_pass.present(joint):
         with _stage("reversible stacks", done):  # no slots to choose: charge the buffers
@@ -657,6 +730,11 @@ def plan_joint(
     fits = target  # what the plan must fit; the search may aim lower (cap)
     if cap is not None:
         target = cap if target is None else min(target, cap)
+    heads: list[_HeadChoice] = []
+    if head_sites:
+        with _stage("language-model head chunks", done):
+            heads = _choose_heads(head_sites, joint, num_fwd_outputs, target, step, build,
+                                  head_costs)
     chains: list[_ChainChoice] = []
     if sites:
         with _stage("recurrent chain policies", done):
@@ -709,6 +787,7 @@ def plan_joint(
                            step=step, done=[])
     recomputed = _recomputed_nodes(final)
     chain_records = _chain_records(chains)
+    head_records = _head_records(heads)
     forward_flops = _forward_flops(joint, num_fwd_outputs) + sum(
         c.site.steps * c.site.step_flops for c in chains)
     device = _device_of(final.fw)
@@ -718,8 +797,9 @@ def plan_joint(
         plan = plan.model_copy(update={
             "recomputed": recomputed, "forward_flops": forward_flops,
             "recompute_flops": sum(r.flops for r in recomputed) + sum(
-                c.recompute_flops for c in chain_records),
-            "search": search, "chains": chain_records,
+                c.recompute_flops for c in chain_records) + sum(
+                h.recompute_flops for h in head_records),
+            "search": search, "chains": chain_records, "heads": head_records,
             "reversible": tuple(ReversibleRecord(
                 module=r.name, module_type=r.module_type, steps=r.steps, layers=r.layers,
                 max_forget_bits=r.max_forget_bits, stored_state_bytes=r.stored_state_bytes,

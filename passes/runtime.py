@@ -2,7 +2,8 @@
 
 passes.loops and passes.chains rewrite graphs into calls of ``memopt::chain_fwd`` /
 ``chain_bwd`` and price them; passes.reversible prices ``memopt::reversible_fwd`` /
-``reversible_bwd``. The operators, and the Python that runs inside them, belong to
+``reversible_bwd``; passes.heads inserts and prices ``memopt::head_fwd`` / ``head_bwd``.
+The operators, and the Python that runs inside them, belong to
 memopt's runtime above the passes (memopt.recurrent.ops, memopt.recurrent.modules,
 memopt.nn.ops), which register themselves here when they are imported, so that imports
 run one way: memopt -> passes -> allocator. memopt.backend imports those runtimes before
@@ -22,6 +23,7 @@ class Runtimes:
     chains: Any = None      # memopt.recurrent.ops: ChainSpec, register, spec_of, LAST_STATS
     loop_step: Any = None   # memopt.recurrent.modules.loop_step
     reversible: Any = None  # memopt.nn.ops: spec_of, the buffer bound
+    heads: Any = None       # memopt.lm_head: the chunked head's ops
 
 
 RUNTIMES = Runtimes()
@@ -32,7 +34,7 @@ def runtime(name: str) -> Any:
     found = getattr(RUNTIMES, name)
     if found is None:
         module = {"chains": "memopt.recurrent.ops", "loop_step": "memopt.recurrent.modules",
-                  "reversible": "memopt.nn.ops"}[name]
+                  "reversible": "memopt.nn.ops", "heads": "memopt.lm_head"}[name]
         raise RuntimeError(f"memopt's {name} runtime is not loaded: import {module} "
                            f"(memopt.compile and memopt.plan do) before running this pass")
     return found

@@ -1,0 +1,191 @@
+"""A language model's head and loss as two opaque operators, run chunk by chunk over the
+tokens: ``memopt::head_fwd`` and ``memopt::head_bwd``.
+
+The last projection of a language model and its loss,
+``F.cross_entropy(linear(h, W, b).view(-1, V), target)``, hold what no recomputation of
+the body removes: eager saves the (tokens, vocabulary) log-probabilities for backward and
+its backward makes two more tensors of that size (their gradient, and the logits'). With
+a vocabulary of 50k they are most of a small model's step. memopt.passes.heads finds the
+pattern in dynamo's graph and puts these ops in its place; the planner then chooses
+``chunk``, the rows (tokens) computed at once, by rewriting the ops' first argument:
+
+- ``chunk >= tokens`` (one chunk): eager's way. The forward keeps the log-probabilities
+  (behind the ``handle`` output, in a side table, as memopt.recurrent.ops keeps a chain's
+  states) and the backward turns them into the logits' gradient in place. Nothing is
+  recomputed; the bytes held are eager's, and the backward makes one such tensor fewer.
+- ``chunk < tokens``: the forward computes each chunk's logits, log-softmax and loss sum
+  and keeps nothing; the backward recomputes each chunk's logits (one more matmul of the
+  head) and writes that chunk's gradient of ``h``, adding into ``W``'s and ``b``'s. The
+  full logits and their gradient never exist at once.
+
+The loss and every gradient are eager's (cross-entropy with ``ignore_index`` and a
+``mean`` or ``sum`` reduction; rows are independent, so chunks change only the order of
+the final sums). When the model also returns the logits (Hugging Face's models do), the
+forward computes them whole as its second output, and the backward adds their incoming
+gradient chunk by chunk. The logits may be cast to float32 before the loss (``upcast``,
+as transformers' loss functions do): the loss is then computed in float32 and the
+gradient cast back, as autograd does through the cast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from memopt.passes.runtime import RUNTIMES
+
+_STASH: dict[int, Tensor] = {}
+_HANDLES = itertools.count(1)
+
+
+def _fresh_scalar(x: Tensor) -> Tensor:
+    """A loss on its own 0-dim storage (a reduced kernel result may view a larger one)."""
+    return x.clone() if x.untyped_storage().nbytes() > x.element_size() else x
+
+
+def _valid_count(target: Tensor, ignore_index: int) -> Tensor:
+    return (target != ignore_index).sum()
+
+
+def _chunks(rows: int, chunk: int) -> list[tuple[int, int]]:
+    chunk = max(1, min(chunk, rows))
+    return [(i, min(rows, i + chunk)) for i in range(0, rows, chunk)] or [(0, 0)]
+
+
+def _log_probs(logits: Tensor, upcast: bool) -> Tensor:
+    return F.log_softmax(logits.float() if upcast else logits, dim=1)
+
+
+@torch.library.custom_op("memopt::head_fwd", mutates_args=())
+def head_fwd(chunk: int, keep: bool, want_logits: bool, upcast: bool, ignore_index: int,
+             reduction: str, h: Tensor, weight: Tensor, bias: Tensor | None,
+             target: Tensor) -> list[Tensor]:
+    """[loss, logits (rows, V) or an empty tensor, handle]. ``h`` is (rows, d), ``target``
+    (rows,). With ``keep`` and one chunk, the log-probabilities stay under the handle."""
+    rows = h.shape[0]
+    logits = F.linear(h, weight, bias) if want_logits else None
+    whole = chunk >= rows
+    total, kept = None, None
+    for i, j in _chunks(rows, chunk):
+        part = logits[i:j] if logits is not None else F.linear(h[i:j], weight, bias)
+        log_probs = _log_probs(part, upcast)
+        del part
+        loss = F.nll_loss(log_probs, target[i:j], ignore_index=ignore_index, reduction="sum")
+        total = loss if total is None else total + loss
+        if whole and keep:
+            kept = log_probs
+        del log_probs
+    if reduction == "mean":
+        total = total / _valid_count(target, ignore_index)
+    handle = torch.tensor(0, dtype=torch.int64)
+    if kept is not None:
+        key = next(_HANDLES)
+        handle.fill_(key)
+        _STASH[key] = kept
+        weakref.finalize(handle, _STASH.pop, key, None)
+    out = logits if logits is not None else h.new_empty((0,), dtype=weight.dtype)
+    return [_fresh_scalar(total), out, handle]
+
+
+@head_fwd.register_fake
+def _(chunk, keep, want_logits, upcast, ignore_index, reduction, h, weight, bias, target):
+    loss_dtype = torch.float32 if upcast else torch.promote_types(h.dtype, weight.dtype)
+    rows = h.shape[0] if want_logits else 0
+    logits = h.new_empty((rows, weight.shape[0]) if want_logits else (0,), dtype=weight.dtype)
+    return [h.new_empty((), dtype=loss_dtype), logits, torch.empty((), dtype=torch.int64)]
+
+
+def _grad_of_logits(log_probs_or_logits: Tensor, from_logits: bool, target: Tensor,
+                    ignore_index: int, scale: Tensor) -> Tensor:
+    """d loss / d logits for one chunk: scale * (softmax - onehot(target)) on the rows
+    whose target is not ignored, zero on the others. From the kept log-probabilities it
+    is computed in place."""
+    if from_logits:
+        g = torch.softmax(log_probs_or_logits, dim=1)
+    else:
+        g = log_probs_or_logits.exp_()
+    valid = target != ignore_index
+    picked = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
+    g.scatter_add_(1, picked, -valid.to(g.dtype).unsqueeze(1))
+    g.mul_(valid.to(g.dtype).unsqueeze(1))
+    g.mul_(scale.to(g.dtype))
+    return g
+
+
+@torch.library.custom_op("memopt::head_bwd", mutates_args=())
+def head_bwd(chunk: int, upcast: bool, ignore_index: int, reduction: str, handle: Tensor,
+             grad_loss: Tensor, grad_logits: Tensor | None, h: Tensor, weight: Tensor,
+             bias: Tensor | None, target: Tensor, need_h: bool, need_weight: bool,
+             need_bias: bool) -> list[Tensor]:
+    """[grad_h, grad_weight, grad_bias] (zeros of no size where not needed)."""
+    rows = h.shape[0]
+    kept = _STASH.pop(int(handle), None)
+    scale = grad_loss.float() if upcast else grad_loss
+    if reduction == "mean":
+        scale = scale / _valid_count(target, ignore_index)
+    grad_h = torch.empty_like(h) if need_h else h.new_empty((0,))
+    grad_w = torch.zeros_like(weight) if need_weight else weight.new_empty((0,))
+    grad_b = torch.zeros_like(bias) if need_bias and bias is not None else weight.new_empty((0,))
+    spans = [(0, rows)] if kept is not None else _chunks(rows, chunk)
+    for i, j in spans:
+        if kept is not None:
+            g = _grad_of_logits(kept, False, target[i:j], ignore_index, scale)
+            del kept
+        else:
+            part = F.linear(h[i:j], weight, bias)
+            part = part.float() if upcast else part
+            g = _grad_of_logits(part, True, target[i:j], ignore_index, scale)
+            del part
+        if grad_logits is not None and grad_logits.numel():
+            g.add_(grad_logits[i:j])
+        g = g.to(weight.dtype)
+        if need_h:
+            torch.mm(g, weight, out=grad_h[i:j])
+        if need_weight:
+            grad_w.addmm_(g.t(), h[i:j])
+        if need_bias and bias is not None:
+            grad_b.add_(g.sum(0))
+        del g
+    return [grad_h, grad_w, grad_b]
+
+
+@head_bwd.register_fake
+def _(chunk, upcast, ignore_index, reduction, handle, grad_loss, grad_logits, h, weight, bias,
+      target, need_h, need_weight, need_bias):
+    return [torch.empty_like(h) if need_h else h.new_empty((0,)),
+            torch.empty_like(weight) if need_weight else weight.new_empty((0,)),
+            torch.empty_like(bias) if need_bias and bias is not None else weight.new_empty((0,))]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    chunk, keep, want_logits, upcast, ignore_index, reduction, h, weight, bias, target = inputs
+    ctx.args = (chunk, upcast, ignore_index, reduction)
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(output[-1], h, weight, bias if bias is not None else h.new_empty(0),
+                          target)
+
+
+def _backward(ctx, grads):
+    grad_loss, grad_logits = grads[0], grads[1]
+    handle, h, weight, bias, target = ctx.saved_tensors
+    bias = bias if ctx.has_bias else None
+    need = ctx.needs_input_grad
+    if grad_loss is None:
+        grad_loss = torch.zeros((), dtype=torch.float32 if ctx.args[1] else h.dtype,
+                                device=h.device)
+    out = torch.ops.memopt.head_bwd(*ctx.args, handle, grad_loss, grad_logits, h, weight,
+                                      bias, target, bool(need[6]), bool(need[7]),
+                                      bool(need[8]) and bias is not None)
+    return (None,) * 6 + (out[0] if need[6] else None, out[1] if need[7] else None,
+                          out[2] if need[8] and bias is not None else None, None)
+
+
+head_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+# passes.heads reaches this runtime through the registry (imports run one way)
+RUNTIMES.heads = sys.modules[__name__]

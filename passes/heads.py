@@ -1,0 +1,403 @@
+"""A language model's head run chunk by chunk over the tokens: find it in dynamo's graph,
+price its chunk sizes, apply one.
+
+In a language model the last projection and its loss hold what no recomputation of the
+body removes: ``F.cross_entropy(F.linear(h, W, b).view(-1, V), target)`` keeps the
+(tokens, V) log-probabilities for backward, whose backward then makes their gradient
+and the logits' gradient, each as large. ``chunk_heads`` (run on dynamo's torch-level
+graph, before AOTAutograd traces it, like passes.loops) puts memopt's ``head_fwd`` op
+(memopt.lm_head) in the pattern's place; AOTAutograd then traces its ``head_bwd`` into
+the backward. The planner (memopt.pipeline) chooses each head's chunk, the tokens
+computed at once, after capture, by rewriting the ops' first argument (``apply``):
+one chunk keeps eager's log-probabilities and recomputes nothing; smaller chunks keep
+nothing and recompute each chunk's logits in backward (one more matmul of the head).
+
+Requires (``chunk_heads``): the torch-level FX graph dynamo hands a backend, FakeTensors
+in ``node.meta["example_value"]``, a graph that records gradients outside autocast.
+
+The pattern, from the loss back:
+    loss   = F.cross_entropy(x, target, ignore_index=i, reduction="mean" | "sum")
+             (no class weights, no label smoothing), or
+             F.nll_loss(F.log_softmax(x, dim=1 or -1), target, ...) alike;
+    x      = logits through views / reshapes / ``.contiguous()`` / a cast to float32,
+             each read only by the next, ending (tokens, V) with target (tokens,);
+    logits = F.linear(h, W, b): the projection to the vocabulary, V = W.shape[0].
+The logits may have other readers after the loss (a model that returns them, as Hugging
+Face's do): the op then returns them too, computed whole in the forward.
+
+Ensures: the loss and every gradient are eager's (memopt.lm_head); ``find_heads`` lists
+the ops in the joint graph; ``apply`` records the bytes liveness charges
+(passes.meta.HELD_BYTES behind the forward op's handle, WORKSPACE_BYTES on both ops),
+measured on real tensors at two chunk sizes (``head_costs``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ._torch_compat import real_tensors
+from .allocation import can_track, maybe_allocation_peak
+from .meta import HELD_BYTES, NN_MODULE_STACK, WORKSPACE_BYTES, _clean_path, fake_value, \
+    handle_readers
+from .runtime import runtime
+
+log = logging.getLogger("memopt")
+
+#: The key dynamo writes each node's FakeTensor value under.
+EXAMPLE_VALUE = "example_value"
+#: Positions of the ops' arguments (memopt.lm_head schemas).
+_CHUNK, _WANT_LOGITS, _UPCAST, _IGNORE, _REDUCTION = 0, 2, 3, 4, 5
+_FWD_H, _FWD_W, _FWD_B, _FWD_TARGET = 6, 7, 8, 9
+_BWD_HANDLE = 4
+#: The smallest chunk the planner tries: below it the matmuls get slow for little gain.
+MIN_CHUNK_ROWS = 16
+
+_PASS_METHODS = frozenset({"view", "reshape", "contiguous", "flatten", "float", "to"})
+_PASS_FUNCTIONS = frozenset({torch.reshape, torch.flatten})
+
+
+def _ops():
+    return torch.ops.memopt.head_fwd.default, torch.ops.memopt.head_bwd.default
+
+
+# -- in dynamo's graph: find the pattern and rewrite it ---------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkedHeadSite:
+    """A head the pass replaced by ``memopt::head_fwd``."""
+
+    name: str
+    rows: int
+    vocab: int
+
+
+def _example(node) -> torch.Tensor | None:
+    value = node.meta.get(EXAMPLE_VALUE) if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _bind(fn, node: fx.Node) -> dict | None:
+    try:
+        bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound.arguments
+
+
+@dataclass(frozen=True)
+class _Match:
+    loss: fx.Node
+    through: tuple[fx.Node, ...]   # from the loss's input back to the logits' first reader
+    linear: fx.Node
+    target: fx.Node
+    ignore_index: int
+    reduction: str
+    upcast: bool
+
+
+def _loss_input(node: fx.Node) -> tuple[fx.Node, dict, list[fx.Node]] | str:
+    """The loss node's logits-side input, its arguments, and a log_softmax between them."""
+    if node.target is F.cross_entropy:
+        args = _bind(F.cross_entropy, node)
+        if args is None:
+            return "cross_entropy's arguments could not be read"
+        if args["label_smoothing"] != 0.0:
+            return "label smoothing"
+        return args["input"], args, []
+    args = _bind(F.nll_loss, node)
+    if args is None:
+        return "nll_loss's arguments could not be read"
+    source = args["input"]
+    if not isinstance(source, fx.Node) or len(source.users) != 1:
+        return "nll_loss of a value read elsewhere"
+    if source.op == "call_function" and source.target is F.log_softmax:
+        ls = _bind(F.log_softmax, source)
+    elif source.op == "call_method" and source.target == "log_softmax":
+        ls = {"input": source.args[0], "dim": source.args[1] if len(source.args) > 1
+              else source.kwargs.get("dim"), "dtype": source.kwargs.get("dtype")}
+    else:
+        return "nll_loss not of a log_softmax"
+    if ls is None or ls.get("dim") not in (1, -1) or ls.get("dtype") is not None:
+        return "log_softmax not over the classes of a 2-D input"
+    return ls["input"], args, [source]
+
+
+def _match(loss: fx.Node) -> _Match | str:
+    """The head pattern ending at ``loss`` (a cross_entropy or nll_loss call), or why not."""
+    found = _loss_input(loss)
+    if isinstance(found, str):
+        return found
+    x, args, between = found
+    if args.get("weight") is not None:
+        return "class weights"
+    if args.get("size_average") is not None or args.get("reduce") is not None:
+        return "the deprecated size_average / reduce arguments"
+    reduction, ignore_index, target = args["reduction"], args["ignore_index"], args["target"]
+    if reduction not in ("mean", "sum") or not isinstance(ignore_index, int):
+        return f"reduction {reduction!r}"
+    xv, tv = _example(x), _example(target)
+    if xv is None or tv is None or xv.dim() != 2 or tv.dim() != 1 or tv.is_floating_point() \
+            or tv.shape[0] != xv.shape[0]:
+        return "not (tokens, classes) logits with (tokens,) class targets"
+    through: list[fx.Node] = [*between]
+    node = x
+    while isinstance(node, fx.Node) and not (node.op == "call_function"
+                                             and node.target is F.linear):
+        passes = (node.op == "call_method" and node.target in _PASS_METHODS) or (
+            node.op == "call_function" and node.target in _PASS_FUNCTIONS)
+        if not passes or len(node.users) != 1:
+            return f"the logits pass through {node.target} (or are read elsewhere)"
+        if node.target == "to" and _example(node) is not None and (
+                _example(node).dtype != torch.float32 or len(node.args) + len(node.kwargs) > 2):
+            return "a cast other than to float32"
+        through.append(node)
+        node = node.args[0]
+    if not isinstance(node, fx.Node):
+        return "no linear projection before the loss"
+    lv, xv0 = _example(node), _example(x)
+    if lv is None or lv.shape[-1] != xv.shape[1] or lv.numel() != xv.numel():
+        return "the loss's classes are not the projection's last dimension"
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    wv = _example(weight)
+    if wv is None or wv.dim() != 2 or not lv.is_floating_point():
+        return "a projection whose weight is not a 2-D tensor"
+    upcast = xv0.dtype != lv.dtype
+    if upcast and xv0.dtype != torch.float32:
+        return "a cast other than to float32"
+    return _Match(loss=loss, through=tuple(reversed(through)), linear=node, target=target,
+                  ignore_index=ignore_index, reduction=reduction, upcast=upcast)
+
+
+def _describe(node: fx.Node) -> str:
+    stack = node.meta.get(NN_MODULE_STACK) or {}
+    paths = [_clean_path(str(p)) for p, _ in stack.values()]
+    return paths[-1] if paths and paths[-1] else "head"
+
+
+def chunk_heads(gm: fx.GraphModule) -> list[ChunkedHeadSite]:
+    """Replace every head pattern of ``gm`` (see the module docstring) by ``head_fwd``
+    with one chunk (the planner chooses the chunk later); returns what it replaced. A
+    pattern it cannot prove equal is left as it is, with one debug line saying why."""
+    runtime("heads")
+    fwd_op, _ = _ops()
+    done = []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for loss in list(gm.graph.nodes):
+        if loss.op != "call_function" or loss.target not in (F.cross_entropy, F.nll_loss):
+            continue
+        match = _match(loss)
+        if isinstance(match, str):
+            log.debug("memopt heads: %s left as it is: %s", loss.name, match)
+            continue
+        linear = match.linear
+        others = [u for u in linear.users if u not in match.through]
+        if any(order[u] < order[loss] for u in others):
+            log.debug("memopt heads: %s left as it is: its logits are read before the loss",
+                      loss.name)
+            continue
+        h = linear.args[0]
+        weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs["weight"]
+        bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+        logits = _example(linear)
+        rows, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
+        graph = gm.graph
+        with graph.inserting_before(loss):
+            flat = graph.call_function(torch.reshape, (h, (rows, _example(h).shape[-1])))
+            op = graph.call_function(fwd_op, (
+                rows, True, bool(others), match.upcast, match.ignore_index, match.reduction,
+                flat, weight, bias, match.target))
+            for key in ("stack_trace", NN_MODULE_STACK):
+                if key in linear.meta:
+                    op.meta[key] = linear.meta[key]
+            value = graph.call_function(operator.getitem, (op, 0))
+            value.meta[EXAMPLE_VALUE] = loss.meta.get(EXAMPLE_VALUE)
+            if others:
+                out = graph.call_function(operator.getitem, (op, 1))
+                out = graph.call_function(torch.reshape, (out, tuple(logits.shape)))
+                out.meta[EXAMPLE_VALUE] = logits
+        loss.replace_all_uses_with(value)
+        graph.erase_node(loss)
+        for node in reversed(match.through):
+            graph.erase_node(node)
+        if others:
+            linear.replace_all_uses_with(out)
+        graph.erase_node(linear)
+        done.append(ChunkedHeadSite(name=_describe(linear), rows=rows, vocab=vocab))
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+# -- in the joint graph: sites, costs, configurations -----------------------------------
+
+
+@dataclass(frozen=True)
+class HeadSite:
+    """One head_fwd op of the joint graph and its backward op(s)."""
+
+    fwd: str
+    bwds: tuple[str, ...]
+    name: str
+    rows: int                   # tokens
+    vocab: int
+    hidden: int                 # d, the projection's input features
+    log_prob_bytes: int         # the (tokens, V) float log-probabilities one chunk keeps
+
+    @property
+    def matmul_flops(self) -> int:
+        """One forward of the projection: what a chunked backward recomputes."""
+        return 2 * self.rows * self.hidden * self.vocab
+
+
+def find_heads(joint: fx.GraphModule) -> list[HeadSite]:
+    """Every head_fwd node and its head_bwd nodes (none in an inference graph)."""
+    fwd_op, bwd_op = _ops()
+    nodes = list(joint.graph.nodes)
+    sites = []
+    for node in nodes:
+        if node.target is not fwd_op:
+            continue
+        bwds = handle_readers(nodes, node, bwd_op, _BWD_HANDLE)
+        h, w = fake_value(node.args[_FWD_H]), fake_value(node.args[_FWD_W])
+        rows, vocab = int(h.shape[0]), int(w.shape[0])
+        upcast = node.args[_UPCAST]
+        size = 4 if upcast else torch.promote_types(h.dtype, w.dtype).itemsize
+        stack = node.meta.get(NN_MODULE_STACK) or {}
+        paths = [_clean_path(str(p)) for p, _ in stack.values()]
+        sites.append(HeadSite(fwd=node.name, bwds=tuple(n.name for n in bwds),
+                              name=paths[-1] if paths and paths[-1] else "head", rows=rows,
+                              vocab=vocab, hidden=int(h.shape[1]),
+                              log_prob_bytes=rows * vocab * size))
+    return sites
+
+
+@dataclass(frozen=True)
+class HeadCosts:
+    """A chunked head's transient bytes, linear in the chunk's rows c: ``forward_*`` is
+    what its forward op allocates beyond what it returns (the chunk's logits and
+    log-probabilities), ``backward_*`` what its backward op allocates beyond its
+    gradients (the chunk's logits and their gradient); ``whole_*`` the same for one
+    chunk, which keeps the log-probabilities instead."""
+
+    forward_first: int
+    forward_per_row: int
+    backward_first: int
+    backward_per_row: int
+    whole_forward: int
+    whole_backward: int
+
+    def forward(self, chunk: int) -> int:
+        return max(0, self.forward_first + (chunk - 1) * self.forward_per_row)
+
+    def backward(self, chunk: int) -> int:
+        return max(0, self.backward_first + (chunk - 1) * self.backward_per_row)
+
+
+def _node(joint: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in joint.graph.nodes if n.name == name)
+
+
+def head_costs(joint: fx.GraphModule, site: HeadSite) -> HeadCosts:
+    """Measured on zeros of the real shapes on the real device (inside real_tensors):
+    the forward and backward ops at two chunk sizes and as one chunk, under allocation
+    tracking. Where allocations cannot be tracked (another profiler is recording on
+    CPU) the transients are taken as zero, and a warning says the plan may undercount."""
+    fwd_op, bwd_op = _ops()
+    node = _node(joint, site.fwd)
+    a = node.args
+    h, w = fake_value(a[_FWD_H]), fake_value(a[_FWD_W])
+    b = fake_value(a[_FWD_B]) if a[_FWD_B] is not None else None
+    device = h.device
+    tracked = can_track(device)
+    if not tracked:
+        log.warning("memopt: cannot track allocations while planning head %s (a profiler "
+                    "is recording); its temporaries are not counted", site.name)
+
+    def measure(chunk: int) -> tuple[int, int]:
+        def zeros(t):
+            return None if t is None else torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+        hr, wr, br = zeros(h), zeros(w), zeros(b)
+        target = torch.zeros(site.rows, dtype=torch.int64, device=device)
+        with maybe_allocation_peak(device, tracked) as fwd:
+            loss, logits, handle = fwd_op(chunk, True, *a[_WANT_LOGITS:_FWD_H], hr, wr, br,
+                                          target)
+        grad_logits = torch.zeros_like(logits) if logits.numel() else None
+        grad_loss = torch.ones_like(loss)
+        with maybe_allocation_peak(device, tracked) as bwd:
+            grads = bwd_op(chunk, a[_UPCAST], a[_IGNORE], a[_REDUCTION], handle, grad_loss,
+                           grad_logits, hr, wr, br, target, True, True, br is not None)
+            out = sum(g.untyped_storage().nbytes() for g in grads)
+        return fwd.peak - fwd.end, max(0, bwd.peak - out)
+
+    small = max(1, min(site.rows, MIN_CHUNK_ROWS))
+    large = max(small + 1, min(site.rows, 4 * small))
+    with real_tensors():
+        (f1, b1), (f2, b2) = measure(small), measure(large)
+        whole = measure(site.rows)
+    f_per = max(0, (f2 - f1) // (large - small)) if large > small else 0
+    b_per = max(0, (b2 - b1) // (large - small)) if large > small else 0
+    return HeadCosts(forward_first=f1 - (small - 1) * f_per, forward_per_row=f_per,
+                     backward_first=b1 - (small - 1) * b_per, backward_per_row=b_per,
+                     whole_forward=whole[0], whole_backward=whole[1])
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """One chunk size for a head, with the bytes liveness charges."""
+
+    chunk: int
+    chunks: int
+    held_bytes: int
+    forward_workspace_bytes: int
+    workspace_bytes: int
+    recompute_flops: int
+
+
+def configure(site: HeadSite, costs: HeadCosts, chunk: int) -> HeadConfig:
+    """The head run in chunks of ``chunk`` tokens (one chunk: eager's log-probabilities
+    kept, nothing recomputed)."""
+    chunk = max(1, min(chunk, site.rows))
+    if chunk >= site.rows:
+        return HeadConfig(chunk=site.rows, chunks=1, held_bytes=site.log_prob_bytes,
+                          forward_workspace_bytes=costs.whole_forward,
+                          workspace_bytes=costs.whole_backward, recompute_flops=0)
+    return HeadConfig(chunk=chunk, chunks=math.ceil(site.rows / chunk), held_bytes=0,
+                      forward_workspace_bytes=costs.forward(chunk),
+                      workspace_bytes=costs.backward(chunk), recompute_flops=site.matmul_flops)
+
+
+def configurations(site: HeadSite, costs: HeadCosts) -> list[HeadConfig]:
+    """One chunk, then 2, 4, 8, ... chunks while a chunk has at least MIN_CHUNK_ROWS
+    tokens (always at least one split when the head has two tokens or more)."""
+    configs = [configure(site, costs, site.rows)]
+    parts = 2
+    while site.rows >= parts and (site.rows // parts >= MIN_CHUNK_ROWS or parts == 2):
+        configs.append(configure(site, costs, math.ceil(site.rows / parts)))
+        parts *= 2
+    return configs
+
+
+def apply(graphs: list[fx.GraphModule], site: HeadSite, config: HeadConfig) -> None:
+    """Rewrite the site's ops in ``graphs`` to run ``config``, and record its bytes."""
+    fwd_op, bwd_op = _ops()
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.target is fwd_op and node.name == site.fwd:
+                node.args = (config.chunk, *node.args[1:])
+                node.meta[HELD_BYTES] = {len(fake_value(node)) - 1: config.held_bytes}
+                node.meta[WORKSPACE_BYTES] = config.forward_workspace_bytes
+            elif node.target is bwd_op and node.name in site.bwds:
+                node.args = (config.chunk, *node.args[1:])
+                node.meta[WORKSPACE_BYTES] = config.workspace_bytes
