@@ -163,7 +163,7 @@ def _(chunk, upcast, ignore_index, reduction, handle, grad_loss, grad_logits, h,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    chunk, keep, want_logits, upcast, ignore_index, reduction, h, weight, bias, target = inputs
+    chunk, _keep, _want_logits, upcast, ignore_index, reduction, h, weight, bias, target = inputs
     ctx.args = (chunk, upcast, ignore_index, reduction)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(output[-1], h, weight, bias if bias is not None else h.new_empty(0),

@@ -1,0 +1,199 @@
+"""The language-model head chunked along the tokens (memopt.lm_head, passes/heads.py):
+the ops against autograd through F.cross_entropy, the pattern found in dynamo's graph
+(and what is left as it is), eager's loss and gradients under budgets that chunk it, and
+the measured step within the budget and the plan."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+import memopt.lm_head  # noqa: F401  (registers the ops)
+from memopt.allocation import allocation_peak
+from memopt.errors import BudgetError
+
+V = 700
+
+
+def _reference(h, w, b, target, ignore_index, reduction, upcast, grad_logits=None):
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    b = b.detach().requires_grad_() if b is not None else None
+    logits = F.linear(h, w, b)
+    x = logits.float() if upcast else logits
+    loss = F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction)
+    total = loss + ((logits * grad_logits).sum() if grad_logits is not None else 0)
+    total.backward()
+    return loss.detach(), logits.detach(), [t.grad for t in (h, w, b) if t is not None]
+
+
+@pytest.mark.parametrize("chunk", [1000, 64, 7])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("want_logits", [False, True])
+def test_ops_equal_autograd_through_cross_entropy(chunk, reduction, want_logits):
+    """Every chunk size, one chunk (log-probabilities kept) included: eager's loss,
+    logits and gradients, ignored targets and an incoming gradient of the logits too."""
+    torch.manual_seed(0)
+    rows, d = 200, 24
+    h, w, b = torch.randn(rows, d), torch.randn(V, d) * 0.3, torch.randn(V)
+    target = torch.randint(0, V, (rows,))
+    target[::9] = -100
+    grad_logits = torch.randn(rows, V) if want_logits else None
+    loss, logits, grads = _reference(h, w, b, target, -100, reduction, False, grad_logits)
+    got_loss, got_logits, handle = torch.ops.memopt.head_fwd(
+        chunk, True, want_logits, False, -100, reduction, h, w, b, target)
+    got = torch.ops.memopt.head_bwd(chunk, False, -100, reduction, handle, torch.ones(()),
+                                    grad_logits, h, w, b, target, True, True, True)
+    torch.testing.assert_close(got_loss, loss)
+    if want_logits:
+        torch.testing.assert_close(got_logits, logits)
+    for a, e in zip(got, grads):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_ops_upcast_from_bfloat16():
+    """Logits cast to float32 before the loss (transformers' loss functions): the loss
+    in float32, the gradients cast back as autograd casts them."""
+    torch.manual_seed(0)
+    h, w = torch.randn(64, 16, dtype=torch.bfloat16), torch.randn(V, 16, dtype=torch.bfloat16)
+    target = torch.randint(0, V, (64,))
+    loss, _, grads = _reference(h, w, None, target, -100, "mean", True)
+    got_loss, _, handle = torch.ops.memopt.head_fwd(16, True, False, True, -100, "mean", h, w,
+                                                    None, target)
+    got = torch.ops.memopt.head_bwd(16, True, -100, "mean", handle, torch.ones(()), None, h,
+                                    w, None, target, True, True, False)
+    assert got_loss.dtype == torch.float32
+    torch.testing.assert_close(got_loss, loss, rtol=1e-3, atol=1e-3)
+    for a, e in zip(got, grads):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=2e-3)
+
+
+class _LM(nn.Module):
+    """Embedding, a small body, a head to V words and its loss, in the forms real
+    language models write it."""
+
+    def __init__(self, *, form: str = "cross_entropy", returns_logits: bool = False,
+                 reduction: str = "mean", bias: bool = True, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, 32)
+        self.body = nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Dropout(dropout),
+                                  nn.Linear(96, 32))
+        self.head = nn.Linear(32, V, bias=bias)
+        self.form, self.returns_logits, self.reduction = form, returns_logits, reduction
+
+    def forward(self, tokens, targets):
+        logits = self.head(self.body(self.emb(tokens)))
+        flat = logits.float().view(-1, V)
+        if self.form == "nll_loss":
+            loss = F.nll_loss(F.log_softmax(flat, dim=-1), targets.view(-1),
+                              reduction=self.reduction)
+        elif self.form == "label_smoothing":
+            loss = F.cross_entropy(flat, targets.view(-1), label_smoothing=0.1)
+        else:
+            loss = F.cross_entropy(flat, targets.view(-1), ignore_index=-100,
+                                   reduction=self.reduction)
+        return (loss, logits) if self.returns_logits else loss
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, V, (8, 96), generator=g)
+    targets = torch.randint(0, V, (8, 96), generator=g)
+    targets[0, :20] = -100
+    return tokens, targets
+
+
+def _loss(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _step(module, tokens, targets, seed=3):
+    torch.manual_seed(seed)
+    loss = _loss(module(tokens, targets))
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"returns_logits": True}, {"reduction": "sum", "bias": False},
+    {"form": "nll_loss", "returns_logits": True}, {"dropout": 0.2}])
+@pytest.mark.parametrize("budget", [None, 0.7])
+def test_compiled_head_keeps_eager_gradients(kwargs, budget):
+    """Under a budget the head runs in chunks (plan.heads); with none it is left as it
+    is. Loss and every gradient equal eager's, over two steps."""
+    torch.manual_seed(0)
+    model = _LM(**kwargs)
+    eager = copy.deepcopy(model)
+    compiled = memopt.compile(copy.deepcopy(model), budget=budget)
+    tokens, targets = _inputs()
+    for step in range(2):
+        ref = _step(eager, tokens, targets, seed=step)
+        got = _step(compiled, tokens, targets, seed=step)
+        torch.testing.assert_close(got, ref)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    heads = compiled.memopt_plan.heads
+    if budget is None:
+        assert heads == ()
+    else:
+        (head,) = heads
+        assert (head.tokens, head.vocab) == (8 * 96, V)
+        assert head.chunks > 1 and head.recompute_flops > 0, head
+        assert "head head:" in compiled.memopt_plan.summary()
+
+
+def test_patterns_left_as_they_are_still_train():
+    """Label smoothing is not chunked (one debug line says why); the model still trains
+    with eager's gradients under the budget."""
+    torch.manual_seed(0)
+    model = _LM(form="label_smoothing")
+    eager = copy.deepcopy(model)
+    compiled = memopt.compile(copy.deepcopy(model), budget=0.7)
+    tokens, targets = _inputs()
+    torch.testing.assert_close(_step(compiled, tokens, targets), _step(eager, tokens, targets))
+    for p, q in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+    assert compiled.memopt_plan.heads == ()
+
+
+def _allocated(module, tokens, targets, resident):
+    for p in module.parameters():
+        p.grad = None
+    with allocation_peak("cpu") as seen:
+        out = module(tokens, targets)  # held through backward, as training loops hold it
+        _loss(out).backward()
+    return seen.peak + resident
+
+
+@pytest.mark.parametrize("returns_logits", [False, True])
+def test_chunked_head_lowers_the_minimum_and_the_measured_step(returns_logits):
+    """At memopt's minimum the measured step is within the budget and within 10% of
+    the plan, and well below the minimum with the head left whole (the head's logits,
+    log-probabilities and their gradients were most of it)."""
+    torch.manual_seed(0)
+    model = _LM(returns_logits=returns_logits)
+    tokens, targets = _inputs()
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), tokens, targets))
+    eager = _allocated(model, tokens, targets, resident)
+    with pytest.raises(BudgetError) as err:
+        memopt.plan(model, tokens, targets, budget=1)
+    minimum = err.value.minimum_bytes
+    compiled = memopt.compile(model, budget=minimum)
+    for p in model.parameters():  # plan the step measured below: gradients set to None
+        p.grad = None
+    _step(compiled, tokens, targets)  # compiles and plans (not under the profiler)
+    measured = _allocated(compiled, tokens, targets, resident)
+    plan = compiled.memopt_plan
+    assert plan.heads and plan.heads[0].chunks > 1
+    assert measured <= minimum, (measured, minimum)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured, (
+        plan.predicted_peak_bytes, measured)
+    # the logits alone are 8 x 96 x V floats; eager holds about four such tensors
+    logits = 8 * 96 * V * 4
+    assert measured < eager - (1.5 if returns_logits else 2.5) * logits, (measured, eager)
