@@ -88,7 +88,7 @@ DEFAULT_T = (128, 256, 512, 1000, 2000)
 QUICK_T = (128,)
 FRACTIONS = (0.25, 0.20, 0.15, 0.10, 0.05)
 """Budgets of Part 1, as fractions of eager's activation memory."""
-LM_FRACTIONS = (0.90, 0.85)
+LM_FRACTIONS = (0.90, 0.85, 0.50, 0.30)
 """Budgets of Part 2 below the two-chunk method's peak, as fractions of that peak."""
 PARTS = ("gruslys", "lm", "reversible")
 
@@ -149,6 +149,7 @@ class Minimum:
     budget: int | None = None        # BudgetError.minimum_bytes of a 1-byte budget
     predicted: int | None = None     # the plan at that budget: predicted peak
     chains: tuple[dict, ...] = ()    # ... and its chains (scalar fields)
+    heads: tuple[dict, ...] = ()     # ... and its language-model heads
     error: str | None = None         # why there is no minimum
 
     def extra_forwards(self) -> float:
@@ -169,7 +170,8 @@ def minimum_budget(spec: str, device: str, timeout: float = 1800) -> Minimum:
         if line.startswith("{"):
             answer = json.loads(line)
             return Minimum(budget=answer.get("minimum_bytes"), predicted=answer.get("predicted"),
-                           chains=tuple(answer.get("chains", ())), error=answer.get("error"))
+                           chains=tuple(answer.get("chains", ())),
+                           heads=tuple(answer.get("heads", ())), error=answer.get("error"))
     return Minimum(error=f"failed: {_last_lines(proc.stderr)}")
 
 
@@ -191,6 +193,7 @@ def _print_minimum(spec: str, device: str) -> int:
                            budget=err.minimum_bytes)
         answer["predicted"] = plan.predicted_peak_bytes
         answer["chains"] = [_jsonable(c) for c in getattr(plan, "chains", ())]
+        answer["heads"] = [_jsonable(h) for h in getattr(plan, "heads", ())]
     except Exception as err:  # report any failure as data; the parent prints it
         answer["error"] = f"{type(err).__name__}: {err}"[:2000]
     print(json.dumps(answer))
@@ -360,7 +363,13 @@ def _group(failures: list[tuple[str, str]]) -> dict[str, list[str]]:
 
 LM_HEADER = ["config", "budget", "predicted", "measured peak", "measured / eager",
              "measured / two-chunk", "measured <= budget", "RSS peak (CPU)",
-             "RSS / two-chunk", "time / eager", "time / two-chunk", *CHAIN_HEADER]
+             "RSS / two-chunk", "time / eager", "time / two-chunk", *CHAIN_HEADER,
+             "decoder chunks x tokens"]
+
+
+def head_cell(heads: Sequence[dict] | None) -> str:
+    """Each language-model head of memopt's plan: chunks x tokens per chunk."""
+    return "; ".join(f"{h.get('chunks')} x {h.get('chunk')}" for h in heads) if heads else "-"
 
 
 def run_lm(device: str, timed_steps: int, quick: bool, failures: list[tuple[str, str]], *,
@@ -383,7 +392,7 @@ def run_lm(device: str, timed_steps: int, quick: bool, failures: list[tuple[str,
             low = cell.skipped
             return [cell.label, budget, _bytes(low.predicted),
                     f"not run: {low.extra_forwards():.0f} extra forward passes", "-", "-", "-",
-                    "-", "-", "-", "-", *chain_cells(low.chains)]
+                    "-", "-", "-", "-", *chain_cells(low.chains), head_cell(low.heads)]
         if cell.error == "BudgetError":
             return [cell.label, budget, "-", f"BudgetError (min {_bytes(minimum.budget)})"]
         if not cell.ok:
@@ -397,7 +406,8 @@ def run_lm(device: str, timed_steps: int, quick: bool, failures: list[tuple[str,
         return [cell.label, budget, _bytes(m.predicted_peak_bytes), format_bytes(peak),
                 _ratio(peak, e.budget_peak_bytes), _ratio(peak, two.budget_peak_bytes), fits,
                 rss_cell(m), rss_ratio, _ratio(m.step_seconds, e.step_seconds) + seconds,
-                _ratio(m.step_seconds, two.step_seconds), *chain_cells(m.chains)]
+                _ratio(m.step_seconds, two.step_seconds), *chain_cells(m.chains),
+                head_cell(m.heads)]
 
     minimum = minimum_budget("wlm", device)
     rows = [row(eager), row(chunked)]

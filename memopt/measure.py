@@ -148,6 +148,8 @@ class Measurement:
     chains: list | None = None
     """``compiled.memopt_plan.chains``, each chain as a JSON-able dict; None if the plan
     lists none (or is not a memopt plan)."""
+    heads: list | None = None
+    """``compiled.memopt_plan.heads`` (language-model heads and their chunks), alike."""
     allocated_peak_bytes: int | None = None
     """Peak of the bytes PyTorch's allocator handed out during the step, resident
     tensors included: on CUDA the rise of ``max_memory_allocated`` over what was
@@ -477,6 +479,7 @@ def _measure_here(
     if plan is not None and getattr(plan, "forward_flops", 0):
         flops_ratio = plan.recompute_flops / plan.forward_flops
     chains = [_jsonable(c) for c in getattr(plan, "chains", None) or ()] or None
+    heads = [_jsonable(h) for h in getattr(plan, "heads", None) or ()] or None
 
     # Step 2: a clean start: gradients as `grads` says (kept ones are resident), no garbage.
     _prepare_grads(modules, wl, grads)
@@ -525,6 +528,7 @@ def _measure_here(
         device=str(dev),
         recompute_flops_ratio=flops_ratio,
         chains=chains,
+        heads=heads,
         allocated_peak_bytes=int(allocated),
     )
 
