@@ -35,8 +35,8 @@ Part 2, the forum's word language model (benchmarks/recurrent_workloads.py): BPT
 batch 20, pytorch/examples' defaults (2-layer LSTM, 200 units, dropout 0.2) on the
 WikiText-2 slice (vocabulary 5,508). Rows: eager full BPTT; the forum's two-chunk BPTT
 (``ChunkedBPTT``: the same gradients with one 256-step chunk's graph at a time); memopt
-with no budget, at the two-chunk method's measured peak, at 90% and 85% of it, and at its
-minimum.
+with no budget, at the two-chunk method's measured peak, at 90%, 85%, 50% and 30% of it,
+and at its minimum.
 
 Timed steps: each cell runs one warm-up step (memopt compiles there), the measured step
 and ``--timed-steps`` more (default 3); the time is the median.
