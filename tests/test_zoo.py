@@ -70,11 +70,15 @@ def _check(name: str, budget_of: str) -> None:
             budget = (err.minimum_bytes + _NO_BUDGET_PEAK[name]) // 2
             compiled = memopt.compile(case.model, budget=budget)
             _step(case, compiled, seed=1)
+    # A gradient that is zero in exact arithmetic (an attention key's bias: softmax is
+    # invariant to it) is rounding noise of the size of what feeds it, so the tolerance
+    # has a floor from the model's largest gradient.
+    floor = 1e-4 * max(w.abs().max().item() for w in expected if w is not None)
     for (pname, p), want in zip(case.model.named_parameters(), expected, strict=True):
         if want is None:
             assert p.grad is None, pname
             continue
-        scale = want.abs().max().item() or 1.0
+        scale = max(want.abs().max().item(), floor) or 1.0
         torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5 * scale,
                                    msg=f"{name}: gradient of {pname}")
 
