@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from memopt.passes.heads import chunk_heads
+from memopt.passes.heads import Attach, chunk_heads
 from memopt.passes.loops import chain_loops
 
 # The runtimes of memopt's own operators, which the passes reach through
@@ -106,16 +106,36 @@ def _chain_loops(gm: fx.GraphModule) -> None:
         raise PassError("recurrent loops", ("capture",), exc) from exc
 
 
-def _chunk_heads(gm: fx.GraphModule) -> None:
+def _chunk_heads(gm: fx.GraphModule) -> list[Attach]:
     """Run language-model heads chunk by chunk over the tokens (memopt.passes.heads), in
-    graphs that record gradients outside autocast (the op would run outside it)."""
+    graphs that record gradients outside autocast (the op would run outside it). Returns
+    where the graph now returns logits without a gradient (see `_attach_logits`)."""
     if not torch.is_grad_enabled() or _autocast_on():
         log.debug("memopt heads: an inference graph or autocast: heads left as they are")
-        return
+        return []
     try:
-        chunk_heads(gm)
+        return [s.attach for s in chunk_heads(gm) if s.attach is not None]
     except Exception as exc:
         raise PassError("language-model heads", ("capture",), exc) from exc
+
+
+def _attach_logits(compiled: Callable, attaches: list[Attach]) -> Callable:
+    """`compiled` returning what dynamo expects: the graph's extra outputs (each head's
+    projection input, memopt.passes.heads) stripped, and each head's logits given their
+    gradient through the projection (memopt.lm_head.attach_logits)."""
+    from .lm_head import attach_logits  # noqa: PLC0415
+
+    extra = len(attaches)
+
+    def run(*args: Any) -> Any:
+        out = list(compiled(*args))
+        own = out[:len(out) - extra]
+        for a in attaches:
+            bias = args[a.bias] if a.bias is not None else None
+            own[a.logits] = attach_logits(own[a.logits], out[a.h], args[a.weight], bias)
+        return own
+
+    return run
 
 
 @dataclass
@@ -245,7 +265,9 @@ class MemoptBackend:
         if self.loops:
             _chain_loops(gm)
         if self.budget is not None:  # with no budget the head stays eager's (nothing to gain)
-            _chunk_heads(gm)
+            graph.attaches = _chunk_heads(gm)
+            if graph.attaches:  # an output more: what autograd sums outside the graph
+                graph.outside_grads = _aliased_output_grad_bytes(gm)
         outside = Outside()
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
@@ -392,6 +414,7 @@ class _Graph:
         self.provisional = False  # planned with a guess for the graphs after it
         self.plan: MemoryPlan | None = None
         self.compiled: Callable | None = None
+        self.attaches: list[Attach] = []  # logits returned without a gradient (_chunk_heads)
 
     def label(self) -> str:
         where = f", {self.frame.where()}" if self.frame.graph_break else ""
@@ -454,6 +477,8 @@ class _Graph:
                 bw_compiler=compile_graph, inference_compiler=compile_graph,
                 partition_fn=partition_fn, decompositions=loss_decompositions(),
             )
+        if self.attaches:
+            compiled = _attach_logits(compiled, self.attaches)
         if not planned:
             return compiled  # an inference graph (no gradients needed): nothing to plan
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside

@@ -62,11 +62,13 @@ def _log_probs(logits: Tensor, upcast: bool) -> Tensor:
 
 
 @torch.library.custom_op("memopt::head_fwd", mutates_args=())
-def head_fwd(chunk: int, keep: bool, want_logits: bool, upcast: bool, ignore_index: int,
-             reduction: str, h: Tensor, weight: Tensor, bias: Tensor | None,
+def head_fwd(chunk: int, keep: bool, want_logits: bool, logits_grad: bool, upcast: bool,
+             ignore_index: int, reduction: str, h: Tensor, weight: Tensor, bias: Tensor | None,
              target: Tensor) -> list[Tensor]:
     """[loss, logits (rows, V) or an empty tensor, handle]. ``h`` is (rows, d), ``target``
-    (rows,). With ``keep`` and one chunk, the log-probabilities stay under the handle."""
+    (rows,). With ``keep`` and one chunk, the log-probabilities stay under the handle.
+    Without ``logits_grad`` the logits output is not differentiable here: the caller
+    attaches their gradient outside the compiled graph (``attach_logits``)."""
     rows = h.shape[0]
     logits = F.linear(h, weight, bias) if want_logits else None
     whole = chunk >= rows
@@ -93,7 +95,8 @@ def head_fwd(chunk: int, keep: bool, want_logits: bool, upcast: bool, ignore_ind
 
 
 @head_fwd.register_fake
-def _(chunk, keep, want_logits, upcast, ignore_index, reduction, h, weight, bias, target):
+def _(chunk, keep, want_logits, logits_grad, upcast, ignore_index, reduction, h, weight, bias,
+      target):
     loss_dtype = torch.float32 if upcast else torch.promote_types(h.dtype, weight.dtype)
     rows = h.shape[0] if want_logits else 0
     logits = h.new_empty((rows, weight.shape[0]) if want_logits else (0,), dtype=weight.dtype)
@@ -163,7 +166,11 @@ def _(chunk, upcast, ignore_index, reduction, handle, grad_loss, grad_logits, h,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    chunk, _keep, _want_logits, upcast, ignore_index, reduction, h, weight, bias, target = inputs
+    (chunk, _keep, _want_logits, logits_grad, upcast, ignore_index, reduction, h, weight, bias,
+     target) = inputs
+    if not logits_grad:
+        ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no (tokens, V) zeros for logits no loss reads
     ctx.args = (chunk, upcast, ignore_index, reduction)
     ctx.has_bias = bias is not None
     ctx.save_for_backward(output[-1], h, weight, bias if bias is not None else h.new_empty(0),
@@ -174,18 +181,49 @@ def _backward(ctx, grads):
     grad_loss, grad_logits = grads[0], grads[1]
     handle, h, weight, bias, target = ctx.saved_tensors
     bias = bias if ctx.has_bias else None
-    need = ctx.needs_input_grad
+    need = ctx.needs_input_grad[1:]  # the inputs after logits_grad line up with head_fwd's
     if grad_loss is None:
         grad_loss = torch.zeros((), dtype=torch.float32 if ctx.args[1] else h.dtype,
                                 device=h.device)
     out = torch.ops.memopt.head_bwd(*ctx.args, handle, grad_loss, grad_logits, h, weight,
                                       bias, target, bool(need[6]), bool(need[7]),
                                       bool(need[8]) and bias is not None)
-    return (None,) * 6 + (out[0] if need[6] else None, out[1] if need[7] else None,
+    return (None,) * 7 + (out[0] if need[6] else None, out[1] if need[7] else None,
                           out[2] if need[8] and bias is not None else None, None)
 
 
 head_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _AttachLogits(torch.autograd.Function):
+    """The logits a compiled graph returns without a gradient, given one: the gradient
+    reaching them (a loss the caller computes on the logits) flows to ``h``, ``weight``
+    and ``bias`` as through ``F.linear``."""
+
+    @staticmethod
+    def forward(ctx, logits, h, weight, bias):
+        ctx.save_for_backward(h, weight)
+        ctx.has_bias = bias is not None
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        g = grad.reshape(-1, weight.shape[0])
+        flat = h.reshape(-1, weight.shape[1])
+        grad_h = (g @ weight).view_as(h) if ctx.needs_input_grad[1] else None
+        grad_w = g.t() @ flat if ctx.needs_input_grad[2] else None
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, grad_h, grad_w, grad_b
+
+
+def attach_logits(logits: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``logits`` (returned by a compiled graph without a gradient) with autograd through
+    ``F.linear(h, weight, bias)``. A model that returns its logits beside its loss would
+    otherwise get a (tokens, V) zero gradient for them at every backward, made by autograd
+    for a graph output the loss does not read; here nothing is made unless the caller's
+    loss reads them."""
+    return _AttachLogits.apply(logits, h, weight, bias)
 
 # passes.heads reaches this runtime through the registry (imports run one way)
 RUNTIMES.heads = sys.modules[__name__]

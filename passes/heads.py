@@ -54,8 +54,8 @@ log = logging.getLogger("memopt")
 #: The key dynamo writes each node's FakeTensor value under.
 EXAMPLE_VALUE = "example_value"
 #: Positions of the ops' arguments (memopt.lm_head schemas).
-_CHUNK, _WANT_LOGITS, _UPCAST, _IGNORE, _REDUCTION = 0, 2, 3, 4, 5
-_FWD_H, _FWD_W, _FWD_B, _FWD_TARGET = 6, 7, 8, 9
+_CHUNK, _WANT_LOGITS, _UPCAST, _IGNORE, _REDUCTION = 0, 2, 4, 5, 6
+_FWD_H, _FWD_W, _FWD_B, _FWD_TARGET = 7, 8, 9, 10
 _BWD_HANDLE = 4
 #: The smallest chunk the planner tries: below it the matmuls get slow for little gain.
 MIN_CHUNK_ROWS = 16
@@ -72,12 +72,26 @@ def _ops():
 
 
 @dataclass(frozen=True)
+class Attach:
+    """Where a graph returns a head's logits without a gradient, and what gives them one
+    outside it (memopt.lm_head.attach_logits): positions in the graph's flat output tuple
+    (the projection's input is an extra output, after the graph's own) and among its
+    placeholders (the projection's weight and bias)."""
+
+    logits: int
+    h: int
+    weight: int
+    bias: int | None
+
+
+@dataclass(frozen=True)
 class ChunkedHeadSite:
     """A head the pass replaced by ``memopt::head_fwd``."""
 
     name: str
     rows: int
     vocab: int
+    attach: Attach | None = None
 
 
 def _example(node) -> torch.Tensor | None:
@@ -184,14 +198,39 @@ def _describe(node: fx.Node) -> str:
     return paths[-1] if paths and paths[-1] else "head"
 
 
+def _returned_only(gm: fx.GraphModule, linear: fx.Node, others: list[fx.Node]
+                   ) -> tuple[int, int, int | None] | None:
+    """When the logits' only other reader is the graph's output (a flat tuple, as dynamo
+    writes it) and the projection's weight and bias are placeholders: the logits' output
+    position and the weight's and bias's placeholder positions. Else None."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    flat = output.args[0]
+    if others != [output] or not isinstance(flat, (tuple, list)) or list(flat).count(linear) != 1:
+        return None
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs.get("weight")
+    bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    if weight not in placeholders or (bias is not None and bias not in placeholders):
+        return None
+    return (list(flat).index(linear), placeholders.index(weight),
+            placeholders.index(bias) if bias is not None else None)
+
+
 def chunk_heads(gm: fx.GraphModule) -> list[ChunkedHeadSite]:
     """Replace every head pattern of ``gm`` (see the module docstring) by ``head_fwd``
     with one chunk (the planner chooses the chunk later); returns what it replaced. A
-    pattern it cannot prove equal is left as it is, with one debug line saying why."""
+    pattern it cannot prove equal is left as it is, with one debug line saying why.
+
+    Logits the graph only returns (a Hugging Face model's ``outputs.logits``) leave it
+    without a gradient, and the projection's input becomes one more output, after the
+    graph's own: the caller strips it and attaches the logits' gradient outside the graph
+    (``ChunkedHeadSite.attach``, memopt.lm_head.attach_logits). Otherwise autograd would
+    make a (tokens, V) zero gradient for them at every backward that does not read them."""
     runtime("heads")
     fwd_op, _ = _ops()
     done = []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    output = next(iter(gm.graph.find_nodes(op="output")))
     for loss in list(gm.graph.nodes):
         if loss.op != "call_function" or loss.target not in (F.cross_entropy, F.nll_loss):
             continue
@@ -205,6 +244,7 @@ def chunk_heads(gm: fx.GraphModule) -> list[ChunkedHeadSite]:
             log.debug("memopt heads: %s left as it is: its logits are read before the loss",
                       loss.name)
             continue
+        returned = _returned_only(gm, linear, others)
         h = linear.args[0]
         weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs["weight"]
         bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
@@ -214,8 +254,8 @@ def chunk_heads(gm: fx.GraphModule) -> list[ChunkedHeadSite]:
         with graph.inserting_before(loss):
             flat = graph.call_function(torch.reshape, (h, (rows, _example(h).shape[-1])))
             op = graph.call_function(fwd_op, (
-                rows, True, bool(others), match.upcast, match.ignore_index, match.reduction,
-                flat, weight, bias, match.target))
+                rows, True, bool(others), returned is None, match.upcast, match.ignore_index,
+                match.reduction, flat, weight, bias, match.target))
             for key in ("stack_trace", NN_MODULE_STACK):
                 if key in linear.meta:
                     op.meta[key] = linear.meta[key]
@@ -224,7 +264,7 @@ def chunk_heads(gm: fx.GraphModule) -> list[ChunkedHeadSite]:
             if others:
                 out = graph.call_function(operator.getitem, (op, 1))
                 out = graph.call_function(torch.reshape, (out, tuple(logits.shape)))
-                out.meta[EXAMPLE_VALUE] = logits
+                out.meta[EXAMPLE_VALUE] = logits.detach() if returned else logits
         loss.replace_all_uses_with(value)
         graph.erase_node(loss)
         for node in reversed(match.through):
@@ -232,7 +272,14 @@ def chunk_heads(gm: fx.GraphModule) -> list[ChunkedHeadSite]:
         if others:
             linear.replace_all_uses_with(out)
         graph.erase_node(linear)
-        done.append(ChunkedHeadSite(name=_describe(linear), rows=rows, vocab=vocab))
+        attach = None
+        if returned is not None:
+            position, w_at, b_at = returned
+            outputs = list(output.args[0])
+            attach = Attach(logits=position, h=len(outputs), weight=w_at, bias=b_at)
+            output.args = (tuple(outputs + [h]), *output.args[1:])
+        done.append(ChunkedHeadSite(name=_describe(linear), rows=rows, vocab=vocab,
+                                    attach=attach))
     if done:
         gm.graph.lint()
         gm.recompile()
@@ -333,7 +380,7 @@ def head_costs(joint: fx.GraphModule, site: HeadSite) -> HeadCosts:
         with maybe_allocation_peak(device, tracked) as fwd:
             loss, logits, handle = fwd_op(chunk, True, *a[_WANT_LOGITS:_FWD_H], hr, wr, br,
                                           target)
-        grad_logits = torch.zeros_like(logits) if logits.numel() else None
+        grad_logits = torch.zeros_like(logits) if logits.numel() and a[3] else None
         grad_loss = torch.ones_like(loss)
         with maybe_allocation_peak(device, tracked) as bwd:
             grads = bwd_op(chunk, a[_UPCAST], a[_IGNORE], a[_REDUCTION], handle, grad_loss,

@@ -45,7 +45,7 @@ def test_ops_equal_autograd_through_cross_entropy(chunk, reduction, want_logits)
     grad_logits = torch.randn(rows, V) if want_logits else None
     loss, logits, grads = _reference(h, w, b, target, -100, reduction, False, grad_logits)
     got_loss, got_logits, handle = torch.ops.memopt.head_fwd(
-        chunk, True, want_logits, False, -100, reduction, h, w, b, target)
+        chunk, True, want_logits, True, False, -100, reduction, h, w, b, target)
     got = torch.ops.memopt.head_bwd(chunk, False, -100, reduction, handle, torch.ones(()),
                                     grad_logits, h, w, b, target, True, True, True)
     torch.testing.assert_close(got_loss, loss)
@@ -62,8 +62,8 @@ def test_ops_upcast_from_bfloat16():
     h, w = torch.randn(64, 16, dtype=torch.bfloat16), torch.randn(V, 16, dtype=torch.bfloat16)
     target = torch.randint(0, V, (64,))
     loss, _, grads = _reference(h, w, None, target, -100, "mean", True)
-    got_loss, _, handle = torch.ops.memopt.head_fwd(16, True, False, True, -100, "mean", h, w,
-                                                    None, target)
+    got_loss, _, handle = torch.ops.memopt.head_fwd(16, True, False, True, True, -100, "mean",
+                                                    h, w, None, target)
     got = torch.ops.memopt.head_bwd(16, True, -100, "mean", handle, torch.ones(()), None, h,
                                     w, None, target, True, True, False)
     assert got_loss.dtype == torch.float32
