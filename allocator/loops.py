@@ -28,10 +28,12 @@ of one kind (a ``Slot``):
 - ``("at", slot, dim, i)``: the value of ``slot`` indexed at a constant i.
 
 The last step may omit ops whose values only a next step would read (a trace drops
-the unused final cell state). Values leave the loop in two ways only: one offset's
-value of every step, in order, stacked by ``torch.stack`` ops (``Op.stack_dim``), and
-the last step's carried state, read by anything. A loop needs a carried state and at
-most one per-step input; a candidate that fails any of this is refused with a reason.
+the unused final cell state). Values leave the loop in two ways only: offsets whose
+value of every step, in order, is stacked by ``torch.stack`` ops (``Op.stack_dim``; one
+or several such outputs), and the last step's carried state, read by anything. A loop
+needs a carried state; it may read any number of per-step inputs (``xs[t]`` and
+``ys[t]``, listed in the order the step first reads them). A candidate that fails any
+of this is refused with a reason.
 
 Algorithm:
     Step 1: candidate step lengths L: distances between ops with equal keys that read
@@ -79,10 +81,24 @@ class Loop:
     slots: tuple[tuple[Slot, ...], ...]         # slots[k]: the kind of each argument of offset k
     state: tuple[int, ...]                      # offsets carried to the next step, ascending
     init: tuple[Ref, ...]                       # their initial values, from before the loop
-    step_input: tuple[Ref, int, int] | None     # (base, dim, i0) of the per-step input
-    output: int | None                          # the offset stacked after the loop
-    stacks: tuple[int, ...]                     # the stack ops that read it
-    stack_dim: int | None
+    step_inputs: tuple[tuple[Ref, int, int], ...]  # (base, dim, i0) of each per-step input
+    outputs: tuple[tuple[int, int], ...]        # (offset, stack dim) of each stacked value
+    stacks: tuple[int, ...]                     # the stack ops reading them
+    stacked: tuple[int, ...] = ()               # stacks[i] stacks outputs[stacked[i]]
+
+    @property
+    def step_input(self) -> tuple[Ref, int, int] | None:
+        """The per-step input when there is exactly one (None with none or several)."""
+        return self.step_inputs[0] if len(self.step_inputs) == 1 else None
+
+    @property
+    def output(self) -> int | None:
+        """The stacked offset when there is exactly one (None with none or several)."""
+        return self.outputs[0][0] if len(self.outputs) == 1 else None
+
+    @property
+    def stack_dim(self) -> int | None:
+        return self.outputs[0][1] if len(self.outputs) == 1 else None
 
     @property
     def end(self) -> int:
@@ -329,17 +345,18 @@ def _close(ops: Sequence[Op], users: list[set[int]], start: int, length: int,
                     return f"the value carried at offset {o} starts from two different values"
     if not inits:
         return "nothing is carried from one step to the next"
-    inputs = {kind[1:] for row in slots for kind in row if kind[0] == "step"}
-    if len(inputs) > 1:
-        return f"{len(inputs)} per-step inputs (one is supported)"
+    inputs: dict[tuple, None] = {}  # first-read order
+    for row in slots:
+        for kind in row:
+            _step_inputs(kind, inputs)
     steps = len(reps)
     where = {j: (r, k) for r, rep in enumerate(reps) for k, j in enumerate(rep) if j is not None}
-    outputs: set[tuple[int, int | None]] = set()
-    stacks = []
+    outputs: dict[tuple[int, int], int] = {}  # (offset, stack dim) -> its index
+    stacks, stacked = [], []
     for u in sorted({u for j in where for u in users[j]} - where.keys()):
         k = _stacked(ops[u], where, steps)
         if k is not None:
-            outputs.add((k, ops[u].stack_dim))
+            stacked.append(outputs.setdefault((k, ops[u].stack_dim), len(outputs)))
             stacks.append(u)
             continue
         for ref in ops[u].args:
@@ -347,11 +364,15 @@ def _close(ops: Sequence[Op], users: list[set[int]], start: int, length: int,
             if j in where and (where[j][0] != steps - 1 or where[j][1] not in inits):
                 return (f"{_label(ops, u)} reads {_label(ops, j)} (step {where[j][0]}), which "
                         "is neither stacked with every step's value nor the final carried state")
-    if len(outputs) > 1:
-        return "several different per-step values are stacked after the loop"
-    output, stack_dim = next(iter(outputs)) if outputs else (None, None)
     state = tuple(sorted(inits))
     return Loop(start=start, length=length, steps=steps, ops=tuple(reps), slots=tuple(slots),
-                state=state, init=tuple(inits[o] for o in state),
-                step_input=next(iter(inputs)) if inputs else None, output=output,
-                stacks=tuple(stacks), stack_dim=stack_dim)
+                state=state, init=tuple(inits[o] for o in state), step_inputs=tuple(inputs),
+                outputs=tuple(outputs), stacks=tuple(stacks), stacked=tuple(stacked))
+
+
+def _step_inputs(kind: Slot, found: dict[tuple, None]) -> None:
+    """Add the per-step inputs ``kind`` reads (as (base, dim, i0)) to ``found``."""
+    if kind[0] == "step":
+        found.setdefault(kind[1:])
+    elif kind[0] == "at":
+        _step_inputs(kind[1], found)

@@ -169,6 +169,7 @@ class ReversibleRecord(BaseModel):
     held_bytes: Bytes              # kept from forward to backward: buffers + final state
     forward_workspace_bytes: Bytes  # allocated by the forward op while it runs
     workspace_bytes: Bytes         # allocated by the backward op while it runs
+    dropout: float = 0.0           # between layers in this graph; masks rebuilt, not held
 
 
 class Timeline(BaseModel):
@@ -448,7 +449,9 @@ class MemoryPlan(BaseModel):
                 f"holds {b(r.held_bytes)}: information buffers at most "
                 f"{b(r.buffer_bound_bytes)} (forgetting cap {cap} bits) and the final state "
                 f"(+ {b(r.forward_workspace_bytes)} while its forward runs, "
-                f"+ {b(r.workspace_bytes)} while its backward runs)")
+                f"+ {b(r.workspace_bytes)} while its backward runs)"
+                + (f"; dropout {r.dropout:g} between layers, masks rebuilt from seeds, not "
+                   f"held" if r.dropout else ""))
         if self.saved:
             lines.append("")
             header = f"  {'saved tensor':<28} {'op':<26} {'module':<32} {'shape':<20} {'bytes':>10}  decision"

@@ -805,7 +805,7 @@ def plan_joint(
                 max_forget_bits=r.max_forget_bits, stored_state_bytes=r.stored_state_bytes,
                 buffer_bound_bytes=r.buffer_bound_bytes, held_bytes=r.held_bytes,
                 forward_workspace_bytes=r.forward_workspace_bytes,
-                workspace_bytes=r.workspace_bytes) for r in reversible),
+                workspace_bytes=r.workspace_bytes, dropout=r.dropout) for r in reversible),
             "headroom_bytes": budget_bytes - fits if fits is not None else 0,
             "existing_grad_bytes": sum(grads.nbytes.values()) if grads is not None else 0,
             "outside_forward_bytes": outside.forward, "outside_backward_bytes": outside.backward,

@@ -15,18 +15,30 @@ Ensures: every accepted loop's ops are erased and a ``chain_fwd`` node after the
 computes the same values: its step function is one step's ops copied into a
 GraphModule (the cell), run at every time step of a chunk; the per-step values
 stacked after the loop are the chain's output, the last step's carried state its
-final state. Random ops draw the same numbers as the unrolled graph: the chain runs
-the steps in order once in forward and replays each chunk's RNG state when it
-recomputes one. Gradients reach the parameters and every other value the cell
+final state. A chain takes one per-step tensor ``xs`` and returns one: a loop that
+reads several per-step inputs (``cell(xs[t] + emb[t], h)``, targets ``ys[t]`` of a
+per-step loss) or stacks several per-step values is packed (``_Packing``): each input's
+T steps are flattened into a (T, n_i) block and the blocks concatenated into one
+(T, N) ``xs`` in graph nodes before the chain (so the planner sees the packed copy's
+bytes like any tensor's); floating inputs are cast to the widest floating dtype among
+them (exact), integer inputs bit-cast to it (``view(dtype)``: exact, no gradient),
+and the step splits each step's row back. Stacked values are concatenated the same way
+into the chain's (T, M) output and split after it.
+
+Random ops draw the same numbers as the unrolled graph: the chain runs the steps in
+order once in forward and replays each chunk's RNG state when it recomputes one. Gradients reach the parameters and every other value the cell
 reads from before the loop (the chain's params), the initial state and the inputs.
 Anything this cannot prove equal is left unrolled for the Chen planner, with one
 ``logging.debug`` line saying why: graphs that switch grad mode or autocast; loop
-bodies that write in place (``h.mul_``, ``x += y``, ``out=``, ``inplace=True``),
+bodies that write in place (``h.mul_``, ``x += y``, ``out=``, ``inplace=True``; an
+accumulator ``loss += step_loss`` that nothing else reads runs out of place instead),
 update BatchNorm statistics, or contain a chain op; loops reading no parameter;
-several per-step inputs or several stacked per-step values (allocator.loops); a
-last step that omits a random op (the chain would draw numbers the graph does not);
+a last step that omits a random op (the chain would draw numbers the graph does not);
 values the chain cannot carry (non-tensors, states whose initial value differs in
-shape or dtype).
+shape or dtype); per-step inputs or stacked values that cannot be packed exactly
+(another device; stacked values of different dtypes; an integer input that the
+packed dtype can neither hold exactly nor bit-cast into; two floating dtypes of one
+size).
 
 Algorithm:
     Step 1: refuse a graph that switches grad mode or autocast.
@@ -43,6 +55,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -67,6 +80,15 @@ _INPLACE_OPERATORS = frozenset({
     operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
     operator.ixor, operator.ilshift, operator.irshift, operator.setitem, operator.delitem,
 })
+#: Augmented assignments the chain runs out of place when they only rebind a carried
+#: value (``loss += step_loss``: see ``_rebinds_state``).
+_OUT_OF_PLACE = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
+    operator.imod: operator.mod, operator.ipow: operator.pow, operator.imatmul: operator.matmul,
+    operator.iand: operator.and_, operator.ior: operator.or_, operator.ixor: operator.xor,
+    operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
+}
 #: Words in the name of a function that draws random numbers.
 _RANDOM = re.compile(r"dropout|rand|bernoulli|normal|multinomial|poisson|rrelu|gumbel|uniform|"
                      r"exponential|cauchy|geometric")
@@ -278,10 +300,27 @@ def _writes(node: fx.Node) -> bool:
     return False
 
 
+def _rebinds_state(plain: _Plain, loop: Loop, k: int) -> bool:
+    """Offset k is ``acc op= value`` on a carried accumulator that nothing else reads
+    (``loss += F.cross_entropy(...)``): running it out of place computes the same values.
+    The accumulator must be this offset's own value of the previous step, read only
+    here, and start from a fresh tensor made before the loop (not a graph input or a
+    view: writing into those would be visible outside the loop)."""
+    node = plain.nodes[loop.ops[0][k]]
+    if node.target not in _OUT_OF_PLACE or loop.slots[k][:1] != (("state", k),):
+        return False
+    init = loop.init[loop.state.index(k)]
+    if init[0] != "op" or getattr(_example(plain.nodes[init[1]]), "_base", None) is not None:
+        return False
+    written = [plain.nodes[init[1]]] + [plain.nodes[rep[k]] for rep in loop.ops[:-1]]
+    readers = [plain.nodes[rep[k]] for rep in loop.ops]
+    return all(set(w.users) == {r} for w, r in zip(written, readers) if r is not None)
+
+
 def _refusal(plain: _Plain, loop: Loop) -> str | None:
     first = [plain.nodes[j] for j in loop.ops[0]]
-    for node in first:
-        if _writes(node):
+    for k, node in enumerate(first):
+        if _writes(node) and not _rebinds_state(plain, loop, k):
             return f"{node.name} ({_target_name(node)}) writes into a tensor"
         if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
                 and node.target.namespace == "memopt":
@@ -305,17 +344,20 @@ def _refusal(plain: _Plain, loop: Loop) -> str | None:
     device = _example(first[loop.state[0]]).device
     if not any(_example(first[o]).is_floating_point() for o in loop.state):
         return "no carried value is a floating-point tensor"
-    if loop.output is not None:
-        y = _example(first[loop.output])
+    for o, _ in loop.outputs:
+        y = _example(first[o])
         if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.device == device):
-            return "the stacked per-step value is not a floating-point tensor on the state's device"
-        if _time_dim(loop) > y.dim():
+            return "a stacked per-step value is not a floating-point tensor on the state's device"
+        if not _packed(loop) and _time_dim(loop) > y.dim():
             return "the per-step input's time dim is beyond the stacked value's dims"
-    if loop.step_input is not None:
-        base, dim, i0 = loop.step_input
+    for base, dim, i0 in loop.step_inputs:
         xs = _example(plain.node(base))
         if i0 + loop.steps > xs.shape[dim] or xs.device != device:
-            return "the per-step input does not cover every step on the state's device"
+            return "a per-step input does not cover every step on the state's device"
+    if _packed(loop):
+        packing = _packing(plain, loop)
+        if isinstance(packing, str):
+            return packing
     return None
 
 
@@ -336,22 +378,113 @@ def _outside_refs(loop: Loop) -> list[Ref]:
     return list(refs)
 
 
+def _packed(loop: Loop) -> bool:
+    """The loop's per-step inputs or stacked values are packed into one (``_Packing``)."""
+    return len(loop.step_inputs) > 1 or len(loop.outputs) > 1
+
+
 def _time_dim(loop: Loop) -> int:
-    """The chain's time dim: the per-step input's, else the stacked output's."""
+    """The chain's time dim: 0 when packed, else the per-step input's, else the stacked
+    output's."""
+    if _packed(loop):
+        return 0
     if loop.step_input is not None:
         return loop.step_input[1]
     return loop.stack_dim if loop.stack_dim is not None else 0
+
+
+#: Integers of up to this many bits are exactly representable in the floating dtype.
+_EXACT_INT_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One per-step input inside the packed ``xs``: its step's shape and dtype, and how
+    it is stored in the packed dtype: "same", "cast" (exact widening) or "bits"
+    (bit-cast: ``ratio`` packed elements per element)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    how: str
+    width: int        # packed elements a step
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """How a loop's per-step inputs share one (T, N) ``xs`` and its stacked values one
+    (T, M) output (see the module docstring)."""
+
+    dtype: torch.dtype                          # the packed xs's
+    inputs: tuple[_Piece, ...]                  # in loop.step_inputs order
+    outputs: tuple[tuple[int, ...], ...]        # each stacked value's step shape
+    out_dtype: torch.dtype | None
+
+    def split_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One step's row (N,) -> the step's inputs, as the unrolled graph read them."""
+        pieces, at = [], 0
+        for piece in self.inputs:
+            part = x.narrow(0, at, piece.width)
+            at += piece.width
+            if piece.how == "bits":  # a fresh copy: view(dtype) needs an aligned storage
+                part = part.clone().view(piece.dtype)
+            elif piece.how == "cast":
+                part = part.to(piece.dtype)
+            pieces.append(part.reshape(piece.shape))
+        return pieces
+
+    def join_outputs(self, ys: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One step's stacked values -> the chain output's row (M,)."""
+        return torch.cat([y.reshape(-1) for y in ys])
+
+
+def _packing(plain: _Plain, loop: Loop) -> _Packing | str:
+    """The packing of ``loop``'s per-step inputs and stacked values, or why there is none."""
+    inputs = [_example(plain.node(base)) for base, _, _ in loop.step_inputs]
+    first = [plain.nodes[j] for j in loop.ops[0]]
+    floats = [x.dtype for x in inputs if x.is_floating_point()]
+    if not floats:  # integer inputs only: the carried state's floating dtype
+        floats = [next(_example(first[o]).dtype for o in loop.state
+                       if _example(first[o]).is_floating_point())]
+    dtype = max(floats, key=lambda d: torch.empty((), dtype=d).element_size())
+    size = torch.empty((), dtype=dtype).element_size()
+    pieces = []
+    for x, (_, dim, _) in zip(inputs, loop.step_inputs):
+        shape = tuple(x.shape[:dim]) + tuple(x.shape[dim + 1:])
+        numel = 1
+        for n in shape:
+            numel *= n
+        itemsize = x.element_size()
+        int_bits = 1 if x.dtype == torch.bool else 8 * itemsize
+        if x.dtype == dtype:
+            how, width = "same", numel
+        elif x.is_floating_point() and itemsize < size:
+            how, width = "cast", numel  # widening: exact, and differentiable
+        elif (not x.is_floating_point() and not x.is_complex()
+              and int_bits <= _EXACT_INT_BITS.get(dtype, 0)):
+            how, width = "cast", numel  # every integer of the dtype is a float of P
+        elif not x.is_floating_point() and not x.is_complex() and itemsize % size == 0:
+            how, width = "bits", numel * (itemsize // size)
+        else:
+            return (f"a per-step input of dtype {x.dtype} cannot be packed exactly with "
+                    f"the others ({dtype})")
+        pieces.append(_Piece(shape, x.dtype, how, width))
+    outs = [_example(first[o]) for o, _ in loop.outputs]
+    if len({y.dtype for y in outs}) > 1:
+        return "the stacked per-step values differ in dtype (they are packed into one output)"
+    return _Packing(dtype, tuple(pieces), tuple(tuple(y.shape) for y in outs),
+                    outs[0].dtype if outs else None)
 
 
 # -- Step 5: the cell and its step function ---------------------------------------------
 
 
 def _cell(gm: fx.GraphModule, plain: _Plain, loop: Loop, params: list[Ref]) -> fx.GraphModule:
-    """One step's ops as a GraphModule: (*params, *state, x) -> (y or None, new state)."""
+    """One step's ops as a GraphModule: (*params, *state, *xs) -> (ys, new state), one x
+    per per-step input (none without), one y per stacked value."""
     graph = fx.Graph()
     param_of = {ref: graph.placeholder(f"param_{i}") for i, ref in enumerate(params)}
     state_of = {o: graph.placeholder(f"state_{q}") for q, o in enumerate(loop.state)}
-    x = graph.placeholder("x")
+    x_of = {inp: graph.placeholder(f"x_{i}") for i, inp in enumerate(loop.step_inputs)}
     env: dict[int, fx.Node] = {}
 
     def value(kind: Slot) -> fx.Node:
@@ -363,15 +496,16 @@ def _cell(gm: fx.GraphModule, plain: _Plain, loop: Loop, params: list[Ref]) -> f
         if tag == "state":
             return state_of[kind[1]]
         if tag == "step":
-            return x
+            return x_of[kind[1:]]
         return graph.call_function(torch.select, (value(kind[1]), kind[2], kind[3]))
 
     for k, j in enumerate(loop.ops[0]):
         kinds = iter(loop.slots[k])
         env[k] = graph.node_copy(plain.nodes[j], lambda _n, kinds=kinds: value(next(kinds)))
         env[k].meta = {}  # the trace's FakeTensors: the cell runs on real tensors
-    y = env[loop.output] if loop.output is not None else None
-    graph.output((y, tuple(env[o] for o in loop.state)))
+        if env[k].target in _OUT_OF_PLACE:  # an accumulator's ``+=`` (_rebinds_state)
+            env[k].target = _OUT_OF_PLACE[env[k].target]
+    graph.output((tuple(env[o] for o, _ in loop.outputs), tuple(env[o] for o in loop.state)))
     return fx.GraphModule(gm, graph, class_name="LoopCell")
 
 
@@ -404,16 +538,29 @@ def _spec(gm: fx.GraphModule, plain: _Plain, loop: Loop, params: list[Ref]) -> t
     cell = _cell(gm, plain, loop, params)
     time_dim = _time_dim(loop)
     first = [plain.nodes[j] for j in loop.ops[0]]
+    packing = _packing(plain, loop) if _packed(loop) else None
     y_shape, y_dtype = (0,) * max(1, time_dim), None
-    if loop.output is not None:
-        y = _example(first[loop.output])
+    if isinstance(packing, _Packing) and packing.outputs:
+        y_shape = (sum(math.prod(shape) for shape in packing.outputs),)
+        y_dtype = packing.out_dtype
+    elif loop.outputs:
+        y = _example(first[loop.outputs[0][0]])
         y_shape, y_dtype = tuple(y.shape), y.dtype
     carried = next(q for q, o in enumerate(loop.state) if _example(first[o]).is_floating_point())
+    n_inputs = len(loop.step_inputs)
 
     def cell_step(p: tuple, state: tuple, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        out, new = cell(*p, *state, x)
-        if out is None:  # nothing stacked: an empty output, still part of the step's graph
+        if isinstance(packing, _Packing):
+            xs = packing.split_inputs(x)
+        else:
+            xs = [x][:n_inputs]
+        ys, new = cell(*p, *state, *xs)
+        if not ys:  # nothing stacked: an empty output, still part of the step's graph
             out = new[carried].reshape(-1)[:0].clone().reshape(y_shape)
+        elif isinstance(packing, _Packing):
+            out = packing.join_outputs(ys)
+        else:
+            out = ys[0]
         return out, tuple(new)
 
     def output_like(state: tuple, xs: torch.Tensor) -> torch.Tensor:
@@ -437,8 +584,11 @@ def _rewrite(gm: fx.GraphModule, plain: _Plain, loop: Loop, keep: bool) -> Chain
     run = [plain.nodes[j] for rep in loop.ops for j in rep if j is not None]
     init = [plain.node(ref) for ref in loop.init]
     time_dim = _time_dim(loop)
+    packing = _packing(plain, loop) if _packed(loop) else None
     with graph.inserting_before(plain.nodes[loop.end - 1].next):
-        if loop.step_input is not None:
+        if isinstance(packing, _Packing) and loop.step_inputs:
+            xs = _pack_inputs(graph, plain, loop, packing)
+        elif loop.step_input is not None:
             base, dim, i0 = loop.step_input
             xs = plain.node(base)
             if i0 != 0 or _example(xs).shape[dim] != loop.steps:
@@ -455,11 +605,16 @@ def _rewrite(gm: fx.GraphModule, plain: _Plain, loop: Loop, keep: bool) -> Chain
         y = graph.call_function(operator.getitem, (chain, 0))
         finals = [graph.call_function(operator.getitem, (chain, 1 + q))
                   for q in range(len(loop.state))]
-        if loop.stack_dim is not None and loop.stack_dim != time_dim:
-            y = graph.call_function(torch.movedim, (y, time_dim, loop.stack_dim))
+        if isinstance(packing, _Packing):
+            ys = _unpack_outputs(graph, y, loop, packing)
+        else:
+            ys = [y]
+        for k, (_, stack_dim) in enumerate(loop.outputs):
+            if stack_dim != time_dim:
+                ys[k] = graph.call_function(torch.movedim, (ys[k], time_dim, stack_dim))
     doomed = set(run)
-    for u in loop.stacks:
-        plain.nodes[u].replace_all_uses_with(y)
+    for u, k in zip(loop.stacks, loop.stacked):
+        plain.nodes[u].replace_all_uses_with(ys[k])
         doomed.add(plain.nodes[u])
     for q, o in enumerate(loop.state):
         j = loop.ops[-1][o]
@@ -474,3 +629,32 @@ def _rewrite(gm: fx.GraphModule, plain: _Plain, loop: Loop, keep: bool) -> Chain
             graph.erase_node(node)
     return ChainedLoop(name=spec.name, module_type=spec.module_type, steps=loop.steps,
                        ops_per_step=loop.length, chain=chain_id)
+
+
+def _pack_inputs(graph: fx.Graph, plain: _Plain, loop: Loop, packing: _Packing) -> fx.Node:
+    """Nodes building the packed (T, N) xs from the per-step inputs (``_Packing``)."""
+    blocks = []
+    for (base, dim, i0), piece in zip(loop.step_inputs, packing.inputs):
+        x = plain.node(base)
+        if i0 != 0 or _example(x).shape[dim] != loop.steps:
+            x = graph.call_function(torch.narrow, (x, dim, i0, loop.steps))
+        if dim != 0:
+            x = graph.call_function(torch.movedim, (x, dim, 0))
+        x = graph.call_method("reshape", (x, loop.steps, -1))
+        if piece.how == "bits":
+            x = graph.call_method("view", (graph.call_method("contiguous", (x,)),
+                                           packing.dtype))
+        elif piece.how == "cast":
+            x = graph.call_method("to", (x, packing.dtype))
+        blocks.append(x)
+    return graph.call_function(torch.cat, (blocks, 1))
+
+
+def _unpack_outputs(graph: fx.Graph, y: fx.Node, loop: Loop, packing: _Packing
+                    ) -> list[fx.Node]:
+    """Nodes splitting the chain's (T, M) output into the stacked values, time first."""
+    widths = [math.prod(shape) for shape in packing.outputs]
+    parts = graph.call_function(torch.split, (y, widths, 1))
+    return [graph.call_method("reshape", (graph.call_function(operator.getitem, (parts, k)),
+                                          loop.steps, *shape))
+            for k, shape in enumerate(packing.outputs)]

@@ -17,12 +17,15 @@ Memory model of one stack over T steps (batch B):
     held          = buffer bound (Alg. 1 + Sec. 5.1, see ops.buffer_bound_bytes)
                     + the final fixed-point state (int64 halves)
     forward op    = F: one step's temporaries (gates, Alg. 1's integer arithmetic, the
-                    buffers' size report), measured on real tensors at 2 and 4 steps
+                    buffers' size report, the step's dropout masks), measured on real
+                    tensors at 2 and 4 steps
     backward op   = B: one step recomputed under autograd and backpropagated, the
                     reversal's integers and the parameter gradients of one step,
                     measured the same way, beyond the op's outputs (the gradients)
-The input sequence, the initial state and the parameters are the ops' inputs, saved
-by the partitioner like any other tensor.
+The input sequence, the initial state, the parameters and the dropout seeds (one int64
+per layer boundary; the masks are rebuilt from them, never held) are the ops' inputs,
+saved by the partitioner like any other tensor. The seeds come from a random op
+(``randint``), which the planner never recomputes.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers, user_
 log = logging.getLogger("memopt")
 
 #: Positions of the ops' arguments (memopt.nn.ops schemas).
-_STACK, _FWD_INIT, _FWD_XS, _FWD_PARAMS = 0, 3, 4, 5
+_STACK, _FWD_INIT, _FWD_XS, _FWD_PARAMS, _FWD_SEEDS = 0, 3, 4, 5, 6
 _BWD_NEED_X, _BWD_HANDLE = 1, 2
 
 
@@ -70,6 +73,7 @@ class ReversibleSite:
     held_bytes: int             # buffers' bound + final fixed-point state
     forward_workspace_bytes: int = 0
     workspace_bytes: int = 0
+    dropout: float = 0.0        # between layers, when this graph draws seeds (training)
 
 
 def present(joint: fx.GraphModule) -> bool:
@@ -99,7 +103,8 @@ def find_reversible(joint: fx.GraphModule) -> list[ReversibleSite]:
             stored_state_bytes=ops.stored_state_bytes(spec, steps, batch, xs.element_size()),
             buffer_bound_bytes=ops.buffer_bound_bytes(spec, steps, batch),
             held_bytes=ops.held_bytes(spec, steps, batch),
-            forward_workspace_bytes=forward(steps), workspace_bytes=backward(steps)))
+            forward_workspace_bytes=forward(steps), workspace_bytes=backward(steps),
+            dropout=spec.dropout if _seeds(node) is not None else 0.0))
         site = sites[-1]
         log.info("memopt reversible %s (%s): T=%d, no hidden-state slots (BPTT would store "
                  "%s), holds %s (buffers at most %s)", site.name, site.module_type, steps,
@@ -147,6 +152,11 @@ def measure_workspaces(node: fx.Node, backward: bool) -> tuple[Linear, Linear]:
     return Linear.through((la, fa), (lb, fb)), Linear.through((la, ba), (lb, bb))
 
 
+def _seeds(node: fx.Node) -> fx.Node | None:
+    """The forward op's dropout seeds (None: no dropout in this graph)."""
+    return node.args[_FWD_SEEDS] if len(node.args) > _FWD_SEEDS else None
+
+
 def _run_ops(node: fx.Node, steps: int, backward: bool, tracked: bool) -> tuple[int, int]:
     """One forward op and one backward op of ``steps`` steps: their transient bytes."""
     def real(t: torch.Tensor) -> torch.Tensor:
@@ -155,15 +165,17 @@ def _run_ops(node: fx.Node, steps: int, backward: bool, tracked: bool) -> tuple[
     xs = real(fake_value(node.args[_FWD_XS]).narrow(0, 0, steps))
     init = [real(fake_value(h)) for h in node.args[_FWD_INIT]]
     params = [real(fake_value(p)) for p in node.args[_FWD_PARAMS]]
+    seeds = _seeds(node)
+    seeds = None if seeds is None else real(fake_value(seeds))  # the masks' bytes, any seeds
     fwd_op = torch.ops.memopt.reversible_fwd.default
     with maybe_allocation_peak(xs.device, tracked) as fwd:
-        out = fwd_op(node.args[_STACK], 0, True, init, xs, params)
+        out = fwd_op(node.args[_STACK], 0, True, init, xs, params, seeds)
     forward = max(0, fwd.peak - fwd.end)
     if not backward:
         return forward, 0
     grads = [torch.zeros_like(t) for t in out[:-1]]  # the backward op's inputs
     with maybe_allocation_peak(xs.device, tracked) as bwd:
         result = torch.ops.memopt.reversible_bwd.default(
-            node.args[_STACK], True, out[-1], grads[0], grads[1:], init, xs, params)
+            node.args[_STACK], True, out[-1], grads[0], grads[1:], init, xs, params, seeds)
     returned = sum(t.untyped_storage().nbytes() for t in result)
     return forward, max(0, bwd.peak - returned)

@@ -4,7 +4,10 @@
 Tier 1: the pattern finder on plain data (no torch). Tier 3: memopt.compile on
 unmarked loops of nn.LSTMCell, nn.GRUCell and a cell written in forward, against eager:
 loss and gradients (parameters and inputs), under budgets that split the chain,
-training steps, evaluation, dropout, and the loops it must leave alone.
+training steps, evaluation, dropout, and the loops it must leave alone; loops with
+several per-step inputs (integer targets among them) and several stacked values, packed
+into the chain's one input and output, against eager with and without a binding budget
+and measured within it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memopt
+from memopt.allocation import allocation_peak
 from memopt.allocator.loops import Op, find_loops
 from memopt.recurrent import ops as chain_ops
 from models import CASES
@@ -107,23 +111,28 @@ def test_refusals_name_the_reason():
     ops.append(Op("peek", (("op", 6),)))
     search = find_loops(ops)
     assert search.loops == () and "neither stacked" in search.refused[0][2]
-    # two per-step inputs
+
+
+def test_several_per_step_inputs_are_found_in_first_read_order():
     ops, h = [Op("zeros")], ("op", 0)
     for t in range(5):
-        ops.append(Op("cell", (("at", ("in", "xs"), 0, t, f"x{t}"),
-                               ("at", ("in", "ys"), 0, t, f"y{t}"), h, ("in", "W"))))
+        ops.append(Op("cell", (("at", ("in", "ys"), 1, t + 2, f"y{t}"),
+                               ("at", ("in", "xs"), 0, t, f"x{t}"), h, ("in", "W"))))
         h = ("op", len(ops) - 1)
     ops.append(Op("output", (h,)))
-    search = find_loops(ops)
-    assert search.loops == () and "2 per-step inputs" in search.refused[0][2]
+    (loop,) = find_loops(ops).loops
+    assert loop.steps == 5
+    assert loop.step_inputs == ((("in", "ys"), 1, 2), (("in", "xs"), 0, 0))
+    assert loop.step_input is None  # not one
 
 
-def test_several_stacked_values_are_refused():
+def test_several_stacked_values_are_found():
     ops = rnn_ops(5)
     adds = tuple(("op", 2 + 3 * t) for t in range(5))  # the pre-activations, stacked too
-    ops.insert(-1, Op("stack", adds, stack_dim=0))
-    search = find_loops(ops)
-    assert search.loops == () and "several" in search.refused[0][2]
+    ops.insert(-1, Op("stack", adds, stack_dim=1))
+    (loop,) = find_loops(ops).loops
+    assert loop.outputs == ((2, 0), (1, 1)) and loop.output is None
+    assert loop.stacks == (16, 17) and loop.stacked == (0, 1)
 
 
 @given(steps=st.integers(4, 40), prefix=st.integers(0, 5), suffix=st.integers(0, 5))
@@ -360,20 +369,20 @@ def test_loop_layouts(make, shape, steps):
     assert chain.steps == steps and "detected loop" in chain.module_type
 
 
-class TwoInputs(nn.Module):
-    """Per-step inputs and targets: two per-step inputs, left unrolled."""
+class TwoDtypes(nn.Module):
+    """Two stacked per-step values of different dtypes: they cannot share one output."""
 
     def __init__(self) -> None:
         super().__init__()
         self.cell = nn.GRUCell(N_IN, N_H)
-        self.out = nn.Linear(N_H, 5)
 
     def forward(self, xs, ys):
-        h, loss = xs.new_zeros(xs.shape[1], N_H), 0
+        h, outs, wide = xs.new_zeros(xs.shape[1], N_H), [], []
         for t in range(xs.shape[0]):
             h = self.cell(xs[t], h)
-            loss = loss + F.cross_entropy(self.out(h), ys[t])
-        return loss
+            outs.append(h)
+            wide.append(h.double())
+        return torch.stack(outs).square().sum() + torch.stack(wide).sum().float()
 
 
 class InPlaceLoop(nn.Module):
@@ -421,12 +430,12 @@ class ShortLoop(InPlaceLoop):
 
 
 @pytest.mark.parametrize("make,why", [
-    (TwoInputs, "2 per-step inputs"),
+    (TwoDtypes, "differ in dtype"),
     (InPlaceLoop, "writes into a tensor"),
     (AugmentedAssignLoop, "writes into a tensor"),
     (NoGradInside, "switches grad mode"),
     (ShortLoop, None),
-], ids=["two_per_step_inputs", "in_place", "augmented_assignment", "grad_mode_switch",
+], ids=["stacked_dtypes", "in_place", "augmented_assignment", "grad_mode_switch",
         "three_steps"])
 def test_refused_loops_stay_unrolled(make, why, caplog):
     torch.manual_seed(0)
@@ -472,3 +481,119 @@ def test_distinct_layers_get_no_chain_and_the_corpus_loop_gets_one():
     case = CASES["lstm_loop"]
     (chain,) = memopt.plan(case.make_model(), *case.make_inputs()).chains
     assert (chain.module, chain.steps) == ("cell", 16)
+
+
+# -- Several per-step inputs and stacked values (packed into the chain's one xs) -----------
+
+VOCAB, T_MULTI = 7, 24
+
+
+class InputsAndTargets(nn.Module):
+    """``h = cell(x[t] + emb[t], h)`` and a per-step loss on targets ``ys[t]`` (integer):
+    three per-step inputs, nothing stacked. ``p``: dropout on the decoder's input;
+    ``accumulate``: the issue's ``loss = 0`` then ``loss += ...`` (step 0 adds to an
+    int, so the chain runs from step 1; the others' ``+=`` run out of place)."""
+
+    def __init__(self, p: float = 0.0, accumulate: bool = False) -> None:
+        super().__init__()
+        self.p, self.accumulate = p, accumulate
+        self.cell = nn.GRUCell(N_IN, N_H)
+        self.dec = nn.Linear(N_H, VOCAB)
+
+    def forward(self, xs, emb, ys):
+        h = xs.new_zeros(xs.shape[1], N_H)
+        loss = 0 if self.accumulate else xs.new_zeros(())
+        for t in range(xs.shape[0]):
+            h = self.cell(xs[t] + emb[t], h)
+            step = F.cross_entropy(self.dec(F.dropout(h, self.p, self.training)), ys[t])
+            if self.accumulate:
+                loss += step
+            else:
+                loss = loss + step
+        return loss / xs.shape[0]
+
+
+class TokensAccumulated(nn.Module):
+    """Token ids embedded inside the loop, targets, ``loss += ...`` on a zero tensor,
+    batch-first inputs, and the logits (along dim 1) and hidden states stacked: two
+    per-step integer inputs, two stacked values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, N_IN)
+        self.cell = nn.LSTMCell(N_IN, N_H)
+        self.dec = nn.Linear(N_H, VOCAB)
+
+    def forward(self, tokens, ys):
+        h = c = self.dec.weight.new_zeros(tokens.shape[0], N_H)
+        loss, logits, hs = self.dec.weight.new_zeros(()), [], []
+        for t in range(tokens.shape[1]):
+            h, c = self.cell(self.emb(tokens[:, t]), (h, c))
+            y = self.dec(h)
+            loss += F.cross_entropy(y, ys[:, t])
+            logits.append(y)
+            hs.append(h)
+        return loss + torch.stack(logits, 1).square().mean() + torch.stack(hs).mean()
+
+
+def _step_inputs(kind):
+    torch.manual_seed(0)
+    if kind == "tokens":
+        return (torch.randint(0, VOCAB, (BATCH, T_MULTI)),
+                torch.randint(0, VOCAB, (BATCH, T_MULTI)))
+    return (torch.randn(T_MULTI, BATCH, N_IN, requires_grad=True),
+            torch.randn(T_MULTI, BATCH, N_IN, requires_grad=True),
+            torch.randint(0, VOCAB, (T_MULTI, BATCH)))
+
+
+def _multi_grads(model, inputs, seed=0):
+    torch.manual_seed(seed)
+    loss = model(*inputs)
+    wrt = [x for x in inputs if x.requires_grad] + list(model.parameters())
+    return loss, torch.autograd.grad(loss, wrt)
+
+
+def _measured_peak(model, inputs, seed=0):
+    """One compiled step's allocated peak, the parameters and inputs included (what a
+    budget counts)."""
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *inputs))
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    with allocation_peak("cpu") as seen:
+        model(*inputs).backward()
+    return seen.peak + resident
+
+
+MULTI = {
+    "inputs_and_targets": (InputsAndTargets, "x", T_MULTI, 0.6),
+    "dropout_accumulated": (lambda: InputsAndTargets(p=0.3, accumulate=True), "x",
+                            T_MULTI - 1, 0.6),
+    "tokens_stacked": (TokensAccumulated, "tokens", T_MULTI, 0.6),
+}
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("inputs_and_targets", marks=pytest.mark.slow),  # dropout_accumulated's subset
+    "dropout_accumulated", "tokens_stacked"])
+def test_several_per_step_inputs_run_as_one_chain(kind):
+    """The loop is found with its per-step inputs packed into one xs: eager's loss and
+    gradients with no budget and with a budget that splits the chain (dropout: the same
+    masks, replayed), and the measured peak of a step within that budget."""
+    make, inputs_kind, steps, fraction = MULTI[kind]
+    torch.manual_seed(0)
+    model = make()
+    inputs = _step_inputs(inputs_kind)
+    ref = _multi_grads(model, inputs, seed=3)
+    free = memopt.compile(model)
+    _assert_close(_multi_grads(free, inputs, seed=3), ref)
+    (chain,) = free.memopt_plan.chains
+    assert (chain.steps, chain.t, chain.recompute_steps) == (steps, 1, 0)
+    budget = int(fraction * free.memopt_plan.predicted_peak_bytes)
+    tight = memopt.compile(model, budget=budget)
+    _assert_close(_multi_grads(tight, inputs, seed=3), ref)
+    (chain,) = tight.memopt_plan.chains
+    assert chain.t > 1 and chain.recompute_steps > 0, chain
+    assert tight.memopt_plan.predicted_peak_bytes <= budget
+    assert _measured_peak(tight, inputs, seed=3) <= budget
+    assert not chain_ops._STASH

@@ -31,6 +31,7 @@ from memopt.nn import (
     RevLSTM,
     RevLSTMCell,
 )
+from memopt.nn.dropout import LayerDropout, draw_seeds
 
 CAPS = [2, 3, 5, None]
 CELLS = {"gru": RevGRUCell, "lstm": RevLSTMCell}
@@ -224,6 +225,111 @@ def test_fixed_point_gradients_near_floating_point_model(kind):
         assert (grad - ref).norm() <= 1e-2 * ref.norm()
 
 
+# Dropout between layers (MacKay et al. 2018, App. E): masks rebuilt from seeds.
+
+def _with_weights_of(rnn, layers, **kwargs):
+    """A stack of the given layers of ``rnn`` (same weights), as its own module."""
+    first = layers[0]
+    part = type(rnn)(rnn.input_size if first == 0 else rnn.hidden_size, rnn.hidden_size,
+                     num_layers=len(layers), max_forget_bits=rnn.max_forget_bits, **kwargs)
+    for mine, theirs in zip(part.cells, (rnn.cells[i] for i in layers)):
+        mine.load_state_dict(theirs.state_dict())
+    return part
+
+
+def test_dropout_masks_are_bernoulli_and_rebuilt_exactly():
+    """Each mask is 0 or 1 / (1 - p), about p of it 0; asking again gives the same mask,
+    another step or another seed a different one."""
+    p, like = 0.3, torch.empty(64, 128)
+    dropout = LayerDropout(p, (12345, 678))
+    first, second = dropout.masks(5, like)
+    assert first.unique().tolist() == pytest.approx([0.0, 1 / (1 - p)])
+    assert abs(float((first == 0).float().mean()) - p) < 0.02
+    assert all(map(torch.equal, dropout.masks(5, like), (first, second)))
+    assert not torch.equal(first, second)
+    assert not torch.equal(dropout.masks(6, like)[0], first)
+    assert not torch.equal(LayerDropout(p, (12346, 678)).masks(5, like)[0], first)
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_dropout_between_layers_as_two_stacks(kind):
+    """Written apart from the stack's loop: a 2-layer stack with dropout computes layer 1,
+    multiplies its outputs by masks drawn from the seeds the module drew, then layer 2;
+    the top layer's outputs are not dropped."""
+    torch.manual_seed(0)
+    rnn = MODULES[kind](5, 16, num_layers=2, dropout=0.4, max_forget_bits=3)
+    xs = torch.randn(12, 3, 5)
+    torch.manual_seed(7)
+    out, _ = rnn(xs)
+    torch.manual_seed(7)
+    dropout = LayerDropout(0.4, tuple(draw_seeds(1, xs.device).tolist()))
+    lower, _ = _with_weights_of(rnn, [0])(xs)
+    masks = torch.stack([dropout.masks(t, lower[0])[0] for t in range(12)])
+    expected, _ = _with_weights_of(rnn, [1])(lower * masks)
+    assert torch.equal(out, expected)
+    assert (masks == 0).any() and (out != 0).all()
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+@pytest.mark.parametrize("kind", MODULES)
+def test_dropout_gradients_match_autograd_reference(kind, layers):
+    """With dropout between layers, the reversible backward (masks rebuilt from the seeds)
+    against autograd through the same forward (same seeds, hence the same masks, held
+    with the graph): equal outputs, close gradients; the masks change the outputs."""
+    torch.manual_seed(0)
+    batch, hidden, steps = 3, 16, 20
+    rnn = MODULES[kind](5, hidden, num_layers=layers, dropout=0.5, max_forget_bits=3)
+    xs = torch.randn(steps, batch, 5, requires_grad=True)
+    shape = (layers, batch, hidden)
+    hx = (torch.randn(shape, requires_grad=True) if kind == "gru" else
+          (torch.randn(shape, requires_grad=True), torch.randn(shape, requires_grad=True)))
+    torch.manual_seed(1)
+    out, grads = _loss_and_grads(rnn, rnn, xs, hx)
+    torch.manual_seed(1)
+    ref_out, ref_grads = _loss_and_grads(rnn.autograd_forward, rnn, xs, hx)
+    assert torch.equal(out, ref_out)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
+    rnn.eval()
+    assert not torch.equal(rnn(xs, hx)[0], out)
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_dropout_eval_mode_and_rng(kind):
+    """Eval mode drops nothing and draws nothing; a training forward draws exactly one
+    randint of one seed per layer boundary from the caller's generator, its backward
+    (twice, retain_graph) nothing: the RNG state after the step is the forward's, and
+    the second backward rebuilds the same masks."""
+    torch.manual_seed(0)
+    rnn = MODULES[kind](4, 8, num_layers=3, dropout=0.25)
+    plain = _with_weights_of(rnn, [0, 1, 2])
+    xs = torch.randn(15, 2, 4, requires_grad=True)
+    rnn.eval()
+    before = torch.get_rng_state()
+    assert torch.equal(rnn(xs)[0], plain(xs)[0])
+    assert torch.equal(torch.get_rng_state(), before)
+    rnn.train()
+    out, _ = rnn(xs)
+    after_forward = torch.get_rng_state()
+    torch.set_rng_state(before)
+    draw_seeds(2, xs.device)
+    assert torch.equal(torch.get_rng_state(), after_forward)
+    loss = out.square().sum()
+    first = torch.autograd.grad(loss, [xs, *rnn.parameters()], retain_graph=True)
+    second = torch.autograd.grad(loss, [xs, *rnn.parameters()])
+    assert all(map(torch.equal, first, second))
+    assert torch.equal(torch.get_rng_state(), after_forward)
+    assert not torch.equal(out, plain(xs)[0])
+
+
+def test_dropout_on_one_layer_warns_and_drops_nothing():
+    with pytest.warns(UserWarning, match="drops nothing"):
+        rnn = RevGRU(4, 8, dropout=0.5)
+    plain = _with_weights_of(rnn, [0])
+    xs = torch.randn(6, 2, 4)
+    assert torch.equal(rnn(xs)[0], plain(xs)[0])
+
+
 # The buffer's size against eq. 16-17.
 
 def _forget_values(cell, k: int, x: torch.Tensor, other: torch.Tensor) -> list[torch.Tensor]:
@@ -360,7 +466,9 @@ def test_interface_like_torch(kind):
 
 @pytest.mark.parametrize("make", [
     lambda: RevGRU(4, 8, bidirectional=True),
-    lambda: RevGRU(4, 8, num_layers=2, dropout=0.1),
+    lambda: RevGRU(4, 8, num_layers=2, dropout=1.5),
+    lambda: RevLSTM(4, 8, num_layers=2, dropout=-0.1),
+    lambda: RevGRU(4, 8, num_layers=2, dropout=True),
     lambda: RevLSTM(4, 8, proj_size=4),
     lambda: RevGRU(4, 7),
     lambda: RevGRU(4, 8, num_layers=0),
@@ -429,3 +537,21 @@ def test_memory_held_for_backward(kind):
     # input sequence was allocated before the block.
     states = 1 if kind == "gru" else 2
     assert held["reversible"] <= rnn.buffer_size.nbytes + states * (8 + 4) * 4 * 32 + 256
+
+
+@pytest.mark.skipif(not can_track("cpu"), reason="allocation tracking unavailable here")
+@pytest.mark.parametrize("kind", MODULES)
+def test_dropout_masks_are_not_held(kind):
+    """With dropout between 2 layers the forward holds what it holds without (the seeds
+    are 8 bytes; T = 100 steps of masks would be 100 x 4 x 32 x 4 = 51 kB)."""
+    held = {}
+    for p in (0.0, 0.5):
+        torch.manual_seed(0)
+        rnn = MODULES[kind](8, 32, num_layers=2, dropout=p, max_forget_bits=3)
+        xs = torch.randn(100, 4, 8, requires_grad=True)
+        with allocation_peak("cpu") as seen:
+            out, h_n = rnn(xs)
+        finals = h_n if isinstance(h_n, tuple) else (h_n,)
+        held[p] = seen.end - out.nbytes - sum(h.nbytes for h in finals) - rnn.buffer_size.nbytes
+        del out, h_n, finals
+    assert abs(held[0.5] - held[0.0]) <= 256, held

@@ -24,9 +24,11 @@ MODULES = {"gru": memopt.nn.RevGRU, "lstm": memopt.nn.RevLSTM}
 class _Regression(nn.Module):
     """A reversible stack, a head and the MSE loss inside forward (planned with it)."""
 
-    def __init__(self, kind: str, steps: int, batch: int = 8, cap: int | None = 3) -> None:
+    def __init__(self, kind: str, steps: int, batch: int = 8, cap: int | None = 3,
+                 dropout: float = 0.0) -> None:
         super().__init__()
-        self.rnn = MODULES[kind](12, 32, num_layers=2, batch_first=True, max_forget_bits=cap)
+        self.rnn = MODULES[kind](12, 32, num_layers=2, batch_first=True, max_forget_bits=cap,
+                                 dropout=dropout)
         self.head = nn.Linear(32, 5)
         self.register_buffer("target", torch.randn(batch, steps, 5), persistent=False)
 
@@ -46,19 +48,35 @@ def _forget_everything(rnn) -> None:
                     gates.bias[3 * h:4 * h] = -30.0       # RevLSTM p
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.4])
 @pytest.mark.parametrize("kind", MODULES)
-def test_compiled_gradients_equal_eager(kind):
+def test_compiled_gradients_equal_eager(kind, dropout):
+    """Eager's loss and gradients; with dropout between the layers, from the same RNG
+    state (the same seeds, so the same masks), and the step leaves the caller's RNG
+    state where eager's step does (two steps: the first one plans); in eval mode,
+    eager's undropped loss."""
     torch.manual_seed(0)
-    model = _Regression(kind, steps=15)
+    model = _Regression(kind, steps=15, dropout=dropout)
     xs = torch.randn(8, 15, 12, requires_grad=True)
-    loss = model(xs)
-    grads = torch.autograd.grad(loss, [xs, *model.parameters()])
     compiled = memopt.compile(model)
-    compiled_loss = compiled(xs)
-    compiled_grads = torch.autograd.grad(compiled_loss, [xs, *model.parameters()])
-    torch.testing.assert_close(compiled_loss, loss, rtol=0, atol=0)
-    for a, b in zip(compiled_grads, grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for _ in range(2):
+        torch.manual_seed(1)
+        loss = model(xs)
+        grads = torch.autograd.grad(loss, [xs, *model.parameters()])
+        eager_rng = torch.get_rng_state()
+        torch.manual_seed(1)
+        compiled_loss = compiled(xs)
+        compiled_grads = torch.autograd.grad(compiled_loss, [xs, *model.parameters()])
+        assert torch.equal(torch.get_rng_state(), eager_rng)
+        torch.testing.assert_close(compiled_loss, loss, rtol=0, atol=0)
+        for a, b in zip(compiled_grads, grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if dropout:
+        model.eval()
+        with torch.no_grad():
+            undropped = model(xs)
+            assert not torch.equal(undropped, loss)
+            assert torch.equal(compiled(xs), undropped)
 
 
 @pytest.mark.parametrize("kind", MODULES)
@@ -107,13 +125,13 @@ def test_buffer_bound_holds_and_is_reached(cap, steps):
         assert rnn.buffer_size.nbytes >= 3 * level
 
 
-@pytest.mark.parametrize("kind", MODULES)
-def test_measured_allocations_within_prediction_and_budget(kind):
+@pytest.mark.parametrize(("kind", "dropout"), [("gru", 0.0), ("lstm", 0.0), ("gru", 0.3)])
+def test_measured_allocations_within_prediction_and_budget(kind, dropout):
     """The allocated peak of a compiled step is at most the predicted peak, and within
     10% of it when the buffers reach their bound; a budget above memopt's minimum is
-    honored."""
+    honored. With dropout the masks are rebuilt a step at a time, not held."""
     torch.manual_seed(0)
-    model = _Regression(kind, steps=120, batch=16)
+    model = _Regression(kind, steps=120, batch=16, dropout=dropout)
     _forget_everything(model.rnn)
     xs = torch.randn(16, 120, 12)
     resident = sum(t.untyped_storage().nbytes()
@@ -124,6 +142,9 @@ def test_measured_allocations_within_prediction_and_budget(kind):
     predicted = compiled.memopt_plan.predicted_peak_bytes
     assert measured <= predicted * 1.02, (measured, predicted)
     assert predicted - measured <= 0.10 * measured, (predicted, measured)
+    (rev,) = compiled.memopt_plan.reversible
+    assert rev.dropout == dropout
+    assert ("masks rebuilt from seeds" in compiled.memopt_plan.summary()) == bool(dropout)
     budget = int(predicted / (1 - 0.06)) + 4096
     tight = memopt.compile(model, budget=budget)
     for p in model.parameters():  # plan the step measured below: gradients set to None

@@ -11,6 +11,7 @@ the hidden states instead of storing them.
   forward, in reverse, or under autograd.
 - ``sequence``: the fixed-point forward, the reversible backward and its autograd
   reference.
+- ``dropout``: the masks between layers, rebuilt from per-layer seeds (App. E).
 - ``ops``: the two custom operators the modules run through (memopt::reversible_fwd /
   reversible_bwd), opaque to dynamo, so memopt.compile plans them as reversible stacks
   (passes.reversible): no hidden-state slots, the buffers counted at their bound.

@@ -6,15 +6,24 @@
     rnn.buffer_size               # the information buffer the backward holds (BufferSize)
 
 Supported as in nn.GRU / nn.LSTM: input_size, hidden_size, num_layers, bias,
-batch_first, device, dtype, unbatched input (T, input_size), an optional initial state
-(h_0, or (h_0, c_0) for the RevLSTM, shaped (num_layers, batch, hidden_size)), and the
-return value (output, h_n) / (output, (h_n, c_n)).
+batch_first, dropout, device, dtype, unbatched input (T, input_size), an optional
+initial state (h_0, or (h_0, c_0) for the RevLSTM, shaped (num_layers, batch,
+hidden_size)), and the return value (output, h_n) / (output, (h_n, c_n)).
+
+``dropout`` (0 <= p <= 1): in training mode, every layer's output but the last is
+multiplied by a mask of 0 and 1 / (1 - p) before the next layer reads it, as in
+nn.GRU; in eval mode nothing is dropped. The masks are not stored: the forward draws
+one seed per layer boundary from the caller's default generator of the input's device
+(one ``torch.randint`` call, the forward's only draw) and the backward rebuilds each
+step's masks from them (MacKay et al. 2018, App. E; memopt.nn.dropout). The backward
+draws nothing from the caller's generators, so after a training step their state is
+the one the forward left, eagerly and under memopt.compile alike. The masks differ
+from the ones nn.GRU would draw from the same state.
 
 Not supported, refused with ValueError: bidirectional=True (a reversible RNN runs
-forward in time; run a second module on the flipped sequence), dropout > 0 between
-layers (MacKay et al. 2018 App. E rebuilds dropout masks in backward; not done here),
-proj_size > 0 (RevLSTM), PackedSequence input, odd hidden_size (the state is split in
-two halves). Under autocast the module runs in its parameters' dtype (the input is cast
+forward in time; run a second module on the flipped sequence), proj_size > 0
+(RevLSTM), PackedSequence input, odd hidden_size (the state is split in two halves),
+dropout outside [0, 1]. Under autocast the module runs in its parameters' dtype (the input is cast
 to it). Double backward (``create_graph=True``) is not supported: the backward op has no
 derivative, and differentiating through it raises RuntimeError naming it. Added:
 ``max_forget_bits`` (None, or 1..10: at most this many bits forgotten per unit per step,
@@ -25,6 +34,7 @@ not transfer from nn.GRU / nn.LSTM.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -34,6 +44,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .buffer import BufferSize
 from .cells import ReversibleCell, RevGRUCell, RevLSTMCell, State
 from . import ops
+from .dropout import LayerDropout, draw_seeds
 from .sequence import autograd_sequence, regroup
 
 
@@ -52,17 +63,23 @@ class ReversibleRNN(nn.Module):
             raise ValueError(f"{name}: bidirectional=True is not supported (a reversible RNN "
                              f"runs forward in time); run a second {name} on the flipped "
                              f"sequence")
-        if dropout:
-            raise ValueError(f"{name}: dropout between layers is not supported, got "
-                             f"dropout={dropout!r}")
+        if (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+                or not 0 <= dropout <= 1):
+            raise ValueError(f"{name}: dropout must be a number in [0, 1] (the probability "
+                             f"of zeroing a layer's output element), got {dropout!r}")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"{name}: num_layers must be a positive int, got {num_layers!r}")
+        if dropout > 0 and num_layers == 1:
+            warnings.warn(f"{name}: dropout applies to every layer's output but the last, "
+                          f"so dropout={dropout} with num_layers=1 drops nothing",
+                          stacklevel=2)
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"{name}: dtype must be a floating-point type, got {dtype}")
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
         self.bias, self.batch_first, self.max_forget_bits = bias, batch_first, max_forget_bits
+        self.dropout = float(dropout)
         spec = ops.StackSpec(self.cell_type, input_size, hidden_size, num_layers, bias,
-                             max_forget_bits)
+                             max_forget_bits, self.dropout)
         self.cells = spec.build(device, dtype)
         self._stack = ops.register(spec)
         self._slot = ops.new_slot(self)
@@ -81,24 +98,34 @@ class ReversibleRNN(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, "
                 f"bias={self.bias}, batch_first={self.batch_first}, "
-                f"max_forget_bits={self.max_forget_bits}")
+                f"dropout={self.dropout}, max_forget_bits={self.max_forget_bits}")
 
     def forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
         """As nn.GRU / nn.LSTM's forward; the backward reconstructs the hidden states
-        from the final one and the information buffer (``self.buffer_size``)."""
+        from the final one and the information buffer (``self.buffer_size``), and the
+        dropout masks from their seeds."""
         xs, init, unbatched = self._prepare(input, hx)
         flat = [half for state in init for half in state]
         out, *final = torch.ops.memopt.reversible_fwd(
             self._stack, self._slot, torch.is_grad_enabled(), flat, xs,
-            list(self.cells.parameters()))[:-1]
+            list(self.cells.parameters()), self._seeds(xs))[:-1]
         return self._finish(out, regroup(self.cells, final), unbatched)
 
     def autograd_forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
         """The same forward under ordinary autograd, every step's graph held (the
-        reference the reversible backward is checked against, and its memory baseline)."""
+        reference the reversible backward is checked against, and its memory baseline).
+        It draws the same seeds from the same generator state, hence the same masks."""
         xs, init, unbatched = self._prepare(input, hx)
-        out, final = autograd_sequence(self.cells, xs, init)
+        dropout = LayerDropout.of(self.dropout, self._seeds(xs))
+        out, final = autograd_sequence(self.cells, xs, init, dropout)
         return self._finish(out, final, unbatched)
+
+    def _seeds(self, xs: Tensor) -> Tensor | None:
+        """The dropout seeds of this forward (one per layer boundary), drawn from the
+        caller's generator of the input's device; None when nothing is dropped."""
+        if not (self.training and self.dropout > 0 and self.num_layers > 1):
+            return None
+        return draw_seeds(self.num_layers - 1, xs.device)
 
     def _prepare(self, input: Tensor, hx: Any) -> tuple[Tensor, list[State], bool]:
         """Check the arguments; return the input as (T, batch, input_size), each layer's

@@ -16,6 +16,12 @@ The ops compute with the parameters they are given, not with a module's: a regis
 those tensors swapped in (``torch.func.functional_call``), so a copied module, or the
 tensors a compiled graph passes, compute exactly what they hold.
 
+Dropout between layers (``StackSpec.dropout``, MacKay et al. 2018 App. E): both ops
+take ``seeds``, one int64 per layer boundary, drawn by the module in training mode
+(None in eval mode or with p = 0). The forward draws each step's masks from them and
+keeps none; the backward draws them again, step by step in reverse
+(``dropout.LayerDropout``). Neither op touches the caller's generators.
+
 Backward with ``retain_graph=True``: the first backward consumes the buffers (popping
 frees their words as it goes); a second one runs the fixed-point forward again to
 rebuild them.
@@ -40,6 +46,7 @@ from memopt.budget import format_bytes
 
 from .buffer import BufferSize
 from .cells import ReversibleCell
+from .dropout import LayerDropout
 from .fixed_point import R_Z, to_fixed, to_float
 from .sequence import Buffers, regroup, reversible_backward, run_fixed
 
@@ -56,6 +63,7 @@ class StackSpec:
     num_layers: int
     bias: bool
     max_forget_bits: int | None
+    dropout: float = 0.0  # on every layer's output but the last, in training mode
 
     @property
     def module_type(self) -> str:
@@ -140,12 +148,13 @@ class _Call(nn.Module):
         return fn(self.cells)
 
 
-def _run_forward(stack: int, init: Sequence[Tensor], xs: Tensor, params: Sequence[Tensor]
+def _run_forward(stack: int, init: Sequence[Tensor], xs: Tensor, params: Sequence[Tensor],
+                 dropout: LayerDropout | None
                  ) -> tuple[Tensor, list[tuple[Tensor, ...]], list[Buffers]]:
     """The fixed-point forward (``sequence.run_fixed``) from the floating-point halves."""
     def run(cells: nn.ModuleList):
         fixed = [tuple(to_fixed(h) for h in state) for state in regroup(cells, init)]
-        return run_fixed(cells, xs, fixed)
+        return run_fixed(cells, xs, fixed, dropout)
     return _with_params(stack, params, run)
 
 
@@ -159,12 +168,14 @@ def _report(slot: int, stack: int, xs: Tensor, buffers: list[Buffers]) -> None:
 
 @torch.library.custom_op("memopt::reversible_fwd", mutates_args=())
 def reversible_fwd(stack: int, slot: int, keep: bool, init: list[Tensor], xs: Tensor,
-                   params: list[Tensor]) -> list[Tensor]:
+                   params: list[Tensor], seeds: Tensor | None) -> list[Tensor]:
     """The fixed-point forward of a reversible stack: ``xs`` (T, batch, input_size),
-    ``init`` every layer's floating-point halves. Returns [outputs (T, batch, hidden),
-    *every layer's final halves, handle]. With ``keep`` (a training graph) the buffers
-    and the final state stay in the side table under the handle."""
-    out, final, buffers = _run_forward(stack, init, xs, params)
+    ``init`` every layer's floating-point halves, ``seeds`` the dropout seeds (one per
+    layer boundary; None: no dropout). Returns [outputs (T, batch, hidden), *every
+    layer's final halves, handle]. With ``keep`` (a training graph) the buffers and the
+    final state stay in the side table under the handle."""
+    dropout = LayerDropout.of(spec_of(stack).dropout, seeds)
+    out, final, buffers = _run_forward(stack, init, xs, params, dropout)
     _report(slot, stack, xs, buffers)
     key = next(_HANDLES) if keep else 0
     handle = torch.tensor(key, dtype=torch.int64)
@@ -175,7 +186,7 @@ def reversible_fwd(stack: int, slot: int, keep: bool, init: list[Tensor], xs: Te
 
 
 @reversible_fwd.register_fake
-def _(stack, slot, keep, init, xs, params):
+def _(stack, slot, keep, init, xs, params, seeds):
     spec = spec_of(stack)
     return [xs.new_empty(xs.shape[0], xs.shape[1], spec.hidden_size),
             *(torch.empty_like(h) for h in init), torch.empty((), dtype=torch.int64)]
@@ -184,13 +195,14 @@ def _(stack, slot, keep, init, xs, params):
 @torch.library.custom_op("memopt::reversible_bwd", mutates_args=())
 def reversible_bwd(stack: int, need_x: bool, handle: Tensor, grad_out: Tensor,
                    grad_final: list[Tensor], init: list[Tensor], xs: Tensor,
-                   params: list[Tensor]) -> list[Tensor]:
+                   params: list[Tensor], seeds: Tensor | None) -> list[Tensor]:
     """Backpropagate through the stack, reconstructing every hidden state from the final
-    one (``sequence.reversible_backward``). Returns [*grad_init, *grad_params] and
-    grad_xs last if ``need_x``."""
+    one (``sequence.reversible_backward``), every dropout mask from ``seeds``. Returns
+    [*grad_init, *grad_params] and grad_xs last if ``need_x``."""
+    dropout = LayerDropout.of(spec_of(stack).dropout, seeds)
     kept = _STASH.pop(int(handle), None)
     if kept is None:  # a second backward (retain_graph), or a graph without keep
-        _, final, buffers = _run_forward(stack, init, xs, params)
+        _, final, buffers = _run_forward(stack, init, xs, params, dropout)
         kept = _Kept(final, buffers)
     final, buffers = kept.final, kept.buffers
     del kept
@@ -199,37 +211,38 @@ def reversible_bwd(stack: int, need_x: bool, handle: Tensor, grad_out: Tensor,
     def run(cells: nn.ModuleList):
         with autograd_inside_op():
             return reversible_backward(cells, xs, init, final, buffers, grad_out,
-                                       grad_final, need_x, leaves)
+                                       grad_final, need_x, leaves, dropout)
     grad_init, grad_xs, grad_params = _with_params(stack, leaves, run)
     return [*grad_init, *grad_params, *([grad_xs] if need_x else [])]
 
 
 @reversible_bwd.register_fake
-def _(stack, need_x, handle, grad_out, grad_final, init, xs, params):
+def _(stack, need_x, handle, grad_out, grad_final, init, xs, params, seeds):
     grads = [torch.empty_like(h) for h in init] + [torch.empty_like(p) for p in params]
     return grads + ([torch.empty_like(xs)] if need_x else [])
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    stack, _, _, init, xs, params = inputs
+    stack, _, _, init, xs, params, seeds = inputs
     ctx.stack, ctx.n = stack, (len(init), len(params))
-    ctx.save_for_backward(*init, xs, *params, output[-1])
+    ctx.save_for_backward(*init, xs, *params, output[-1], seeds)
 
 
 def _backward(ctx, grads):
     n_init, n_params = ctx.n
     saved = ctx.saved_tensors
     init, xs = list(saved[:n_init]), saved[n_init]
-    params, handle = list(saved[n_init + 1:n_init + 1 + n_params]), saved[-1]
+    params, (handle, seeds) = list(saved[n_init + 1:n_init + 1 + n_params]), saved[-2:]
     grad_out = grads[0] if grads[0] is not None else xs.new_zeros(
         xs.shape[0], xs.shape[1], spec_of(ctx.stack).hidden_size)
     grad_final = [g if g is not None else torch.zeros_like(h)
                   for g, h in zip(grads[1:1 + n_init], init)]
     need_x = bool(ctx.needs_input_grad[4])
     out = torch.ops.memopt.reversible_bwd(ctx.stack, need_x, handle, grad_out, grad_final,
-                                          init, xs, params)
+                                          init, xs, params, seeds)
     grad_init, grad_params = out[:n_init], out[n_init:n_init + n_params]
-    return None, None, None, list(grad_init), out[-1] if need_x else None, list(grad_params)
+    return (None, None, None, list(grad_init), out[-1] if need_x else None, list(grad_params),
+            None)
 
 
 reversible_fwd.register_autograd(_backward, setup_context=_setup_context)
