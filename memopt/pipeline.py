@@ -27,6 +27,7 @@ from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_li
 from memopt.allocator import (SegmentPlan, plan_segments, search_budgets, share_by_tags,
                               split_candidates)
 from memopt.passes import chains as chain_pass
+from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes import heads as head_pass
 from memopt.passes import reversible as reversible_pass
 from memopt.passes.gradients import accumulate_in_place, save_parameters
@@ -651,7 +652,9 @@ def plan_joint(
     the whole forward, so what `outside` holds (DDP's gradient buckets, parameters it does
     not take) is held unchanged through its step, and the peak-directed path plans around it.
 
-    Step 1: declare minimum dependencies (passes.partition.read_concat_views).
+    Step 1: a tied embedding's gradient added into the weight's other gradient
+        (passes.embedding_grads), and minimum dependencies declared
+        (passes.partition.read_concat_views).
     Step 2: the baseline: no in-place, no recomputation.
     Step 3: the mirror set: the user's (`options.mirror`), none when the plan without
         recomputation fits the budget, else Chen's Alg. 3 + grid search.
@@ -660,6 +663,8 @@ def plan_joint(
     """
     t0 = time.perf_counter()
     done: list[str] = []
+    with _stage("tied embedding gradients", done):
+        add_embedding_grads_in_place(joint)
     with _stage("minimum dependencies", done):
         read_concat_views(joint, num_fwd_outputs, find_cut(joint, num_fwd_outputs))
 

@@ -137,12 +137,18 @@ def _is_whole_dense(t: torch.Tensor) -> bool:
     )
 
 
+#: memopt's own ops whose outputs are always fresh tensors, never kept behind a handle
+#: (the language-model head's, memopt.lm_head): they may be written in place.
+_FRESH_OUTPUTS = frozenset({"head_fwd", "head_bwd"})
+
+
 def _opaque_output(node: fx.Node) -> bool:
     """An output of one of memopt's own opaque ops (a recurrent chain): it may alias
     state the op keeps for its backward, so it is never written in place."""
     parent = node.args[0] if node.target is operator.getitem and node.args else node
     op = getattr(parent, "target", None)
-    return isinstance(op, torch._ops.OpOverload) and op.namespace == "memopt"
+    return isinstance(op, torch._ops.OpOverload) and op.namespace == "memopt" \
+        and op._opname not in _FRESH_OUTPUTS
 
 
 def merge_storage(old: object, key: object, merged: dict, last_read: dict, pinned: set) -> None:

@@ -90,7 +90,10 @@ def _check(name: str, budget_of: str) -> None:
     if budget is not None:
         graphs = getattr(plan, "graphs", (plan,))
         assert plan.budget_bytes == budget and predicted <= budget
-        assert sum(g.recompute_flops for g in graphs) > 0, "the budget does not bind"
+        # below the budget=None plan's peak: met by recomputation, or by running a
+        # language model's head as memopt's op (one chunk holds less than eager's head)
+        assert sum(g.recompute_flops for g in graphs) > 0 or any(g.heads for g in graphs), \
+            "the budget does not bind"
         assert measured <= budget, (name, measured, budget)
     assert abs(measured - predicted) <= 0.10 * predicted, (name, measured, predicted)
 
