@@ -32,13 +32,25 @@ from .executor import Step, Tensors
 _RNN_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
 
 
-def _rnn_step(rnn: nn.RNNBase):
-    """step(params, state, x_chunk) for one chunk: one call of the fused kernel."""
+#: The autocast states a ChainedRNN registers chains for, besides autocast off: the
+#: step of each enters it (the chain ops run outside the caller's autocast region).
+AUTOCASTS = tuple((d, t) for d in ("cpu", "cuda") for t in (torch.bfloat16, torch.float16))
+
+
+def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
+              autocast: tuple[str, torch.dtype] | None = None) -> Step:
+    """step(params, state, x_chunk) for one chunk: one call of the fused kernel over
+    ``layers`` layers of one direction (``params`` theirs, in ``rnn._flat_weights_names`` order). With
+    ``reverse`` the chunk runs time-reversed (the reverse direction of a bidirectional
+    RNN): flipped in, its outputs flipped back, a chunk's copies only. With ``autocast``
+    (device type, dtype) the kernel runs under it, as eager's nn.LSTM would."""
     from torch import _VF  # noqa: PLC0415 (semi-private; what nn.LSTM.forward calls)
 
-    def step(params, state, x):
-        args = (list(params), rnn.bias, rnn.num_layers, float(rnn.dropout), rnn.training,
-                rnn.bidirectional, rnn.batch_first)
+    time_dim = 1 if rnn.batch_first else 0
+    dropout = float(rnn.dropout) if layers > 1 else 0.0
+
+    def kernel(params, state, x):
+        args = (list(params), rnn.bias, layers, dropout, rnn.training, False, rnn.batch_first)
         if isinstance(rnn, nn.LSTM):
             out, h, c = _VF.lstm(x, list(state), *args)
             return out, (h, c)
@@ -49,6 +61,16 @@ def _rnn_step(rnn: nn.RNNBase):
         else:
             out, h = _VF.rnn_relu(x, state[0], *args)
         return out, (h,)
+
+    def step(params, state, x):
+        if reverse:
+            x = x.flip(time_dim)
+        if autocast is None:
+            out, new = kernel(params, state, x)
+        else:
+            with torch.autocast(autocast[0], dtype=autocast[1]):
+                out, new = kernel(params, state, x)
+        return (out.flip(time_dim) if reverse else out), new
 
     return step
 
@@ -72,7 +94,21 @@ def loop_step(cell_step: Callable[[Tensors, Tensors, Tensor], tuple[Tensor, Tens
 
 
 class ChainedRNN(nn.Module):
-    """An nn.LSTM / nn.GRU / nn.RNN run as a chain of chunks (see module docstring)."""
+    """An nn.LSTM / nn.GRU / nn.RNN run as chains of chunks (see module docstring).
+
+    A unidirectional RNN is one chain whose step is the fused kernel over all its layers
+    (its inter-layer dropout inside, replayed when a chunk is recomputed). A
+    bidirectional one is two chains per layer, each a one-layer, one-direction call of
+    the kernel with that direction's weights: the forward direction over the sequence,
+    the reverse one over the time-reversed sequence (its chunks taken from the end, each
+    flipped in the step, ``ChainSpec.reverse``), their outputs concatenated as
+    nn.LSTM's are and read by the next layer, the inter-layer dropout a traced
+    ``F.dropout`` between them (the call, on the same tensor, in the same order, that
+    nn.LSTM's CPU kernel makes: the same numbers). Every chain can be split.
+
+    Under autocast the chain registered for that (device type, dtype) runs: its step
+    enters the same autocast state, also when recomputed in backward.
+    """
 
     def __init__(self, rnn: nn.RNNBase, name: str = "") -> None:
         super().__init__()
@@ -85,20 +121,37 @@ class ChainedRNN(nn.Module):
         for n in self.weight_names:
             self.register_parameter(n, getattr(rnn, n))
         self.lstm = isinstance(rnn, nn.LSTM)
-        self.batch_first, self.layers = rnn.batch_first, rnn.num_layers * (
-            2 if rnn.bidirectional else 1)
+        self.batch_first, self.directions = rnn.batch_first, 2 if rnn.bidirectional else 1
+        self.layers = rnn.num_layers * self.directions  # of the state, as nn.LSTM's h_0
+        self.dropout = float(rnn.dropout)
         self.h_size, self.c_size = rnn.proj_size or rnn.hidden_size, rnn.hidden_size
-        out_size = (rnn.proj_size or rnn.hidden_size) * (2 if rnn.bidirectional else 1)
         time_dim = 1 if rnn.batch_first else 0
+        name = name or type(rnn).__name__
+        # the chains: one for a unidirectional RNN, else (layer, direction) in
+        # _flat_weights_names order; each once per autocast state (None: off)
+        if rnn.bidirectional:
+            parts = [{"layers": 1, "reverse": bool(d),
+                      "name": f"{name}.l{layer}{'_reverse' if d else ''}"}
+                     for layer in range(rnn.num_layers) for d in range(2)]
+        else:
+            parts = [{"layers": rnn.num_layers, "reverse": False, "name": name}]
+        out_size = self.h_size  # of each chain: one direction
+        per = len(self.weight_names) // len(parts)
+        self.part_weights = [self.weight_names[k * per:(k + 1) * per] for k in range(len(parts))]
 
         def output_like(state: tuple[Tensor, ...], xs: Tensor) -> Tensor:
             return xs.new_empty((*xs.shape[:-1], out_size))
 
-        self.chain_id = ops.register(ops.ChainSpec(
-            name=name or type(rnn).__name__, module_type=type(rnn).__name__,
-            step=_rnn_step(rnn), time_dim=time_dim, output_like=output_like,
-            preserve_rng=rnn.dropout > 0, unsplittable=rnn.bidirectional,
-        ))
+        self.chain_ids: dict[tuple[str, torch.dtype] | None, list[int]] = {}
+        for autocast in (None, *AUTOCASTS):
+            self.chain_ids[autocast] = [ops.register(ops.ChainSpec(
+                name=part["name"], module_type=type(rnn).__name__,
+                step=_rnn_step(rnn, layers=part["layers"], reverse=part["reverse"],
+                               autocast=autocast),
+                time_dim=time_dim, output_like=output_like,
+                preserve_rng=part["layers"] > 1 and rnn.dropout > 0,
+                reverse=part["reverse"], autocast=autocast)) for part in parts]
+        self.chain_id = self.chain_ids[None][0]  # the (first) chain without autocast
 
     def forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
         if isinstance(input, PackedSequence):
@@ -116,16 +169,47 @@ class ChainedRNN(nn.Module):
             state = [h0, input.new_zeros(self.layers, batch, self.c_size)] if lstm else [h0]
         else:
             state = list(hx) if lstm else [hx]
-        params = [getattr(self, n) for n in self.weight_names]
+        device = input.device.type
+        autocast = ((device, torch.get_autocast_dtype(device))
+                    if torch.is_autocast_enabled(device) else None)
+        ids = self.chain_ids.get(autocast)
+        if ids is None:
+            raise CaptureError(f"memopt runs nn.LSTM/nn.GRU/nn.RNN as chains under autocast "
+                               f"to {AUTOCASTS}, not {autocast}")
         time = input.shape[1 if batch_first else 0]
         keep = torch.is_grad_enabled()
-        out = torch.ops.memopt.chain_fwd(self.chain_id, time, 1, "hsm", keep, state, input,
-                                         params)
-        y, final = out[0], out[1:-1]
+        if len(ids) == 1:
+            params = [getattr(self, n) for n in self.weight_names]
+            out = torch.ops.memopt.chain_fwd(ids[0], time, 1, "hsm", keep, state, input,
+                                             params)
+            y, final = out[0], out[1:-1]
+        else:
+            y, final = self._bidirectional(ids, time, keep, state, input)
         if not batched:
             y = y.squeeze(1 if not batch_first else 0)
             final = [f.squeeze(1) for f in final]
         return y, (final[0], final[1]) if lstm else final[0]
+
+    def _bidirectional(self, ids: list[int], time: int, keep: bool, state: list[Tensor],
+                       input: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """Layer by layer, a forward and a reverse chain (state rows ``2 * layer + d``, as
+        nn.LSTM's h_0), their outputs concatenated; the final states stacked as nn.LSTM's
+        h_n / c_n (layers * directions, batch, hidden)."""
+        finals: list[list[Tensor]] = []
+        layers = len(ids) // 2
+        for layer in range(layers):
+            ys = []
+            for d in range(2):
+                k = 2 * layer + d
+                params = [getattr(self, n) for n in self.part_weights[k]]
+                out = torch.ops.memopt.chain_fwd(ids[k], time, 1, "hsm", keep,
+                                                 [s[k:k + 1] for s in state], input, params)
+                ys.append(out[0])
+                finals.append(out[1:-1])
+            input = torch.cat(ys, -1)
+            if self.dropout > 0 and self.training and layer < layers - 1:
+                input = nn.functional.dropout(input, self.dropout, True)
+        return input, [torch.cat([f[i] for f in finals]) for i in range(len(state))]
 
 
 class Recurrent(nn.Module):
