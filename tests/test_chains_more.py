@@ -1,0 +1,185 @@
+"""nn.LSTM / nn.GRU / nn.RNN chains beyond the unidirectional padded fp32 case: a
+bidirectional RNN as two splittable chains per layer, PackedSequence inputs, and
+autocast inside a chain (memopt.recurrent.modules.ChainedRNN), each against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.recurrent import ops, solve
+from memopt.recurrent.modules import ChainedRNN
+
+
+def _hidden(h) -> tuple[torch.Tensor, ...]:
+    return h if isinstance(h, tuple) else (h,)
+
+
+def _close_grads(got, ref, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+# -- bidirectional ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru_bf"])
+def test_reverse_chain_equals_the_fused_module(kind):
+    """The reverse direction's chain, its chunks taken from the end of the sequence,
+    under HSM policies down to m = 1, gives the fused bidirectional module's second
+    half of the outputs, its h_n[1] and their gradients (float64)."""
+    torch.manual_seed(0)
+    rnn = (nn.LSTM(4, 6, bidirectional=True) if kind == "lstm"
+           else nn.GRU(4, 6, bidirectional=True, batch_first=True)).double()
+    wrapped = ChainedRNN(rnn)
+    x = torch.randn(2, 9, 4, dtype=torch.double) if rnn.batch_first else \
+        torch.randn(9, 2, 4, dtype=torch.double)
+    x.requires_grad_()
+    y, hidden = rnn(x)
+    hidden = _hidden(hidden)
+    params = [getattr(wrapped, n) for n in wrapped.part_weights[1]]
+    assert all(n.endswith("_reverse") for n in wrapped.part_weights[1])
+    ref = torch.autograd.grad((y[..., 6:] ** 2).sum() + sum(h[1].sum() for h in hidden),
+                              [x, *params])
+    h0 = [torch.zeros(1, 2, 6, dtype=torch.double) for _ in hidden]
+    chain = wrapped.chain_ids[None][1]
+    for chunk, m in ((9, 1), (4, 1), (2, 2), (1, 1), (1, 9)):
+        out = torch.ops.memopt.chain_fwd(chain, chunk, m, "hsm", True, h0, x, params)
+        torch.testing.assert_close(out[0], y[..., 6:])
+        for got_h, h in zip(out[1:-1], hidden):
+            torch.testing.assert_close(got_h, h[1:])
+        loss = (out[0] ** 2).sum() + sum(h.sum() for h in out[1:-1])
+        _close_grads(torch.autograd.grad(loss, [x, *params]), ref, rtol=1e-7, atol=1e-9)
+        t = -(-9 // chunk)
+        assert ops.LAST_STATS[chain].forward_steps == solve(t, min(m, t)).cost
+    assert not ops._STASH
+
+
+BIRNNS = {
+    "lstm2_dropout": lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, dropout=0.5),
+    "lstm2_proj": lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, proj_size=3),
+    "gru_bf": lambda: nn.GRU(4, 6, bidirectional=True, batch_first=True),
+    "rnn3_relu": lambda: nn.RNN(4, 6, num_layers=3, bidirectional=True, nonlinearity="relu",
+                                dropout=0.3),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BIRNNS))
+@pytest.mark.parametrize("given_state", [False, True])
+def test_bidirectional_module_equals_eager(kind, given_state):
+    """ChainedRNN of a bidirectional RNN (two chains a layer, the concatenated output
+    read by the next layer, dropout between layers) gives nn.LSTM's outputs, h_n / c_n
+    laid out (layers * directions, batch, hidden), and gradients, with the same dropout
+    masks under the same seed (float64)."""
+    torch.manual_seed(0)
+    rnn = BIRNNS[kind]().double().train()
+    wrapped = ChainedRNN(rnn)
+    x = torch.randn(2, 7, 4, dtype=torch.double) if rnn.batch_first else \
+        torch.randn(7, 2, 4, dtype=torch.double)
+    x.requires_grad_()
+    lstm = isinstance(rnn, nn.LSTM)
+    hx = None
+    if given_state:
+        h = torch.randn(2 * rnn.num_layers, 2, rnn.proj_size or 6, dtype=torch.double,
+                        requires_grad=True)
+        hx = (h, torch.randn(2 * rnn.num_layers, 2, 6, dtype=torch.double,
+                             requires_grad=True)) if lstm else h
+    inputs = [x, *(_hidden(hx) if hx is not None else ()), *rnn.parameters()]
+    results = []
+    for module in (rnn, wrapped):
+        torch.manual_seed(5)
+        y, hidden = module(x, hx)
+        after = torch.rand(())
+        hidden = _hidden(hidden)
+        loss = (y ** 2).sum() + sum((h * (k + 1)).sum() for k, h in enumerate(hidden))
+        results.append((y, hidden, after, torch.autograd.grad(loss, inputs)))
+    (y, hidden, after, ref), (y2, hidden2, after2, got) = results
+    torch.testing.assert_close(y2, y)
+    assert [h.shape for h in hidden2] == [h.shape for h in hidden]
+    for a, b in zip(hidden2, hidden):
+        torch.testing.assert_close(a, b)
+    assert after2 == after  # the same numbers were drawn
+    _close_grads(got, ref, rtol=1e-7, atol=1e-9)
+
+
+def test_bidirectional_unbatched_input():
+    torch.manual_seed(0)
+    rnn = nn.GRU(3, 5, num_layers=2, bidirectional=True).double()
+    x = torch.randn(6, 3, dtype=torch.double)
+    y, h = rnn(x)
+    y2, h2 = ChainedRNN(rnn)(x)
+    torch.testing.assert_close(y2, y)
+    torch.testing.assert_close(h2, h)
+
+
+class BiRegression(nn.Module):
+    """A two-layer bidirectional LSTM and a loss on its outputs and final states."""
+
+    def __init__(self, steps: int, dropout: float) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(32, 64, num_layers=2, bidirectional=True, dropout=dropout)
+        self.register_buffer("target", torch.randn(steps, 16, 128), persistent=False)
+
+    def forward(self, xs):
+        y, (h, c) = self.rnn(xs)
+        return nn.functional.mse_loss(y, self.target) + h.square().mean() + c.square().mean()
+
+
+def _train_step(model: nn.Module, xs: torch.Tensor) -> tuple[torch.Tensor, list, int]:
+    """One training step as a user runs it (``.grad`` set to None, ``backward()``), the
+    inputs requiring gradients: its loss, the gradients of the inputs and the parameters,
+    and its allocated peak (memopt.allocation: what a budget counts; the parameters,
+    buffers and inputs, resident before it, are not in it)."""
+    from memopt.allocation import allocation_peak  # noqa: PLC0415
+
+    params = list(model.parameters())
+    xs.grad = None
+    for p in params:
+        p.grad = None
+    torch.manual_seed(11)  # the dropout masks
+    with allocation_peak("cpu") as seen:
+        loss = model(xs)
+        loss.backward()
+    return loss.detach(), [xs.grad, *(p.grad for p in params)], seen.peak
+
+
+@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.3])
+def test_compile_bidirectional_under_a_budget(dropout):
+    """memopt.compile runs a bidirectional LSTM as four chains; with no budget each is
+    one chunk, and under a binding budget they are split: eager's loss, input and
+    parameter gradients either way (inter-layer dropout included: the same masks), the
+    measured allocations within the budget and predicted within 10%."""
+    torch.manual_seed(0)
+    steps = 64
+    model = BiRegression(steps, dropout).train()
+    xs = torch.randn(steps, 16, 32, requires_grad=True)
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), *model.buffers(), xs))
+    ref_loss, ref, eager = _train_step(model, xs)
+    free = memopt.compile(model)
+    loss, got, _ = _train_step(free, xs)
+    chains = free.memopt_plan.chains
+    assert [c.module for c in chains] == ["rnn.l0", "rnn.l0_reverse", "rnn.l1",
+                                          "rnn.l1_reverse"]
+    assert all(c.t == 1 for c in chains)
+    torch.testing.assert_close(loss, ref_loss)
+    _close_grads(got, ref)
+
+    fixed = resident + sum(p.numel() * 4 for p in model.parameters())
+    budget = fixed + int(0.6 * (eager + resident - fixed))
+    tight = memopt.compile(model, budget=budget)
+    _train_step(tight, xs)  # compiles and plans (not while measuring)
+    loss, got, measured = _train_step(tight, xs)
+    measured += resident
+    plan = tight.memopt_plan
+    assert len(plan.chains) == 4 and all(c.t > 1 for c in plan.chains), plan.chains
+    assert plan.predicted_peak_bytes <= budget
+    torch.testing.assert_close(loss, ref_loss)
+    _close_grads(got, ref)
+    assert measured <= budget, (measured, budget)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured, (
+        plan.predicted_peak_bytes, measured)
+    assert not ops._STASH
