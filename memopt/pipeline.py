@@ -345,7 +345,8 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
         steps), else the lowest peak, and leave the rest of the budget to the Chen
         planner.
     Step 5: with several chains, when they fit together, each chooses again (Steps 3-4)
-        against the target itself, the others fixed at their choice.
+        against the target itself, the others fixed at their choice, among the
+        configurations estimated faster than its own.
     """
     one_chunk = {s.fwd: chain_pass.configure(s, costs[s.fwd], s.steps, 1) for s in sites}
     for s in sites:
@@ -360,7 +361,10 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
     gran = allocation_granularity(_device_of(built.fw))
     current = dict(one_chunk)
 
-    def choose(s: chain_pass.ChainSite, goal: int) -> tuple[_ChainChoice, int]:
+    def choose(s: chain_pass.ChainSite, goal: int, kept: int | None = None
+               ) -> tuple[_ChainChoice, int]:
+        """``kept``: the peak with the chain's current configuration, which fits the
+        goal: only the configurations estimated faster are priced besides it."""
         peaks: dict[tuple[int, int], int] = {}  # other chains as in ``current``
 
         def peak(config: chain_pass.ChainConfig) -> int:
@@ -373,6 +377,10 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
             return peaks[key]
 
         grid = chain_pass.configurations(s, costs[s.fwd])
+        if kept is not None:
+            mine = current[s.fwd]
+            peaks[(mine.chunk, mine.m)] = kept
+            grid = [mine, *(c for c in grid if c.seconds < mine.seconds)]
         priced = [(peak(c), c) for c in grid]
         fitting = [(p, c) for p, c in priced if p <= goal]
         full = [c.chunk for _, c in fitting if c.m == c.t and c.t > 1]
@@ -412,7 +420,7 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
     # target itself: a chain that took more than its share lets the others split less
     if len(sites) > 1 and now <= target:
         for s in sites:
-            chosen[s.fwd], now = choose(s, target)
+            chosen[s.fwd], now = choose(s, target, kept=now)
     for s in sites:
         chain_pass.apply([joint, built.fw, built.bw], s, current[s.fwd])
     return [chosen[s.fwd] for s in sites]

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import memopt
+from memopt.allocation import allocation_peak
 from memopt.recurrent import ops, solve
-from memopt.recurrent.modules import ChainedRNN
+from memopt.recurrent.modules import ChainedRNN, _packed_layout
 
 
 def _hidden(h) -> tuple[torch.Tensor, ...]:
@@ -67,8 +69,8 @@ BIRNNS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(BIRNNS))
-@pytest.mark.parametrize("given_state", [False, True])
+@pytest.mark.parametrize("kind,given_state", [(k, k.startswith("lstm")) for k in sorted(BIRNNS)]
+                         + [("lstm2_dropout", False)])
 def test_bidirectional_module_equals_eager(kind, given_state):
     """ChainedRNN of a bidirectional RNN (two chains a layer, the concatenated output
     read by the next layer, dropout between layers) gives nn.LSTM's outputs, h_n / c_n
@@ -128,26 +130,30 @@ class BiRegression(nn.Module):
         return nn.functional.mse_loss(y, self.target) + h.square().mean() + c.square().mean()
 
 
-def _train_step(model: nn.Module, xs: torch.Tensor) -> tuple[torch.Tensor, list, int]:
+def _train_step(model: nn.Module, xs: torch.Tensor, *args, measure: bool = True
+                ) -> tuple[torch.Tensor, list, int]:
     """One training step as a user runs it (``.grad`` set to None, ``backward()``), the
     inputs requiring gradients: its loss, the gradients of the inputs and the parameters,
-    and its allocated peak (memopt.allocation: what a budget counts; the parameters,
-    buffers and inputs, resident before it, are not in it)."""
-    from memopt.allocation import allocation_peak  # noqa: PLC0415
-
+    and with ``measure`` its allocated peak (memopt.allocation: what a budget counts; the
+    parameters, buffers and inputs, resident before it, are not in it; not while memopt
+    compiles, whose planning tracks allocations itself)."""
     params = list(model.parameters())
     xs.grad = None
     for p in params:
         p.grad = None
     torch.manual_seed(11)  # the dropout masks
+    if not measure:
+        loss = model(xs, *args)
+        loss.backward()
+        return loss.detach(), [xs.grad, *(p.grad for p in params)], 0
     with allocation_peak("cpu") as seen:
-        loss = model(xs)
+        loss = model(xs, *args)
         loss.backward()
     return loss.detach(), [xs.grad, *(p.grad for p in params)], seen.peak
 
 
 @pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.3])
-def test_compile_bidirectional_under_a_budget(dropout):
+def test_compile_bidirectional_under_a_budget(dropout, one_thread):
     """memopt.compile runs a bidirectional LSTM as four chains; with no budget each is
     one chunk, and under a binding budget they are split: eager's loss, input and
     parameter gradients either way (inter-layer dropout included: the same masks), the
@@ -160,7 +166,7 @@ def test_compile_bidirectional_under_a_budget(dropout):
                    for t in (*model.parameters(), *model.buffers(), xs))
     ref_loss, ref, eager = _train_step(model, xs)
     free = memopt.compile(model)
-    loss, got, _ = _train_step(free, xs)
+    loss, got, _ = _train_step(free, xs, measure=False)
     chains = free.memopt_plan.chains
     assert [c.module for c in chains] == ["rnn.l0", "rnn.l0_reverse", "rnn.l1",
                                           "rnn.l1_reverse"]
@@ -171,7 +177,7 @@ def test_compile_bidirectional_under_a_budget(dropout):
     fixed = resident + sum(p.numel() * 4 for p in model.parameters())
     budget = fixed + int(0.6 * (eager + resident - fixed))
     tight = memopt.compile(model, budget=budget)
-    _train_step(tight, xs)  # compiles and plans (not while measuring)
+    _train_step(tight, xs, measure=False)  # compiles and plans
     loss, got, measured = _train_step(tight, xs)
     measured += resident
     plan = tight.memopt_plan
@@ -182,4 +188,131 @@ def test_compile_bidirectional_under_a_budget(dropout):
     assert measured <= budget, (measured, budget)
     assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured, (
         plan.predicted_peak_bytes, measured)
+    assert not ops._STASH
+
+
+# -- PackedSequence -----------------------------------------------------------------
+
+PACKED = {
+    "lstm": lambda: nn.LSTM(4, 6),
+    "lstm2_bi_dropout": lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, dropout=0.5),
+    "gru2_dropout": lambda: nn.GRU(4, 6, num_layers=2, dropout=0.4),
+    "lstm_bi_proj": lambda: nn.LSTM(4, 6, proj_size=3, bidirectional=True),
+    "rnn_tanh_bf": lambda: nn.RNN(4, 6, batch_first=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PACKED))
+@pytest.mark.parametrize("enforce_sorted,given_state", [(False, True), (True, False)])
+def test_packed_module_equals_eager(kind, enforce_sorted, given_state):
+    """A PackedSequence (sequences ending early, sorted or not) through ChainedRNN gives
+    nn.LSTM's packed output, its final states (each sequence's at its own last step,
+    in the caller's order) and gradients, dropout masks included (float64)."""
+    torch.manual_seed(0)
+    rnn = PACKED[kind]().double().train()
+    wrapped = ChainedRNN(rnn)
+    lengths = [7, 6, 6, 3, 1] if enforce_sorted else [3, 7, 1, 6, 7]
+    x = torch.randn(5, 7, 4, dtype=torch.double) if rnn.batch_first else \
+        torch.randn(7, 5, 4, dtype=torch.double)
+    x.requires_grad_()
+    lstm, layers = isinstance(rnn, nn.LSTM), rnn.num_layers * (2 if rnn.bidirectional else 1)
+    hx = None
+    if given_state:
+        h = torch.randn(layers, 5, rnn.proj_size or 6, dtype=torch.double, requires_grad=True)
+        hx = (h, torch.randn(layers, 5, 6, dtype=torch.double, requires_grad=True)) \
+            if lstm else h
+    inputs = [x, *(_hidden(hx) if hx is not None else ()), *rnn.parameters()]
+    results = []
+    for module in (rnn, wrapped):
+        packed = pack_padded_sequence(x, lengths, batch_first=rnn.batch_first,
+                                      enforce_sorted=enforce_sorted)
+        torch.manual_seed(5)
+        y, hidden = module(packed, hx)
+        after = torch.rand(())
+        hidden = _hidden(hidden)
+        padded, _ = pad_packed_sequence(y)
+        loss = (padded ** 2).sum() + sum((h * (k + 1)).sum() for k, h in enumerate(hidden))
+        results.append((y, hidden, after, torch.autograd.grad(loss, inputs)))
+    (y, hidden, after, ref), (y2, hidden2, after2, got) = results
+    torch.testing.assert_close(y2.data, y.data)
+    assert torch.equal(y2.batch_sizes, y.batch_sizes)
+    for a, b in zip(hidden2, hidden):
+        torch.testing.assert_close(a, b)
+    assert after2 == after
+    _close_grads(got, ref, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("direction", [0, 1])
+def test_packed_chain_splits(direction):
+    """The packed chains of a bidirectional LSTM, split into chunks under HSM policies,
+    give the fused packed kernel's padded outputs and final states (a chunk runs in
+    segments of steps with the same sequences active)."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(4, 6, bidirectional=True).double()
+    wrapped = ChainedRNN(rnn)
+    x = torch.randn(9, 5, 4, dtype=torch.double)
+    packed = pack_padded_sequence(x, [9, 7, 4, 4, 2])
+    y, (h, c) = rnn(packed)
+    padded, _ = pad_packed_sequence(y)
+    _, ended = _packed_layout(packed.batch_sizes, packed.data)
+    xs = torch.cat([x, ended], -1).requires_grad_()
+    params = [getattr(wrapped, n) for n in wrapped.part_weights[direction]]
+    half = padded[..., 6 * direction:6 * direction + 6]
+    ref = torch.autograd.grad((half ** 2).sum() + h[direction].sum(), [*params],
+                              retain_graph=True)
+    h0 = [torch.zeros(1, 5, 6, dtype=torch.double)] * 2
+    for chunk, m in ((9, 1), (4, 1), (2, 2), (1, 3)):
+        out = torch.ops.memopt.chain_fwd(wrapped.packed_ids[None][direction], chunk, m, "hsm",
+                                         True, h0, xs, params)
+        torch.testing.assert_close(out[0], half)
+        torch.testing.assert_close(out[1], h[direction:direction + 1])
+        torch.testing.assert_close(out[2], c[direction:direction + 1])
+        got = torch.autograd.grad((out[0] ** 2).sum() + out[1].sum(), [*params])
+        _close_grads(got, ref, rtol=1e-7, atol=1e-9)
+    assert not ops._STASH
+
+
+class Tagger(nn.Module):
+    """Variable-length sequences packed (unsorted) through a bidirectional LSTM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, num_layers=2, bidirectional=True, dropout=0.3)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, xs, lengths):
+        packed = pack_padded_sequence(xs, lengths, enforce_sorted=False)
+        y, (h, c) = self.rnn(packed)
+        padded, _ = pad_packed_sequence(y, total_length=xs.shape[0])
+        return self.head(padded).square().mean() + h.square().mean() + c.square().mean()
+
+
+def test_compile_packed_sequences_under_a_budget(one_thread):
+    """memopt.compile of a model that packs its batch (a graph break before the RNN):
+    with no budget, and with a binding one that splits the packed chains, eager's loss
+    and gradients, and the measured allocations within the budget. (The plan is for the
+    graph's shapes, whatever the lengths: it prices every sequence at full length, so
+    it is an upper bound for a batch of short sequences.)"""
+    torch.manual_seed(0)
+    model = Tagger().train()
+    xs = torch.randn(64, 8, 16, requires_grad=True)
+    lengths = torch.tensor([64, 20, 33, 64, 5, 17, 40, 1])
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), *model.buffers(), xs))
+    ref_loss, ref, _ = _train_step(model, xs, lengths, measure=False)
+    free = memopt.compile(model)
+    loss, got, _ = _train_step(free, xs, lengths, measure=False)
+    torch.testing.assert_close(loss, ref_loss)
+    _close_grads(got, ref)
+    budget = int(0.75 * free.memopt_plan.predicted_peak_bytes)
+    tight = memopt.compile(model, budget=budget)
+    _train_step(tight, xs, lengths, measure=False)  # compiles and plans
+    loss, got, measured = _train_step(tight, xs, lengths)
+    chains = [c for g in tight.memopt_plan.graphs for c in g.chains]
+    assert [c.module for c in chains] == ["rnn.l0", "rnn.l0_reverse", "rnn.l1",
+                                          "rnn.l1_reverse"]
+    assert all(c.t > 1 for c in chains), chains
+    torch.testing.assert_close(loss, ref_loss)
+    _close_grads(got, ref)
+    assert measured + resident <= budget, (measured + resident, budget)
     assert not ops._STASH

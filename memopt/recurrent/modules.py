@@ -17,6 +17,7 @@ Outside memopt.compile both run eagerly as a single chunk (plain BPTT).
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -38,19 +39,29 @@ AUTOCASTS = tuple((d, t) for d in ("cpu", "cuda") for t in (torch.bfloat16, torc
 
 
 def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
-              autocast: tuple[str, torch.dtype] | None = None) -> Step:
+              autocast: tuple[str, torch.dtype] | None = None, packed: bool = False) -> Step:
     """step(params, state, x_chunk) for one chunk: one call of the fused kernel over
-    ``layers`` layers of one direction (``params`` theirs, in ``rnn._flat_weights_names`` order). With
-    ``reverse`` the chunk runs time-reversed (the reverse direction of a bidirectional
-    RNN): flipped in, its outputs flipped back, a chunk's copies only. With ``autocast``
-    (device type, dtype) the kernel runs under it, as eager's nn.LSTM would."""
+    ``layers`` layers of one direction (``params`` theirs, in ``rnn._flat_weights_names``
+    order). With ``reverse`` the chunk runs time-reversed (the reverse direction of a
+    bidirectional RNN): flipped in, its outputs flipped back, a chunk's copies only.
+    With ``autocast`` (device type, dtype) the kernel runs under it, as eager's nn.LSTM
+    would.
+
+    ``packed``: the chunk is time-major, padded, sorted by decreasing length (a
+    PackedSequence laid out by ``_packed_layout``), its last feature 1.0 where a sequence
+    has ended. Its active rows run through the kernel's packed overload (what nn.LSTM
+    runs on a PackedSequence: the same arithmetic), the ended sequences' state carried
+    unchanged and their outputs zero: in time order one call (the active counts only
+    fall); reversed, one call per run of steps with the same count (they rise)."""
     from torch import _VF  # noqa: PLC0415 (semi-private; what nn.LSTM.forward calls)
 
-    time_dim = 1 if rnn.batch_first else 0
+    batch_first = rnn.batch_first and not packed
+    lstm = isinstance(rnn, nn.LSTM)
+    time_dim = 1 if batch_first else 0
     dropout = float(rnn.dropout) if layers > 1 else 0.0
 
     def kernel(params, state, x):
-        args = (list(params), rnn.bias, layers, dropout, rnn.training, False, rnn.batch_first)
+        args = (list(params), rnn.bias, layers, dropout, rnn.training, False, batch_first)
         if isinstance(rnn, nn.LSTM):
             out, h, c = _VF.lstm(x, list(state), *args)
             return out, (h, c)
@@ -62,17 +73,67 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
             out, h = _VF.rnn_relu(x, state[0], *args)
         return out, (h,)
 
+    def packed_kernel(params, state, data, sizes):
+        """The packed overload (what nn.LSTM runs on a PackedSequence)."""
+        batch_sizes = torch.tensor(sizes, dtype=torch.int64)
+        rest = (list(params), rnn.bias, layers, dropout, rnn.training, False)
+        if lstm:
+            out, h, c = _VF.lstm(data, batch_sizes, list(state), *rest)
+            return out, (h, c)
+        fn = _VF.gru if isinstance(rnn, nn.GRU) else (
+            _VF.rnn_tanh if rnn.nonlinearity == "tanh" else _VF.rnn_relu)
+        out, h = fn(data, batch_sizes, state[0], *rest)
+        return out, (h,)
+
+    def segments(params, state, x):
+        valid = x[..., -1] == 0
+        active = valid.sum(1).tolist()  # sequences active at each step: a prefix
+        x, batch = x[..., :-1], x.shape[1]
+        # in time order the active counts only fall: one packed call; reversed, they
+        # rise: a call per run of steps with the same count
+        rises = (k for k in range(1, len(active)) if active[k] != active[k - 1])
+        bounds = [0, *(rises if reverse else ()), len(active)]
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            n = active[start]
+            mask = valid[start:end, :n]
+            out, new = packed_kernel(params, tuple(s[:, :n] for s in state),
+                                     x[start:end, :n][mask], active[start:end])
+            out = out.new_zeros((end - start, n, out.shape[-1])).index_put((mask,), out)
+            if n < batch:
+                out = torch.cat([out, out.new_zeros((end - start, batch - n, out.shape[-1]))], 1)
+                new = tuple(torch.cat([a, b[:, n:].to(a.dtype)], 1) for a, b in zip(new, state))
+            outs.append(out)
+            state = new
+        return torch.cat(outs) if len(outs) > 1 else outs[0], tuple(state)
+
+    run = segments if packed else kernel
+
     def step(params, state, x):
         if reverse:
             x = x.flip(time_dim)
         if autocast is None:
-            out, new = kernel(params, state, x)
+            out, new = run(params, state, x)
         else:
             with torch.autocast(autocast[0], dtype=autocast[1]):
-                out, new = kernel(params, state, x)
+                out, new = run(params, state, x)
         return (out.flip(time_dim) if reverse else out), new
 
     return step
+
+
+@torch.compiler.disable
+def _packed_layout(batch_sizes: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+    """Where a PackedSequence's rows go in the time-major padded layout (T, B) of its
+    sorted sequences: each row's flat index t * B + b, and a (T, B, 1) tensor (``like``'s
+    dtype and device), 1.0 where sequence b has ended by step t. Run eagerly (the
+    layout depends on the values of ``batch_sizes``; a graph break)."""
+    sizes = batch_sizes.tolist()
+    batch = sizes[0]
+    index = torch.cat([torch.arange(n) + t * batch for t, n in enumerate(sizes)])
+    ended = torch.arange(batch)[None, :] >= torch.tensor(sizes)[:, None]
+    return (index.to(like.device),
+            ended.to(dtype=like.dtype, device=like.device).unsqueeze(-1))
 
 
 def loop_step(cell_step: Callable[[Tensors, Tensors, Tensor], tuple[Tensor, Tensors]],
@@ -136,27 +197,41 @@ class ChainedRNN(nn.Module):
         else:
             parts = [{"layers": rnn.num_layers, "reverse": False, "name": name}]
         out_size = self.h_size  # of each chain: one direction
-        per = len(self.weight_names) // len(parts)
-        self.part_weights = [self.weight_names[k * per:(k + 1) * per] for k in range(len(parts))]
+        per = len(self.weight_names) // self.layers  # a layer's and direction's weights
+        self.part_weights = [self.weight_names[k * per:(k + 1) * per]
+                             for k in range(self.layers)]
 
         def output_like(state: tuple[Tensor, ...], xs: Tensor) -> Tensor:
             return xs.new_empty((*xs.shape[:-1], out_size))
 
+        # PackedSequence inputs: one chain per layer and direction, time-major
+        layered = [{"layers": 1, "reverse": bool(d), "packed": True,
+                    "name": f"{name}.l{layer}{'_reverse' if d else ''}"}
+                   for layer in range(rnn.num_layers) for d in range(self.directions)]
         self.chain_ids: dict[tuple[str, torch.dtype] | None, list[int]] = {}
+        self.packed_ids: dict[tuple[str, torch.dtype] | None, list[int]] = {}
         for autocast in (None, *AUTOCASTS):
-            self.chain_ids[autocast] = [ops.register(ops.ChainSpec(
-                name=part["name"], module_type=type(rnn).__name__,
-                step=_rnn_step(rnn, layers=part["layers"], reverse=part["reverse"],
-                               autocast=autocast),
-                time_dim=time_dim, output_like=output_like,
-                preserve_rng=part["layers"] > 1 and rnn.dropout > 0,
-                reverse=part["reverse"], autocast=autocast)) for part in parts]
+            for table, specs in ((self.chain_ids, parts), (self.packed_ids, layered)):
+                table[autocast] = [ops.register(ops.ChainSpec(
+                    name=part["name"], module_type=type(rnn).__name__,
+                    step=_rnn_step(rnn, layers=part["layers"], reverse=part["reverse"],
+                                   autocast=autocast, packed=part.get("packed", False)),
+                    time_dim=0 if part.get("packed") else time_dim, output_like=output_like,
+                    preserve_rng=part["layers"] > 1 and rnn.dropout > 0,
+                    reverse=part["reverse"], autocast=autocast)) for part in specs]
         self.chain_id = self.chain_ids[None][0]  # the (first) chain without autocast
 
-    def forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
+    def _chains(self, device: str, table: dict) -> list[int]:
+        autocast = ((device, torch.get_autocast_dtype(device))
+                    if torch.is_autocast_enabled(device) else None)
+        if autocast not in table:
+            raise CaptureError(f"memopt runs nn.LSTM/nn.GRU/nn.RNN as chains under autocast "
+                               f"to {AUTOCASTS}, not {autocast}")
+        return table[autocast]
+
+    def forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
         if isinstance(input, PackedSequence):
-            raise CaptureError("memopt runs nn.LSTM/nn.GRU/nn.RNN as chains of padded "
-                               "tensors; PackedSequence inputs are not supported yet")
+            return self._packed(input, hx)
         lstm, batch_first = self.lstm, self.batch_first
         batched = input.dim() == 3
         if not batched:
@@ -169,13 +244,7 @@ class ChainedRNN(nn.Module):
             state = [h0, input.new_zeros(self.layers, batch, self.c_size)] if lstm else [h0]
         else:
             state = list(hx) if lstm else [hx]
-        device = input.device.type
-        autocast = ((device, torch.get_autocast_dtype(device))
-                    if torch.is_autocast_enabled(device) else None)
-        ids = self.chain_ids.get(autocast)
-        if ids is None:
-            raise CaptureError(f"memopt runs nn.LSTM/nn.GRU/nn.RNN as chains under autocast "
-                               f"to {AUTOCASTS}, not {autocast}")
+        ids = self._chains(input.device.type, self.chain_ids)
         time = input.shape[1 if batch_first else 0]
         keep = torch.is_grad_enabled()
         if len(ids) == 1:
@@ -210,6 +279,51 @@ class ChainedRNN(nn.Module):
             if self.dropout > 0 and self.training and layer < layers - 1:
                 input = nn.functional.dropout(input, self.dropout, True)
         return input, [torch.cat([f[i] for f in finals]) for i in range(len(state))]
+
+    def _packed(self, input: PackedSequence, hx: Any) -> tuple[PackedSequence, Any]:
+        """A PackedSequence: its rows laid out time-major and padded in the sorted order
+        (``_packed_layout``), an ended flag beside each step's features, and one chain
+        per layer and direction over that (``_rnn_step(packed=True)``); the inter-layer
+        dropout on the layer's packed rows, as nn.LSTM's packed kernel draws it. The
+        states are permuted by ``sorted_indices`` / ``unsorted_indices`` as nn.LSTM's."""
+        data, batch_sizes, sorted_indices, unsorted_indices = input
+        index, ended = _packed_layout(batch_sizes, data)
+        steps, batch = ended.shape[0], ended.shape[1]
+        if hx is None:
+            h0 = data.new_zeros(self.layers, batch, self.h_size)
+            state = [h0, data.new_zeros(self.layers, batch, self.c_size)] if self.lstm else [h0]
+        else:
+            state = list(hx) if self.lstm else [hx]
+            if sorted_indices is not None:
+                state = [s.index_select(1, sorted_indices) for s in state]
+        ids = self._chains(data.device.type, self.packed_ids)
+        keep = torch.is_grad_enabled()
+        directions, layers = self.directions, len(ids) // self.directions
+        y = data.new_zeros(steps * batch, data.shape[-1]).index_copy(0, index, data)
+        y = y.view(steps, batch, -1)
+        finals: list[list[Tensor]] = []
+        for layer in range(layers):
+            xs = torch.cat([y, ended], -1)
+            ys = []
+            for d in range(directions):
+                k = directions * layer + d
+                params = [getattr(self, n) for n in self.part_weights[k]]
+                out = torch.ops.memopt.chain_fwd(ids[k], steps, 1, "hsm", keep,
+                                                 [s[k:k + 1] for s in state], xs, params)
+                ys.append(out[0])
+                finals.append(out[1:-1])
+            y = torch.cat(ys, -1) if directions > 1 else ys[0]
+            if self.dropout > 0 and self.training and layer < layers - 1:
+                rows = nn.functional.dropout(y.flatten(0, 1).index_select(0, index),
+                                             self.dropout, True)
+                y = y.new_zeros(steps * batch, y.shape[-1]).index_copy(0, index, rows)
+                y = y.view(steps, batch, -1)
+        final = [torch.cat([f[i] for f in finals]) for i in range(len(state))]
+        if unsorted_indices is not None:
+            final = [f.index_select(1, unsorted_indices) for f in final]
+        output = PackedSequence(y.flatten(0, 1).index_select(0, index), batch_sizes,
+                                sorted_indices, unsorted_indices)
+        return output, (final[0], final[1]) if self.lstm else final[0]
 
 
 class Recurrent(nn.Module):
