@@ -316,3 +316,63 @@ def test_compile_packed_sequences_under_a_budget(one_thread):
     _close_grads(got, ref)
     assert measured + resident <= budget, (measured + resident, budget)
     assert not ops._STASH
+
+
+# -- autocast -----------------------------------------------------------------------
+
+
+class AutocastRegression(nn.Module):
+    """An RNN under the caller's autocast, its outputs and final state in the loss."""
+
+    def __init__(self, rnn: nn.RNNBase) -> None:
+        super().__init__()
+        self.rnn = rnn
+        self.head = nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), 8)
+
+    def forward(self, xs):
+        y, h = self.rnn(xs)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(y).float().square().mean() + h.float().square().mean()
+
+
+def _autocast_step(model: nn.Module, xs: torch.Tensor, measure: bool = False):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _train_step(model, xs, measure=measure)
+
+
+def _relative(got, ref) -> float:
+    return max(((a.float() - b.float()).norm() / b.float().norm()).item()
+               for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("kind", ["lstm2", "bilstm"])
+def test_compile_chain_under_autocast(kind, one_thread):
+    """Under torch.autocast("cpu", bfloat16) a chain computes what eager computes under
+    it (bf16 kernels), not fp32: the loss is eager's (a chunk's forward gives the fused
+    call's outputs exactly), and so are the gradients with one chunk (unidirectional);
+    split under a binding budget, with chunks recomputed in backward, the gradients are
+    within bf16 rounding (chunk by chunk bf16 products summed in fp32), well inside the
+    distance between autocast and fp32."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(16, 32, num_layers=2) if kind == "lstm2" else \
+        nn.LSTM(16, 32, bidirectional=True)
+    model = AutocastRegression(rnn)
+    xs = torch.randn(64, 8, 16, requires_grad=True)
+    ref_loss, ref, _ = _autocast_step(model, xs)
+    fp32_loss, fp32, _ = _train_step(model, xs, measure=False)
+    assert _relative(fp32, ref) > 3e-3  # what running the chain in fp32 would give
+    free = memopt.compile(model)
+    loss, got, _ = _autocast_step(free, xs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert _relative(got, ref) <= (1e-6 if kind == "lstm2" else 2.5e-3)
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), xs))
+    budget = int(0.8 * free.memopt_plan.predicted_peak_bytes)
+    tight = memopt.compile(model, budget=budget)
+    _autocast_step(tight, xs)  # compiles and plans
+    loss, got, measured = _autocast_step(tight, xs, measure=True)
+    plan = tight.memopt_plan
+    assert all(c.t > 1 and c.recompute_steps > 0 for c in plan.chains), plan.chains
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert _relative(got, ref) <= 1e-2
+    assert measured + resident <= budget, (measured + resident, budget)
+    assert not ops._STASH
