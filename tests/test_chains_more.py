@@ -376,3 +376,23 @@ def test_compile_chain_under_autocast(kind, one_thread):
     assert _relative(got, ref) <= 1e-2
     assert measured + resident <= budget, (measured + resident, budget)
     assert not ops._STASH
+
+
+def test_fused_bidirectional_dropout_chain():
+    """The chain CUDA uses for a bidirectional stack with dropout in training (cuDNN
+    draws its dropout inside the fused call: one unsplittable chunk of that call) is
+    the fused module, same seed, same masks (checked here on the CPU kernel)."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(4, 6, num_layers=2, bidirectional=True, dropout=0.5).double().train()
+    wrapped = ChainedRNN(rnn)
+    (chain,) = wrapped.fused_ids[None]
+    assert ops.spec_of(chain).unsplittable
+    x = torch.randn(7, 3, 4, dtype=torch.double)
+    torch.manual_seed(2)
+    y, (h, c) = rnn(x)
+    h0 = [torch.zeros(4, 3, 6, dtype=torch.double)] * 2
+    torch.manual_seed(2)
+    out = torch.ops.memopt.chain_fwd(chain, 7, 1, "hsm", True, h0, x, list(rnn.parameters()))
+    for a, b in zip(out[:3], (y, h, c)):
+        torch.testing.assert_close(a, b)
+    assert not ChainedRNN(nn.LSTM(4, 6, num_layers=2, bidirectional=True)).fused_ids

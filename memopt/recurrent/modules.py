@@ -4,7 +4,15 @@
   call signature and results): the sequence is split into chunks, each one call of
   the fused RNN kernel (cuDNN on CUDA), the chunks forming the chain. memopt.compile
   puts one in place of every such module it finds, in a shallow copy of the model's
-  module tree (the user's model is not modified).
+  module tree (the user's model is not modified). Every case is splittable:
+  unidirectional (one chain over all layers), bidirectional (two chains a layer, the
+  reverse one from the end of the sequence), PackedSequence input (one chain a layer
+  and direction over the padded, sorted rows, the packed kernel on the active ones),
+  and under autocast (the step enters the caller's autocast state, also when
+  recomputed in backward). Their outputs, final states and gradients are eager's
+  (inter-layer dropout included: a bidirectional or packed RNN draws it in the graph,
+  as nn.LSTM's CPU kernel does; a unidirectional one inside its chunks, replayed when
+  recomputed, so a split one's masks are not eager's).
 - ``Recurrent`` marks a user's cell loop: ``Recurrent(cell)(xs, state)`` runs
   ``state = cell(xs[i], state)`` for every i and returns the stacked outputs (the
   first state tensor of each step) and the final state, as one chain.
@@ -39,10 +47,12 @@ AUTOCASTS = tuple((d, t) for d in ("cpu", "cuda") for t in (torch.bfloat16, torc
 
 
 def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
-              autocast: tuple[str, torch.dtype] | None = None, packed: bool = False) -> Step:
+              autocast: tuple[str, torch.dtype] | None = None, packed: bool = False,
+              bidirectional: bool = False) -> Step:
     """step(params, state, x_chunk) for one chunk: one call of the fused kernel over
     ``layers`` layers of one direction (``params`` theirs, in ``rnn._flat_weights_names``
-    order). With ``reverse`` the chunk runs time-reversed (the reverse direction of a
+    order; with ``bidirectional`` both directions, the fused call nn.LSTM makes). With
+    ``reverse`` the chunk runs time-reversed (the reverse direction of a
     bidirectional RNN): flipped in, its outputs flipped back, a chunk's copies only.
     With ``autocast`` (device type, dtype) the kernel runs under it, as eager's nn.LSTM
     would.
@@ -61,7 +71,8 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
     dropout = float(rnn.dropout) if layers > 1 else 0.0
 
     def kernel(params, state, x):
-        args = (list(params), rnn.bias, layers, dropout, rnn.training, False, batch_first)
+        args = (list(params), rnn.bias, layers, dropout, rnn.training, bidirectional,
+                batch_first)
         if isinstance(rnn, nn.LSTM):
             out, h, c = _VF.lstm(x, list(state), *args)
             return out, (h, c)
@@ -220,6 +231,21 @@ class ChainedRNN(nn.Module):
                     preserve_rng=part["layers"] > 1 and rnn.dropout > 0,
                     reverse=part["reverse"], autocast=autocast)) for part in specs]
         self.chain_id = self.chain_ids[None][0]  # the (first) chain without autocast
+        # cuDNN draws a bidirectional stack's inter-layer dropout inside its fused call
+        # (its own generator): on CUDA, training, that case stays one unsplittable chunk
+        # of the fused call, as nn.LSTM runs it (split, the masks would not be eager's)
+        self.fused_ids: dict[tuple[str, torch.dtype] | None, list[int]] = {}
+        if rnn.bidirectional and rnn.num_layers > 1 and rnn.dropout > 0:
+            def fused_like(state: tuple[Tensor, ...], xs: Tensor) -> Tensor:
+                return xs.new_empty((*xs.shape[:-1], 2 * out_size))
+
+            for autocast in (None, *AUTOCASTS):
+                self.fused_ids[autocast] = [ops.register(ops.ChainSpec(
+                    name=name, module_type=type(rnn).__name__,
+                    step=_rnn_step(rnn, layers=rnn.num_layers, autocast=autocast,
+                                   bidirectional=True),
+                    time_dim=time_dim, output_like=fused_like, unsplittable=True,
+                    autocast=autocast))]
 
     def _chains(self, device: str, table: dict) -> list[int]:
         autocast = ((device, torch.get_autocast_dtype(device))
@@ -244,7 +270,9 @@ class ChainedRNN(nn.Module):
             state = [h0, input.new_zeros(self.layers, batch, self.c_size)] if lstm else [h0]
         else:
             state = list(hx) if lstm else [hx]
-        ids = self._chains(input.device.type, self.chain_ids)
+        cudnn_dropout = bool(self.fused_ids) and input.device.type == "cuda" and self.training
+        ids = self._chains(input.device.type,
+                           self.fused_ids if cudnn_dropout else self.chain_ids)
         time = input.shape[1 if batch_first else 0]
         keep = torch.is_grad_enabled()
         if len(ids) == 1:
@@ -287,6 +315,12 @@ class ChainedRNN(nn.Module):
         dropout on the layer's packed rows, as nn.LSTM's packed kernel draws it. The
         states are permuted by ``sorted_indices`` / ``unsorted_indices`` as nn.LSTM's."""
         data, batch_sizes, sorted_indices, unsorted_indices = input
+        if self.fused_ids and data.device.type == "cuda" and self.training:
+            raise CaptureError(
+                "memopt cannot run a bidirectional nn.LSTM/nn.GRU/nn.RNN with dropout between "
+                "layers on a CUDA PackedSequence in training as chains: cuDNN draws that "
+                "dropout inside its fused call; pad the batch (it then runs as one chunk), "
+                "or set dropout=0")
         index, ended = _packed_layout(batch_sizes, data)
         steps, batch = ended.shape[0], ended.shape[1]
         if hx is None:

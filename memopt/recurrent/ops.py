@@ -12,7 +12,11 @@ backpropagated (no backward call) releases its entry when it is garbage collecte
 A chain's step function is registered once per module (``register``); the ops
 take its id. The chain's inputs ``xs`` are split along ``time_dim`` into chunks of
 ``chunk`` time steps, each chunk one step of the chain (Gruslys et al. 2016's RNN
-core; one fast library call for nn.LSTM / nn.GRU / nn.RNN).
+core; one fast library call for nn.LSTM / nn.GRU / nn.RNN). A ``reverse`` chain (a
+bidirectional RNN's reverse direction) takes its chunks from the end of ``xs``, the
+remainder chunk last in time, and writes each chunk's output and input gradient back
+at its place in time. A step that enters autocast (``ChainSpec.autocast``) may return
+other dtypes than its inputs: the fake kernel finds them by running it once.
 """
 
 from __future__ import annotations
