@@ -396,17 +396,23 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
 
     Step 1: every chain starts as one chunk (t = 1: no recomputation, eager's memory).
     Step 2: with no budget, or when that fits, done.
-    Step 3: else price every (chunk length, m) of each chain's grid
+    Step 3: else, chain by chain, price every (chunk length, m) of its grid
         (chain_pass.configurations) by the exact simulator on one build (only the
         chain's held and workspace bytes change between configurations), other chains
-        fixed.
+        fixed, against a goal: the peak less this chain's share of the bytes still over
+        the target (the excess over the chains left, this one included), so that the
+        first chain of several (a bidirectional RNN's, a stack's) is not split to its
+        lowest peak while the others stay whole.
     Step 4: between the longest grid chunk that fits with every boundary kept (m = t)
         and the next longer grid chunk, bisect for the longest chunk that fits
         (chain_pass.longest_fitting_chunk): its T - L recomputed steps can beat the grid.
-    Step 5: take the configuration that fits in the least estimated time (chunk calls
-        at their measured cost, chain_pass.ChunkCosts; then the fewest recomputed
+        Take the configuration that fits the goal in the least estimated time (chunk
+        calls at their measured cost, chain_pass.ChunkCosts; then the fewest recomputed
         steps), else the lowest peak, and leave the rest of the budget to the Chen
         planner.
+    Step 5: with several chains, when they fit together, each chooses again (Steps 3-4)
+        against the target itself, the others fixed at their choice, among the
+        configurations estimated faster than its own.
     """
     one_chunk = {s.fwd: chain_pass.configure(s, costs[s.fwd], s.steps, 1) for s in sites}
     for s in sites:
@@ -419,28 +425,36 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
         return [_ChainChoice(s, one_chunk[s.fwd],
                              "the budget fits with one chunk: nothing recomputed") for s in sites]
     gran = allocation_granularity(_device_of(built.fw))
-    choices = []
-    for s in sites:
-        peaks: dict[tuple[int, int], int] = {}
+    current = dict(one_chunk)
 
-        def peak(config: chain_pass.ChainConfig, site=s, peaks=peaks) -> int:
+    def choose(s: chain_pass.ChainSite, goal: int, kept: int | None = None
+               ) -> tuple[_ChainChoice, int]:
+        """``kept``: the peak with the chain's current configuration, which fits the
+        goal: only the configurations estimated faster are priced besides it."""
+        peaks: dict[tuple[int, int], int] = {}  # other chains as in ``current``
+
+        def peak(config: chain_pass.ChainConfig) -> int:
             key = (config.chunk, config.m)
             if key not in peaks:
-                chain_pass.apply([built.fw, built.bw], site, config)
+                chain_pass.apply([built.fw, built.bw], s, config)
                 schedule = step.liveness(built.fw, built.bw, built.saved_names,
                                          num_fwd_outputs)
                 peaks[key] = _peak_bytes(schedule, gran)
             return peaks[key]
 
         grid = chain_pass.configurations(s, costs[s.fwd])
+        if kept is not None:
+            mine = current[s.fwd]
+            peaks[(mine.chunk, mine.m)] = kept
+            grid = [mine, *(c for c in grid if c.seconds < mine.seconds)]
         priced = [(peak(c), c) for c in grid]
-        fitting = [(p, c) for p, c in priced if p <= target]
+        fitting = [(p, c) for p, c in priced if p <= goal]
         full = [c.chunk for _, c in fitting if c.m == c.t and c.t > 1]
         if full:
             lo = max(full)
             hi = min((c.chunk for c in grid if c.chunk > lo), default=lo + 1)
             refined = chain_pass.longest_fitting_chunk(
-                s, costs[s.fwd], lambda c: peak(c) <= target, lo, hi)
+                s, costs[s.fwd], lambda c: peak(c) <= goal, lo, hi)
             if refined is not None:
                 fitting.append((peak(refined), refined))
         if fitting:
@@ -452,13 +466,30 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
             p, best = fitting[0]
             reason = (f"least estimated time of the {len(fitting)} of {len(peaks)} "
                       f"policies priced that fit")
+            if goal > target:
+                reason += f" its share of the excess (a peak of {format_bytes(goal)})"
         else:
             p, best = min(priced, key=lambda pc: (pc[0], pc[1].recompute_steps))
             reason = (f"lowest peak of {len(priced)} policies (none fits alone; the Chen "
                       f"planner recomputes the rest)")
-        chain_pass.apply([joint, built.fw, built.bw], s, best)
-        choices.append(_ChainChoice(s, best, reason))
-    return choices
+        chain_pass.apply([built.fw, built.bw], s, best)
+        current[s.fwd] = best
+        return _ChainChoice(s, best, reason), p
+
+    # Step 3: each chain in turn removes its share of what is still over the target
+    chosen: dict[str, _ChainChoice] = {}
+    now = built.peak_bytes
+    for k, s in enumerate(sites):
+        goal = max(target, now - (now - target) // (len(sites) - k))
+        chosen[s.fwd], now = choose(s, goal)
+    # Step 5: with several chains, each chooses again, the others fixed, against the
+    # target itself: a chain that took more than its share lets the others split less
+    if len(sites) > 1 and now <= target:
+        for s in sites:
+            chosen[s.fwd], now = choose(s, target, kept=now)
+    for s in sites:
+        chain_pass.apply([joint, built.fw, built.bw], s, current[s.fwd])
+    return [chosen[s.fwd] for s in sites]
 
 
 def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:

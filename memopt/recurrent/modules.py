@@ -4,7 +4,15 @@
   call signature and results): the sequence is split into chunks, each one call of
   the fused RNN kernel (cuDNN on CUDA), the chunks forming the chain. memopt.compile
   puts one in place of every such module it finds, in a shallow copy of the model's
-  module tree (the user's model is not modified).
+  module tree (the user's model is not modified). Every case is splittable:
+  unidirectional (one chain over all layers), bidirectional (two chains a layer, the
+  reverse one from the end of the sequence), PackedSequence input (one chain a layer
+  and direction over the padded, sorted rows, the packed kernel on the active ones),
+  and under autocast (the step enters the caller's autocast state, also when
+  recomputed in backward). Their outputs, final states and gradients are eager's
+  (inter-layer dropout included: a bidirectional or packed RNN draws it in the graph,
+  as nn.LSTM's CPU kernel does; a unidirectional one inside its chunks, replayed when
+  recomputed, so a split one's masks are not eager's).
 - ``Recurrent`` marks a user's cell loop: ``Recurrent(cell)(xs, state)`` runs
   ``state = cell(xs[i], state)`` for every i and returns the stacked outputs (the
   first state tensor of each step) and the final state, as one chain.
@@ -17,6 +25,7 @@ Outside memopt.compile both run eagerly as a single chunk (plain BPTT).
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -32,13 +41,38 @@ from .executor import Step, Tensors
 _RNN_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
 
 
-def _rnn_step(rnn: nn.RNNBase):
-    """step(params, state, x_chunk) for one chunk: one call of the fused kernel."""
+#: The autocast states a ChainedRNN registers chains for, besides autocast off: the
+#: step of each enters it (the chain ops run outside the caller's autocast region).
+AUTOCASTS = tuple((d, t) for d in ("cpu", "cuda") for t in (torch.bfloat16, torch.float16))
+
+
+def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
+              autocast: tuple[str, torch.dtype] | None = None, packed: bool = False,
+              bidirectional: bool = False) -> Step:
+    """step(params, state, x_chunk) for one chunk: one call of the fused kernel over
+    ``layers`` layers of one direction (``params`` theirs, in ``rnn._flat_weights_names``
+    order; with ``bidirectional`` both directions, the fused call nn.LSTM makes). With
+    ``reverse`` the chunk runs time-reversed (the reverse direction of a
+    bidirectional RNN): flipped in, its outputs flipped back, a chunk's copies only.
+    With ``autocast`` (device type, dtype) the kernel runs under it, as eager's nn.LSTM
+    would.
+
+    ``packed``: the chunk is time-major, padded, sorted by decreasing length (a
+    PackedSequence laid out by ``_packed_layout``), its last feature 1.0 where a sequence
+    has ended. Its active rows run through the kernel's packed overload (what nn.LSTM
+    runs on a PackedSequence: the same arithmetic), the ended sequences' state carried
+    unchanged and their outputs zero: in time order one call (the active counts only
+    fall); reversed, one call per run of steps with the same count (they rise)."""
     from torch import _VF  # noqa: PLC0415 (semi-private; what nn.LSTM.forward calls)
 
-    def step(params, state, x):
-        args = (list(params), rnn.bias, rnn.num_layers, float(rnn.dropout), rnn.training,
-                rnn.bidirectional, rnn.batch_first)
+    batch_first = rnn.batch_first and not packed
+    lstm = isinstance(rnn, nn.LSTM)
+    time_dim = 1 if batch_first else 0
+    dropout = float(rnn.dropout) if layers > 1 else 0.0
+
+    def kernel(params, state, x):
+        args = (list(params), rnn.bias, layers, dropout, rnn.training, bidirectional,
+                batch_first)
         if isinstance(rnn, nn.LSTM):
             out, h, c = _VF.lstm(x, list(state), *args)
             return out, (h, c)
@@ -50,7 +84,67 @@ def _rnn_step(rnn: nn.RNNBase):
             out, h = _VF.rnn_relu(x, state[0], *args)
         return out, (h,)
 
+    def packed_kernel(params, state, data, sizes):
+        """The packed overload (what nn.LSTM runs on a PackedSequence)."""
+        batch_sizes = torch.tensor(sizes, dtype=torch.int64)
+        rest = (list(params), rnn.bias, layers, dropout, rnn.training, False)
+        if lstm:
+            out, h, c = _VF.lstm(data, batch_sizes, list(state), *rest)
+            return out, (h, c)
+        fn = _VF.gru if isinstance(rnn, nn.GRU) else (
+            _VF.rnn_tanh if rnn.nonlinearity == "tanh" else _VF.rnn_relu)
+        out, h = fn(data, batch_sizes, state[0], *rest)
+        return out, (h,)
+
+    def segments(params, state, x):
+        valid = x[..., -1] == 0
+        active = valid.sum(1).tolist()  # sequences active at each step: a prefix
+        x, batch = x[..., :-1], x.shape[1]
+        # in time order the active counts only fall: one packed call; reversed, they
+        # rise: a call per run of steps with the same count
+        rises = (k for k in range(1, len(active)) if active[k] != active[k - 1])
+        bounds = [0, *(rises if reverse else ()), len(active)]
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            n = active[start]
+            mask = valid[start:end, :n]
+            out, new = packed_kernel(params, tuple(s[:, :n] for s in state),
+                                     x[start:end, :n][mask], active[start:end])
+            out = out.new_zeros((end - start, n, out.shape[-1])).index_put((mask,), out)
+            if n < batch:
+                out = torch.cat([out, out.new_zeros((end - start, batch - n, out.shape[-1]))], 1)
+                new = tuple(torch.cat([a, b[:, n:].to(a.dtype)], 1) for a, b in zip(new, state))
+            outs.append(out)
+            state = new
+        return torch.cat(outs) if len(outs) > 1 else outs[0], tuple(state)
+
+    run = segments if packed else kernel
+
+    def step(params, state, x):
+        if reverse:
+            x = x.flip(time_dim)
+        if autocast is None:
+            out, new = run(params, state, x)
+        else:
+            with torch.autocast(autocast[0], dtype=autocast[1]):
+                out, new = run(params, state, x)
+        return (out.flip(time_dim) if reverse else out), new
+
     return step
+
+
+@torch.compiler.disable
+def _packed_layout(batch_sizes: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+    """Where a PackedSequence's rows go in the time-major padded layout (T, B) of its
+    sorted sequences: each row's flat index t * B + b, and a (T, B, 1) tensor (``like``'s
+    dtype and device), 1.0 where sequence b has ended by step t. Run eagerly (the
+    layout depends on the values of ``batch_sizes``; a graph break)."""
+    sizes = batch_sizes.tolist()
+    batch = sizes[0]
+    index = torch.cat([torch.arange(n) + t * batch for t, n in enumerate(sizes)])
+    ended = torch.arange(batch)[None, :] >= torch.tensor(sizes)[:, None]
+    return (index.to(like.device),
+            ended.to(dtype=like.dtype, device=like.device).unsqueeze(-1))
 
 
 def loop_step(cell_step: Callable[[Tensors, Tensors, Tensor], tuple[Tensor, Tensors]],
@@ -72,7 +166,21 @@ def loop_step(cell_step: Callable[[Tensors, Tensors, Tensor], tuple[Tensor, Tens
 
 
 class ChainedRNN(nn.Module):
-    """An nn.LSTM / nn.GRU / nn.RNN run as a chain of chunks (see module docstring)."""
+    """An nn.LSTM / nn.GRU / nn.RNN run as chains of chunks (see module docstring).
+
+    A unidirectional RNN is one chain whose step is the fused kernel over all its layers
+    (its inter-layer dropout inside, replayed when a chunk is recomputed). A
+    bidirectional one is two chains per layer, each a one-layer, one-direction call of
+    the kernel with that direction's weights: the forward direction over the sequence,
+    the reverse one over the time-reversed sequence (its chunks taken from the end, each
+    flipped in the step, ``ChainSpec.reverse``), their outputs concatenated as
+    nn.LSTM's are and read by the next layer, the inter-layer dropout a traced
+    ``F.dropout`` between them (the call, on the same tensor, in the same order, that
+    nn.LSTM's CPU kernel makes: the same numbers). Every chain can be split.
+
+    Under autocast the chain registered for that (device type, dtype) runs: its step
+    enters the same autocast state, also when recomputed in backward.
+    """
 
     def __init__(self, rnn: nn.RNNBase, name: str = "") -> None:
         super().__init__()
@@ -85,25 +193,71 @@ class ChainedRNN(nn.Module):
         for n in self.weight_names:
             self.register_parameter(n, getattr(rnn, n))
         self.lstm = isinstance(rnn, nn.LSTM)
-        self.batch_first, self.layers = rnn.batch_first, rnn.num_layers * (
-            2 if rnn.bidirectional else 1)
+        self.batch_first, self.directions = rnn.batch_first, 2 if rnn.bidirectional else 1
+        self.layers = rnn.num_layers * self.directions  # of the state, as nn.LSTM's h_0
+        self.dropout = float(rnn.dropout)
         self.h_size, self.c_size = rnn.proj_size or rnn.hidden_size, rnn.hidden_size
-        out_size = (rnn.proj_size or rnn.hidden_size) * (2 if rnn.bidirectional else 1)
         time_dim = 1 if rnn.batch_first else 0
+        name = name or type(rnn).__name__
+        # the chains: one for a unidirectional RNN, else (layer, direction) in
+        # _flat_weights_names order; each once per autocast state (None: off)
+        if rnn.bidirectional:
+            parts = [{"layers": 1, "reverse": bool(d),
+                      "name": f"{name}.l{layer}{'_reverse' if d else ''}"}
+                     for layer in range(rnn.num_layers) for d in range(2)]
+        else:
+            parts = [{"layers": rnn.num_layers, "reverse": False, "name": name}]
+        out_size = self.h_size  # of each chain: one direction
+        per = len(self.weight_names) // self.layers  # a layer's and direction's weights
+        self.part_weights = [self.weight_names[k * per:(k + 1) * per]
+                             for k in range(self.layers)]
 
         def output_like(state: tuple[Tensor, ...], xs: Tensor) -> Tensor:
             return xs.new_empty((*xs.shape[:-1], out_size))
 
-        self.chain_id = ops.register(ops.ChainSpec(
-            name=name or type(rnn).__name__, module_type=type(rnn).__name__,
-            step=_rnn_step(rnn), time_dim=time_dim, output_like=output_like,
-            preserve_rng=rnn.dropout > 0, unsplittable=rnn.bidirectional,
-        ))
+        # PackedSequence inputs: one chain per layer and direction, time-major
+        layered = [{"layers": 1, "reverse": bool(d), "packed": True,
+                    "name": f"{name}.l{layer}{'_reverse' if d else ''}"}
+                   for layer in range(rnn.num_layers) for d in range(self.directions)]
+        self.chain_ids: dict[tuple[str, torch.dtype] | None, list[int]] = {}
+        self.packed_ids: dict[tuple[str, torch.dtype] | None, list[int]] = {}
+        for autocast in (None, *AUTOCASTS):
+            for table, specs in ((self.chain_ids, parts), (self.packed_ids, layered)):
+                table[autocast] = [ops.register(ops.ChainSpec(
+                    name=part["name"], module_type=type(rnn).__name__,
+                    step=_rnn_step(rnn, layers=part["layers"], reverse=part["reverse"],
+                                   autocast=autocast, packed=part.get("packed", False)),
+                    time_dim=0 if part.get("packed") else time_dim, output_like=output_like,
+                    preserve_rng=part["layers"] > 1 and rnn.dropout > 0,
+                    reverse=part["reverse"], autocast=autocast)) for part in specs]
+        self.chain_id = self.chain_ids[None][0]  # the (first) chain without autocast
+        # cuDNN draws a bidirectional stack's inter-layer dropout inside its fused call
+        # (its own generator): on CUDA, training, that case stays one unsplittable chunk
+        # of the fused call, as nn.LSTM runs it (split, the masks would not be eager's)
+        self.fused_ids: dict[tuple[str, torch.dtype] | None, list[int]] = {}
+        if rnn.bidirectional and rnn.num_layers > 1 and rnn.dropout > 0:
+            def fused_like(state: tuple[Tensor, ...], xs: Tensor) -> Tensor:
+                return xs.new_empty((*xs.shape[:-1], 2 * out_size))
 
-    def forward(self, input: Tensor, hx: Any = None) -> tuple[Tensor, Any]:
+            for autocast in (None, *AUTOCASTS):
+                self.fused_ids[autocast] = [ops.register(ops.ChainSpec(
+                    name=name, module_type=type(rnn).__name__,
+                    step=_rnn_step(rnn, layers=rnn.num_layers, autocast=autocast,
+                                   bidirectional=True),
+                    time_dim=time_dim, output_like=fused_like, unsplittable=True,
+                    autocast=autocast))]
+
+    def _chains(self, device: str, table: dict) -> list[int]:
+        autocast = ((device, torch.get_autocast_dtype(device))
+                    if torch.is_autocast_enabled(device) else None)
+        if autocast not in table:
+            raise CaptureError(f"memopt runs nn.LSTM/nn.GRU/nn.RNN as chains under autocast "
+                               f"to {AUTOCASTS}, not {autocast}")
+        return table[autocast]
+
+    def forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
         if isinstance(input, PackedSequence):
-            raise CaptureError("memopt runs nn.LSTM/nn.GRU/nn.RNN as chains of padded "
-                               "tensors; PackedSequence inputs are not supported yet")
+            return self._packed(input, hx)
         lstm, batch_first = self.lstm, self.batch_first
         batched = input.dim() == 3
         if not batched:
@@ -116,16 +270,94 @@ class ChainedRNN(nn.Module):
             state = [h0, input.new_zeros(self.layers, batch, self.c_size)] if lstm else [h0]
         else:
             state = list(hx) if lstm else [hx]
-        params = [getattr(self, n) for n in self.weight_names]
+        cudnn_dropout = bool(self.fused_ids) and input.device.type == "cuda" and self.training
+        ids = self._chains(input.device.type,
+                           self.fused_ids if cudnn_dropout else self.chain_ids)
         time = input.shape[1 if batch_first else 0]
         keep = torch.is_grad_enabled()
-        out = torch.ops.memopt.chain_fwd(self.chain_id, time, 1, "hsm", keep, state, input,
-                                         params)
-        y, final = out[0], out[1:-1]
+        if len(ids) == 1:
+            params = [getattr(self, n) for n in self.weight_names]
+            out = torch.ops.memopt.chain_fwd(ids[0], time, 1, "hsm", keep, state, input,
+                                             params)
+            y, final = out[0], out[1:-1]
+        else:
+            y, final = self._bidirectional(ids, time, keep, state, input)
         if not batched:
             y = y.squeeze(1 if not batch_first else 0)
             final = [f.squeeze(1) for f in final]
         return y, (final[0], final[1]) if lstm else final[0]
+
+    def _bidirectional(self, ids: list[int], time: int, keep: bool, state: list[Tensor],
+                       input: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """Layer by layer, a forward and a reverse chain (state rows ``2 * layer + d``, as
+        nn.LSTM's h_0), their outputs concatenated; the final states stacked as nn.LSTM's
+        h_n / c_n (layers * directions, batch, hidden)."""
+        finals: list[list[Tensor]] = []
+        layers = len(ids) // 2
+        for layer in range(layers):
+            ys = []
+            for d in range(2):
+                k = 2 * layer + d
+                params = [getattr(self, n) for n in self.part_weights[k]]
+                out = torch.ops.memopt.chain_fwd(ids[k], time, 1, "hsm", keep,
+                                                 [s[k:k + 1] for s in state], input, params)
+                ys.append(out[0])
+                finals.append(out[1:-1])
+            input = torch.cat(ys, -1)
+            if self.dropout > 0 and self.training and layer < layers - 1:
+                input = nn.functional.dropout(input, self.dropout, True)
+        return input, [torch.cat([f[i] for f in finals]) for i in range(len(state))]
+
+    def _packed(self, input: PackedSequence, hx: Any) -> tuple[PackedSequence, Any]:
+        """A PackedSequence: its rows laid out time-major and padded in the sorted order
+        (``_packed_layout``), an ended flag beside each step's features, and one chain
+        per layer and direction over that (``_rnn_step(packed=True)``); the inter-layer
+        dropout on the layer's packed rows, as nn.LSTM's packed kernel draws it. The
+        states are permuted by ``sorted_indices`` / ``unsorted_indices`` as nn.LSTM's."""
+        data, batch_sizes, sorted_indices, unsorted_indices = input
+        if self.fused_ids and data.device.type == "cuda" and self.training:
+            raise CaptureError(
+                "memopt cannot run a bidirectional nn.LSTM/nn.GRU/nn.RNN with dropout between "
+                "layers on a CUDA PackedSequence in training as chains: cuDNN draws that "
+                "dropout inside its fused call; pad the batch (it then runs as one chunk), "
+                "or set dropout=0")
+        index, ended = _packed_layout(batch_sizes, data)
+        steps, batch = ended.shape[0], ended.shape[1]
+        if hx is None:
+            h0 = data.new_zeros(self.layers, batch, self.h_size)
+            state = [h0, data.new_zeros(self.layers, batch, self.c_size)] if self.lstm else [h0]
+        else:
+            state = list(hx) if self.lstm else [hx]
+            if sorted_indices is not None:
+                state = [s.index_select(1, sorted_indices) for s in state]
+        ids = self._chains(data.device.type, self.packed_ids)
+        keep = torch.is_grad_enabled()
+        directions, layers = self.directions, len(ids) // self.directions
+        y = data.new_zeros(steps * batch, data.shape[-1]).index_copy(0, index, data)
+        y = y.view(steps, batch, -1)
+        finals: list[list[Tensor]] = []
+        for layer in range(layers):
+            xs = torch.cat([y, ended], -1)
+            ys = []
+            for d in range(directions):
+                k = directions * layer + d
+                params = [getattr(self, n) for n in self.part_weights[k]]
+                out = torch.ops.memopt.chain_fwd(ids[k], steps, 1, "hsm", keep,
+                                                 [s[k:k + 1] for s in state], xs, params)
+                ys.append(out[0])
+                finals.append(out[1:-1])
+            y = torch.cat(ys, -1) if directions > 1 else ys[0]
+            if self.dropout > 0 and self.training and layer < layers - 1:
+                rows = nn.functional.dropout(y.flatten(0, 1).index_select(0, index),
+                                             self.dropout, True)
+                y = y.new_zeros(steps * batch, y.shape[-1]).index_copy(0, index, rows)
+                y = y.view(steps, batch, -1)
+        final = [torch.cat([f[i] for f in finals]) for i in range(len(state))]
+        if unsorted_indices is not None:
+            final = [f.index_select(1, unsorted_indices) for f in final]
+        output = PackedSequence(y.flatten(0, 1).index_select(0, index), batch_sizes,
+                                sorted_indices, unsorted_indices)
+        return output, (final[0], final[1]) if self.lstm else final[0]
 
 
 class Recurrent(nn.Module):

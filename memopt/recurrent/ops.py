@@ -12,7 +12,11 @@ backpropagated (no backward call) releases its entry when it is garbage collecte
 A chain's step function is registered once per module (``register``); the ops
 take its id. The chain's inputs ``xs`` are split along ``time_dim`` into chunks of
 ``chunk`` time steps, each chunk one step of the chain (Gruslys et al. 2016's RNN
-core; one fast library call for nn.LSTM / nn.GRU / nn.RNN).
+core; one fast library call for nn.LSTM / nn.GRU / nn.RNN). A ``reverse`` chain (a
+bidirectional RNN's reverse direction) takes its chunks from the end of ``xs``, the
+remainder chunk last in time, and writes each chunk's output and input gradient back
+at its place in time. A step that enters autocast (``ChainSpec.autocast``) may return
+other dtypes than its inputs: the fake kernel finds them by running it once.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from torch import Tensor
 
 from memopt.passes.runtime import RUNTIMES
-from memopt.passes._torch_compat import storage_key
+from memopt.passes._torch_compat import real_tensors, storage_key
 from memopt.allocator.chain import chunk_sizes, solve
 
 from .executor import ChainRun, ChainStats, Step
@@ -44,8 +48,15 @@ class ChainSpec:
     #: output_like(state, xs) -> an empty tensor shaped like the chain's output
     output_like: Callable[[tuple[Tensor, ...], Tensor], Tensor]
     preserve_rng: bool = True
-    #: True: the whole sequence must be one chunk (a bidirectional RNN)
+    #: True: the whole sequence must be one chunk
     unsplittable: bool = False
+    #: True: the chain runs from the last time step to the first (the reverse direction
+    #: of a bidirectional RNN): its first chunk is the end of ``xs``; the step gets each
+    #: chunk in time order (and flips it itself)
+    reverse: bool = False
+    #: (device type, dtype) of the autocast state the step enters, or None: its outputs'
+    #: dtypes are then found by running it once on one time step (``_outputs_like``)
+    autocast: tuple[str, torch.dtype] | None = None
 
 
 _SPECS: dict[int, ChainSpec] = {}
@@ -71,6 +82,42 @@ def _policy(t: int, m: int, strategy: str):
     return solve(t, max(1, min(m, t)), strategy)
 
 
+def _bounds(spec: ChainSpec, sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, length) along time of each chunk, in chain order, for chunks of
+    ``sizes`` in chain order: from the start of ``xs``, or from its end (``reverse``)."""
+    ends = list(itertools.accumulate(sizes))
+    if not spec.reverse:
+        return [(end - n, n) for end, n in zip(ends, sizes)]
+    total = ends[-1] if ends else 0
+    return [(total - end, n) for end, n in zip(ends, sizes)]
+
+
+_DTYPES: dict[tuple, tuple[torch.dtype, ...]] = {}
+
+
+def _outputs_like(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: list[Tensor]
+                  ) -> tuple[Tensor, list[Tensor]]:
+    """Empty tensors like the chain's output and final state. Without autocast they
+    have the input's and the state's dtypes; under it, the ones the step gives, found by
+    running it once on zeros of one time step (real tensors, cached)."""
+    y = spec.output_like(tuple(state), xs)
+    final = [torch.empty_like(s) for s in state]
+    if spec.autocast is None:
+        return y, final
+    key = (id(spec), xs.device, xs.dtype, *(s.dtype for s in state),
+           *(p.dtype for p in params))
+    if key not in _DTYPES:
+        def zeros(t: Tensor) -> Tensor:
+            return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+        with real_tensors(), torch.no_grad():
+            y1, new = spec.step(tuple(zeros(p) for p in params), tuple(zeros(s) for s in state),
+                                zeros(xs.narrow(spec.time_dim, 0, min(1, xs.shape[spec.time_dim]))))
+        _DTYPES[key] = (y1.dtype, *(s.dtype for s in new))
+    dtypes = _DTYPES[key]
+    return y.to(dtypes[0]), [f.to(d) for f, d in zip(final, dtypes[1:])]
+
+
 def _unaliased(outs: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
     """``outs`` with a copy in place of each that shares storage with an input or an
     earlier output: a custom op may not return aliases, and a state carried through a
@@ -86,21 +133,27 @@ def _unaliased(outs: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
 def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], xs: Tensor,
            params: list[Tensor]) -> tuple[ChainRun, list[Tensor]]:
     spec = _SPECS[chain]
-    chunks = list(xs.split(chunk_sizes(xs.shape[spec.time_dim], chunk), dim=spec.time_dim))
+    td = spec.time_dim
+    bounds = _bounds(spec, chunk_sizes(xs.shape[td], chunk))
+    chunks = [xs.narrow(td, start, n) for start, n in bounds]
     stats = ChainStats()
     LAST_STATS[chain] = stats
     run = ChainRun(spec.step, _policy(len(chunks), m, strategy), tuple(params), chunks,
                    tuple(s.detach() for s in state), spec.preserve_rng, x_grad=True,
                    stats=stats)
-    offsets = list(itertools.accumulate([0] + [c.shape[spec.time_dim] for c in chunks]))
     # One chunk: the output is the step's own (kept for backward anyway), not a copy.
-    box: list[Tensor] = [] if len(chunks) == 1 else [spec.output_like(tuple(state), xs)]
+    box: list[Tensor] = []
 
     def emit(i: int, y: Tensor) -> None:
         if len(chunks) == 1:
             box.append(y)
-        else:
-            box[0].narrow(spec.time_dim, offsets[i], offsets[i + 1] - offsets[i]).copy_(y)
+            return
+        if not box:
+            box.append(spec.output_like(tuple(state), xs))
+            if box[0].dtype != y.dtype:  # the step's dtype (under autocast)
+                shape = box.pop().shape
+                box.append(torch.empty(shape, dtype=y.dtype, device=y.device))
+        box[0].narrow(td, *bounds[i]).copy_(y)
 
     run.on_output = emit
     return run, box
@@ -130,9 +183,8 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
 
 @chain_fwd.register_fake
 def _(chain, chunk, m, strategy, keep, state, xs, params):
-    spec = _SPECS[chain]
-    return [spec.output_like(tuple(state), xs), *(torch.empty_like(s) for s in state),
-            torch.empty((), dtype=torch.int64)]
+    y, final = _outputs_like(_SPECS[chain], state, xs, params)
+    return [y, *final, torch.empty((), dtype=torch.int64)]
 
 
 @torch.library.custom_op("memopt::chain_bwd", mutates_args=())
@@ -147,15 +199,14 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
         run.forward_phase()
     run.x_grad = need_x
     grad_x = torch.zeros_like(xs) if need_x else None
+    bounds = _bounds(spec, [c.shape[spec.time_dim] for c in run.xs])
     if need_x:
-        offsets = list(itertools.accumulate([0] + [c.shape[spec.time_dim] for c in run.xs]))
-
         def put(i: int, g: Tensor | None) -> None:
             if g is not None:
-                grad_x.narrow(spec.time_dim, offsets[i], offsets[i + 1] - offsets[i]).copy_(g)
+                grad_x.narrow(spec.time_dim, *bounds[i]).copy_(g)
 
         run.on_grad_x = put
-    g_chunks = list(grad_ys.split([c.shape[spec.time_dim] for c in run.xs], dim=spec.time_dim))
+    g_chunks = [grad_ys.narrow(spec.time_dim, *b) for b in bounds]
     g_state, _, g_params = run.backward_phase(g_chunks, tuple(grad_state))
     grads = [g if g is not None else torch.zeros_like(s) for g, s in zip(g_state, state)]
     grads += [g if g is not None else torch.zeros_like(p) for g, p in zip(g_params, params)]
@@ -183,10 +234,13 @@ def _backward(ctx, grads):
     saved = ctx.saved_tensors
     state, xs, params, handle = (list(saved[:n_state]), saved[n_state],
                                  list(saved[n_state + 1:n_state + 1 + n_params]), saved[-1])
-    grad_ys = grads[0] if grads[0] is not None else torch.zeros_like(
-        _SPECS[ctx.args[0]].output_like(tuple(state), xs))
-    grad_state = [g if g is not None else torch.zeros_like(s)
-                  for g, s in zip(grads[1:1 + n_state], state)]
+    if grads[0] is None or any(g is None for g in grads[1:1 + n_state]):
+        y, final = _outputs_like(_SPECS[ctx.args[0]], state, xs, params)
+        grads = [torch.zeros_like(y) if grads[0] is None else grads[0],
+                 *(torch.zeros_like(f) if g is None else g
+                   for g, f in zip(grads[1:1 + n_state], final))]
+        del y, final
+    grad_ys, grad_state = grads[0], list(grads[1:1 + n_state])
     need_x = bool(ctx.needs_input_grad[6])
     out = torch.ops.memopt.chain_bwd(*ctx.args, need_x, handle, grad_ys, grad_state, state, xs,
                                      params)

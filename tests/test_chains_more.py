@@ -1,0 +1,398 @@
+"""nn.LSTM / nn.GRU / nn.RNN chains beyond the unidirectional padded fp32 case: a
+bidirectional RNN as two splittable chains per layer, PackedSequence inputs, and
+autocast inside a chain (memopt.recurrent.modules.ChainedRNN), each against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import memopt
+from memopt.allocation import allocation_peak
+from memopt.recurrent import ops, solve
+from memopt.recurrent.modules import ChainedRNN, _packed_layout
+
+
+def _hidden(h) -> tuple[torch.Tensor, ...]:
+    return h if isinstance(h, tuple) else (h,)
+
+
+def _close_grads(got, ref, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+# -- bidirectional ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru_bf"])
+def test_reverse_chain_equals_the_fused_module(kind):
+    """The reverse direction's chain, its chunks taken from the end of the sequence,
+    under HSM policies down to m = 1, gives the fused bidirectional module's second
+    half of the outputs, its h_n[1] and their gradients (float64)."""
+    torch.manual_seed(0)
+    rnn = (nn.LSTM(4, 6, bidirectional=True) if kind == "lstm"
+           else nn.GRU(4, 6, bidirectional=True, batch_first=True)).double()
+    wrapped = ChainedRNN(rnn)
+    x = torch.randn(2, 9, 4, dtype=torch.double) if rnn.batch_first else \
+        torch.randn(9, 2, 4, dtype=torch.double)
+    x.requires_grad_()
+    y, hidden = rnn(x)
+    hidden = _hidden(hidden)
+    params = [getattr(wrapped, n) for n in wrapped.part_weights[1]]
+    assert all(n.endswith("_reverse") for n in wrapped.part_weights[1])
+    ref = torch.autograd.grad((y[..., 6:] ** 2).sum() + sum(h[1].sum() for h in hidden),
+                              [x, *params])
+    h0 = [torch.zeros(1, 2, 6, dtype=torch.double) for _ in hidden]
+    chain = wrapped.chain_ids[None][1]
+    for chunk, m in ((9, 1), (4, 1), (2, 2), (1, 1), (1, 9)):
+        out = torch.ops.memopt.chain_fwd(chain, chunk, m, "hsm", True, h0, x, params)
+        torch.testing.assert_close(out[0], y[..., 6:])
+        for got_h, h in zip(out[1:-1], hidden):
+            torch.testing.assert_close(got_h, h[1:])
+        loss = (out[0] ** 2).sum() + sum(h.sum() for h in out[1:-1])
+        _close_grads(torch.autograd.grad(loss, [x, *params]), ref, rtol=1e-7, atol=1e-9)
+        t = -(-9 // chunk)
+        assert ops.LAST_STATS[chain].forward_steps == solve(t, min(m, t)).cost
+    assert not ops._STASH
+
+
+BIRNNS = {
+    "lstm2_dropout": lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, dropout=0.5),
+    "lstm2_proj": lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, proj_size=3),
+    "gru_bf": lambda: nn.GRU(4, 6, bidirectional=True, batch_first=True),
+    "rnn3_relu": lambda: nn.RNN(4, 6, num_layers=3, bidirectional=True, nonlinearity="relu",
+                                dropout=0.3),
+}
+
+
+@pytest.mark.parametrize("kind,given_state", [(k, k.startswith("lstm")) for k in sorted(BIRNNS)]
+                         + [("lstm2_dropout", False)])
+def test_bidirectional_module_equals_eager(kind, given_state):
+    """ChainedRNN of a bidirectional RNN (two chains a layer, the concatenated output
+    read by the next layer, dropout between layers) gives nn.LSTM's outputs, h_n / c_n
+    laid out (layers * directions, batch, hidden), and gradients, with the same dropout
+    masks under the same seed (float64)."""
+    torch.manual_seed(0)
+    rnn = BIRNNS[kind]().double().train()
+    wrapped = ChainedRNN(rnn)
+    x = torch.randn(2, 7, 4, dtype=torch.double) if rnn.batch_first else \
+        torch.randn(7, 2, 4, dtype=torch.double)
+    x.requires_grad_()
+    lstm = isinstance(rnn, nn.LSTM)
+    hx = None
+    if given_state:
+        h = torch.randn(2 * rnn.num_layers, 2, rnn.proj_size or 6, dtype=torch.double,
+                        requires_grad=True)
+        hx = (h, torch.randn(2 * rnn.num_layers, 2, 6, dtype=torch.double,
+                             requires_grad=True)) if lstm else h
+    inputs = [x, *(_hidden(hx) if hx is not None else ()), *rnn.parameters()]
+    results = []
+    for module in (rnn, wrapped):
+        torch.manual_seed(5)
+        y, hidden = module(x, hx)
+        after = torch.rand(())
+        hidden = _hidden(hidden)
+        loss = (y ** 2).sum() + sum((h * (k + 1)).sum() for k, h in enumerate(hidden))
+        results.append((y, hidden, after, torch.autograd.grad(loss, inputs)))
+    (y, hidden, after, ref), (y2, hidden2, after2, got) = results
+    torch.testing.assert_close(y2, y)
+    assert [h.shape for h in hidden2] == [h.shape for h in hidden]
+    for a, b in zip(hidden2, hidden):
+        torch.testing.assert_close(a, b)
+    assert after2 == after  # the same numbers were drawn
+    _close_grads(got, ref, rtol=1e-7, atol=1e-9)
+
+
+def test_bidirectional_unbatched_input():
+    torch.manual_seed(0)
+    rnn = nn.GRU(3, 5, num_layers=2, bidirectional=True).double()
+    x = torch.randn(6, 3, dtype=torch.double)
+    y, h = rnn(x)
+    y2, h2 = ChainedRNN(rnn)(x)
+    torch.testing.assert_close(y2, y)
+    torch.testing.assert_close(h2, h)
+
+
+class BiRegression(nn.Module):
+    """A two-layer bidirectional LSTM and a loss on its outputs and final states."""
+
+    def __init__(self, steps: int, dropout: float) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(32, 64, num_layers=2, bidirectional=True, dropout=dropout)
+        self.register_buffer("target", torch.randn(steps, 16, 128), persistent=False)
+
+    def forward(self, xs):
+        y, (h, c) = self.rnn(xs)
+        return nn.functional.mse_loss(y, self.target) + h.square().mean() + c.square().mean()
+
+
+def _train_step(model: nn.Module, xs: torch.Tensor, *args, measure: bool = True
+                ) -> tuple[torch.Tensor, list, int]:
+    """One training step as a user runs it (``.grad`` set to None, ``backward()``), the
+    inputs requiring gradients: its loss, the gradients of the inputs and the parameters,
+    and with ``measure`` its allocated peak (memopt.allocation: what a budget counts; the
+    parameters, buffers and inputs, resident before it, are not in it; not while memopt
+    compiles, whose planning tracks allocations itself)."""
+    params = list(model.parameters())
+    xs.grad = None
+    for p in params:
+        p.grad = None
+    torch.manual_seed(11)  # the dropout masks
+    if not measure:
+        loss = model(xs, *args)
+        loss.backward()
+        return loss.detach(), [xs.grad, *(p.grad for p in params)], 0
+    with allocation_peak("cpu") as seen:
+        loss = model(xs, *args)
+        loss.backward()
+    return loss.detach(), [xs.grad, *(p.grad for p in params)], seen.peak
+
+
+@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.3])
+def test_compile_bidirectional_under_a_budget(dropout, one_thread):
+    """memopt.compile runs a bidirectional LSTM as four chains; with no budget each is
+    one chunk, and under a binding budget they are split: eager's loss, input and
+    parameter gradients either way (inter-layer dropout included: the same masks), the
+    measured allocations within the budget and predicted within 10%."""
+    torch.manual_seed(0)
+    steps = 64
+    model = BiRegression(steps, dropout).train()
+    xs = torch.randn(steps, 16, 32, requires_grad=True)
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), *model.buffers(), xs))
+    ref_loss, ref, eager = _train_step(model, xs)
+    free = memopt.compile(model)
+    loss, got, _ = _train_step(free, xs, measure=False)
+    chains = free.memopt_plan.chains
+    assert [c.module for c in chains] == ["rnn.l0", "rnn.l0_reverse", "rnn.l1",
+                                          "rnn.l1_reverse"]
+    assert all(c.t == 1 for c in chains)
+    torch.testing.assert_close(loss, ref_loss)
+    _close_grads(got, ref)
+
+    fixed = resident + sum(p.numel() * 4 for p in model.parameters())
+    budget = fixed + int(0.6 * (eager + resident - fixed))
+    tight = memopt.compile(model, budget=budget)
+    _train_step(tight, xs, measure=False)  # compiles and plans
+    loss, got, measured = _train_step(tight, xs)
+    measured += resident
+    plan = tight.memopt_plan
+    assert len(plan.chains) == 4 and all(c.t > 1 for c in plan.chains), plan.chains
+    assert plan.predicted_peak_bytes <= budget
+    torch.testing.assert_close(loss, ref_loss)
+    _close_grads(got, ref)
+    assert measured <= budget, (measured, budget)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured, (
+        plan.predicted_peak_bytes, measured)
+    assert not ops._STASH
+
+
+# -- PackedSequence -----------------------------------------------------------------
+
+PACKED = {
+    "lstm": lambda: nn.LSTM(4, 6),
+    "lstm2_bi_dropout": lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, dropout=0.5),
+    "gru2_dropout": lambda: nn.GRU(4, 6, num_layers=2, dropout=0.4),
+    "lstm_bi_proj": lambda: nn.LSTM(4, 6, proj_size=3, bidirectional=True),
+    "rnn_tanh_bf": lambda: nn.RNN(4, 6, batch_first=True),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PACKED))
+@pytest.mark.parametrize("enforce_sorted,given_state", [(False, True), (True, False)])
+def test_packed_module_equals_eager(kind, enforce_sorted, given_state):
+    """A PackedSequence (sequences ending early, sorted or not) through ChainedRNN gives
+    nn.LSTM's packed output, its final states (each sequence's at its own last step,
+    in the caller's order) and gradients, dropout masks included (float64)."""
+    torch.manual_seed(0)
+    rnn = PACKED[kind]().double().train()
+    wrapped = ChainedRNN(rnn)
+    lengths = [7, 6, 6, 3, 1] if enforce_sorted else [3, 7, 1, 6, 7]
+    x = torch.randn(5, 7, 4, dtype=torch.double) if rnn.batch_first else \
+        torch.randn(7, 5, 4, dtype=torch.double)
+    x.requires_grad_()
+    lstm, layers = isinstance(rnn, nn.LSTM), rnn.num_layers * (2 if rnn.bidirectional else 1)
+    hx = None
+    if given_state:
+        h = torch.randn(layers, 5, rnn.proj_size or 6, dtype=torch.double, requires_grad=True)
+        hx = (h, torch.randn(layers, 5, 6, dtype=torch.double, requires_grad=True)) \
+            if lstm else h
+    inputs = [x, *(_hidden(hx) if hx is not None else ()), *rnn.parameters()]
+    results = []
+    for module in (rnn, wrapped):
+        packed = pack_padded_sequence(x, lengths, batch_first=rnn.batch_first,
+                                      enforce_sorted=enforce_sorted)
+        torch.manual_seed(5)
+        y, hidden = module(packed, hx)
+        after = torch.rand(())
+        hidden = _hidden(hidden)
+        padded, _ = pad_packed_sequence(y)
+        loss = (padded ** 2).sum() + sum((h * (k + 1)).sum() for k, h in enumerate(hidden))
+        results.append((y, hidden, after, torch.autograd.grad(loss, inputs)))
+    (y, hidden, after, ref), (y2, hidden2, after2, got) = results
+    torch.testing.assert_close(y2.data, y.data)
+    assert torch.equal(y2.batch_sizes, y.batch_sizes)
+    for a, b in zip(hidden2, hidden):
+        torch.testing.assert_close(a, b)
+    assert after2 == after
+    _close_grads(got, ref, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("direction", [0, 1])
+def test_packed_chain_splits(direction):
+    """The packed chains of a bidirectional LSTM, split into chunks under HSM policies,
+    give the fused packed kernel's padded outputs and final states (a chunk runs in
+    segments of steps with the same sequences active)."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(4, 6, bidirectional=True).double()
+    wrapped = ChainedRNN(rnn)
+    x = torch.randn(9, 5, 4, dtype=torch.double)
+    packed = pack_padded_sequence(x, [9, 7, 4, 4, 2])
+    y, (h, c) = rnn(packed)
+    padded, _ = pad_packed_sequence(y)
+    _, ended = _packed_layout(packed.batch_sizes, packed.data)
+    xs = torch.cat([x, ended], -1).requires_grad_()
+    params = [getattr(wrapped, n) for n in wrapped.part_weights[direction]]
+    half = padded[..., 6 * direction:6 * direction + 6]
+    ref = torch.autograd.grad((half ** 2).sum() + h[direction].sum(), [*params],
+                              retain_graph=True)
+    h0 = [torch.zeros(1, 5, 6, dtype=torch.double)] * 2
+    for chunk, m in ((9, 1), (4, 1), (2, 2), (1, 3)):
+        out = torch.ops.memopt.chain_fwd(wrapped.packed_ids[None][direction], chunk, m, "hsm",
+                                         True, h0, xs, params)
+        torch.testing.assert_close(out[0], half)
+        torch.testing.assert_close(out[1], h[direction:direction + 1])
+        torch.testing.assert_close(out[2], c[direction:direction + 1])
+        got = torch.autograd.grad((out[0] ** 2).sum() + out[1].sum(), [*params])
+        _close_grads(got, ref, rtol=1e-7, atol=1e-9)
+    assert not ops._STASH
+
+
+class Tagger(nn.Module):
+    """Variable-length sequences packed (unsorted) through a bidirectional LSTM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, num_layers=2, bidirectional=True, dropout=0.3)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, xs, lengths):
+        packed = pack_padded_sequence(xs, lengths, enforce_sorted=False)
+        y, (h, c) = self.rnn(packed)
+        padded, _ = pad_packed_sequence(y, total_length=xs.shape[0])
+        return self.head(padded).square().mean() + h.square().mean() + c.square().mean()
+
+
+def test_compile_packed_sequences_under_a_budget(one_thread):
+    """memopt.compile of a model that packs its batch (a graph break before the RNN):
+    with no budget, and with a binding one that splits the packed chains, eager's loss
+    and gradients, and the measured allocations within the budget. (The plan is for the
+    graph's shapes, whatever the lengths: it prices every sequence at full length, so
+    it is an upper bound for a batch of short sequences.)"""
+    torch.manual_seed(0)
+    model = Tagger().train()
+    xs = torch.randn(64, 8, 16, requires_grad=True)
+    lengths = torch.tensor([64, 20, 33, 64, 5, 17, 40, 1])
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), *model.buffers(), xs))
+    ref_loss, ref, _ = _train_step(model, xs, lengths, measure=False)
+    free = memopt.compile(model)
+    loss, got, _ = _train_step(free, xs, lengths, measure=False)
+    torch.testing.assert_close(loss, ref_loss)
+    _close_grads(got, ref)
+    budget = int(0.75 * free.memopt_plan.predicted_peak_bytes)
+    tight = memopt.compile(model, budget=budget)
+    _train_step(tight, xs, lengths, measure=False)  # compiles and plans
+    loss, got, measured = _train_step(tight, xs, lengths)
+    chains = [c for g in tight.memopt_plan.graphs for c in g.chains]
+    assert [c.module for c in chains] == ["rnn.l0", "rnn.l0_reverse", "rnn.l1",
+                                          "rnn.l1_reverse"]
+    assert all(c.t > 1 for c in chains), chains
+    torch.testing.assert_close(loss, ref_loss)
+    _close_grads(got, ref)
+    assert measured + resident <= budget, (measured + resident, budget)
+    assert not ops._STASH
+
+
+# -- autocast -----------------------------------------------------------------------
+
+
+class AutocastRegression(nn.Module):
+    """An RNN under the caller's autocast, its outputs and final state in the loss."""
+
+    def __init__(self, rnn: nn.RNNBase) -> None:
+        super().__init__()
+        self.rnn = rnn
+        self.head = nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), 8)
+
+    def forward(self, xs):
+        y, h = self.rnn(xs)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(y).float().square().mean() + h.float().square().mean()
+
+
+def _autocast_step(model: nn.Module, xs: torch.Tensor, measure: bool = False):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _train_step(model, xs, measure=measure)
+
+
+def _relative(got, ref) -> float:
+    return max(((a.float() - b.float()).norm() / b.float().norm()).item()
+               for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("kind", ["lstm2", "bilstm"])
+def test_compile_chain_under_autocast(kind, one_thread):
+    """Under torch.autocast("cpu", bfloat16) a chain computes what eager computes under
+    it (bf16 kernels), not fp32: the loss is eager's (a chunk's forward gives the fused
+    call's outputs exactly), and so are the gradients with one chunk (unidirectional);
+    split under a binding budget, with chunks recomputed in backward, the gradients are
+    within bf16 rounding (chunk by chunk bf16 products summed in fp32), well inside the
+    distance between autocast and fp32."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(16, 32, num_layers=2) if kind == "lstm2" else \
+        nn.LSTM(16, 32, bidirectional=True)
+    model = AutocastRegression(rnn)
+    xs = torch.randn(64, 8, 16, requires_grad=True)
+    ref_loss, ref, _ = _autocast_step(model, xs)
+    _, fp32, _ = _train_step(model, xs, measure=False)
+    assert _relative(fp32, ref) > 3e-3  # what running the chain in fp32 would give
+    free = memopt.compile(model)
+    loss, got, _ = _autocast_step(free, xs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert _relative(got, ref) <= (1e-6 if kind == "lstm2" else 2.5e-3)
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), xs))
+    budget = int(0.8 * free.memopt_plan.predicted_peak_bytes)
+    tight = memopt.compile(model, budget=budget)
+    _autocast_step(tight, xs)  # compiles and plans
+    loss, got, measured = _autocast_step(tight, xs, measure=True)
+    plan = tight.memopt_plan
+    assert all(c.t > 1 and c.recompute_steps > 0 for c in plan.chains), plan.chains
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert _relative(got, ref) <= 1e-2
+    assert measured + resident <= budget, (measured + resident, budget)
+    assert not ops._STASH
+
+
+def test_fused_bidirectional_dropout_chain():
+    """The chain CUDA uses for a bidirectional stack with dropout in training (cuDNN
+    draws its dropout inside the fused call: one unsplittable chunk of that call) is
+    the fused module, same seed, same masks (checked here on the CPU kernel)."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(4, 6, num_layers=2, bidirectional=True, dropout=0.5).double().train()
+    wrapped = ChainedRNN(rnn)
+    (chain,) = wrapped.fused_ids[None]
+    assert ops.spec_of(chain).unsplittable
+    x = torch.randn(7, 3, 4, dtype=torch.double)
+    torch.manual_seed(2)
+    y, (h, c) = rnn(x)
+    h0 = [torch.zeros(4, 3, 6, dtype=torch.double)] * 2
+    torch.manual_seed(2)
+    out = torch.ops.memopt.chain_fwd(chain, 7, 1, "hsm", True, h0, x, list(rnn.parameters()))
+    for a, b in zip(out[:3], (y, h, c)):
+        torch.testing.assert_close(a, b)
+    assert not ChainedRNN(nn.LSTM(4, 6, num_layers=2, bidirectional=True)).fused_ids
