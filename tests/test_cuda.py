@@ -373,27 +373,32 @@ def test_fp16_autocast_with_grad_scaler(budget: Any) -> None:
 # --------------------------------------------------------------------------
 
 
-#: BERT's gradients differed from eager's on the first GPU run (H100, torch 2.11): the
-#: word-embedding gradient by up to 9% of its largest element, 86% of its elements past
-#: fp32 tolerance, at 85% of its budget=None peak; GPT-2 (dropout too) and Llama pass.
-#: Not diagnosed yet (no GPU time left); the README's status table lists it.
-BERT_ON_CUDA = pytest.param("bert", marks=pytest.mark.xfail(
-    reason="BERT's gradients differ from eager's on CUDA (first GPU run), not diagnosed"))
+#: BERT's gradients differ from eager's on CUDA with dropout by up to 13% of the largest
+#: gradient (word, token-type and position embeddings first), with no budget as with one:
+#: torch.compile's own graph (backend="aot_eager") draws BERT's dropout numbers otherwise
+#: than eager does on CUDA (SDPA with an attention mask), and memopt's gradients equal
+#: aot_eager's to 8e-9 of the largest (H200, torch 2.11; with dropout off they equal
+#: eager's to 5e-7). So BERT is checked against aot_eager: what memopt adds to the
+#: captured graph must not change it.
+REFERENCE = {"gpt2": "eager", "bert": "aot_eager", "llama": "eager"}
 
 
-@pytest.mark.parametrize("name", ["gpt2", BERT_ON_CUDA, "llama"])
+@pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_zoo_transformer_on_cuda_within_a_binding_budget(name: str) -> None:
     """benchmarks/zoo.py's models on CUDA, where attention runs SDPA's fused kernels
     (their dropout draws inside the kernel, so they are never recomputed): eager's
-    gradients at 85% of the budget=None plan's peak, measured within the budget and
-    within 10% of the plan."""
+    gradients (BERT: torch.compile's aot_eager graph's, see REFERENCE) at 85% of the
+    budget=None plan's peak, measured within the budget and within 10% of the plan."""
     pytest.importorskip("transformers")
     from benchmarks.zoo import ZooCase, build, resident_bytes  # noqa: PLC0415
 
     eager = build(name, device=DEVICE)
     case = ZooCase(name, copy.deepcopy(eager.model), eager.args, eager.kwargs, eager.loss)
     torch.manual_seed(1)
-    eager.run_step()
+    if REFERENCE[name] == "aot_eager":
+        eager.run_step(torch.compile(eager.model, backend="aot_eager"))
+    else:
+        eager.run_step()
     free = memopt.compile(copy.deepcopy(eager.model))
     torch.manual_seed(1)
     ZooCase(name, free.original_module, eager.args, eager.kwargs, eager.loss).run_step(free)
@@ -401,11 +406,15 @@ def test_zoo_transformer_on_cuda_within_a_binding_budget(name: str) -> None:
     compiled = memopt.compile(case.model, budget=budget)
     torch.manual_seed(1)
     case.run_step(compiled)
+    # a floor from the largest gradient: an attention key's bias has a gradient that is
+    # zero in exact arithmetic, rounding noise of the size of what feeds it (test_zoo.py)
+    floor = 1e-4 * max(p.grad.abs().max().item() for p in eager.model.parameters()
+                       if p.grad is not None)
     for (pname, p), q in zip(eager.model.named_parameters(), case.model.parameters()):
         if p.grad is None:
             assert q.grad is None, pname
             continue
-        scale = p.grad.abs().max().item() or 1.0
+        scale = max(p.grad.abs().max().item(), floor) or 1.0
         _close(q.grad, p.grad, f"{name}: gradient of {pname}",
                {"rtol": 1e-4, "atol": 1e-5 * scale})
     torch.manual_seed(2)
@@ -415,6 +424,45 @@ def test_zoo_transformer_on_cuda_within_a_binding_budget(name: str) -> None:
             baseline=plan.baseline_peak_bytes, predicted=plan.predicted_peak_bytes,
             measured=measured, raw_max_memory_allocated=raw,
             recompute_flops=plan.recompute_flops, forward_flops=plan.forward_flops)
-    assert plan.recompute_flops > 0, "the budget does not bind"
+    assert plan.recompute_flops > 0 or plan.heads, "the budget does not bind"
     assert measured <= budget, (measured, budget)
     assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("returns_logits", [False, True])
+def test_chunked_head_on_cuda(returns_logits: bool) -> None:
+    """The language-model head in chunks on CUDA (memopt.lm_head): eager's loss and
+    gradients at memopt's minimum budget, a loss on the returned logits too, measured
+    within the budget."""
+    from test_heads import _LM, V  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = _LM(returns_logits=returns_logits).to(DEVICE)
+    eager = copy.deepcopy(model)
+    tokens = torch.randint(0, V, (8, 96), device=DEVICE)
+    targets = torch.randint(0, V, (8, 96), device=DEVICE)
+    targets[0, :20] = -100
+
+    def step(module: nn.Module) -> torch.Tensor:
+        out = module(tokens, targets)
+        loss = out[0] + 0.01 * out[1].square().mean() if returns_logits else out
+        loss.backward()
+        return loss.detach()
+
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.plan(model, tokens, targets, budget=1)
+    compiled = memopt.compile(model, budget=err.value.minimum_bytes)
+    _close(step(compiled), step(eager), "loss", {"rtol": 1e-5, "atol": 1e-6})
+    for (pname, p), q in zip(eager.named_parameters(), model.parameters()):
+        _close(q.grad, p.grad, pname, {"rtol": 1e-4, "atol": 1e-6})
+    assert compiled.memopt_plan.heads[0].chunks > 1
+    # the step the plan is for: a loss on the logits computed outside the module is the
+    # caller's (README, "What the budget counts"), so the measured step uses the loss only
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), tokens, targets))
+
+    def loss_only() -> None:
+        out = compiled(tokens, targets)
+        (out[0] if returns_logits else out).backward()
+
+    measured, _ = _peak_of(loss_only, model, resident)
+    assert measured <= err.value.minimum_bytes, (measured, err.value.minimum_bytes)
