@@ -317,15 +317,20 @@ def _choose_mirror(joint: fx.GraphModule, num_fwd_outputs: int, budget_bytes: in
 
 
 @dataclass(frozen=True)
-class _HeadChoice:
-    site: head_pass.HeadSite
-    config: head_pass.HeadConfig
+class _Choice:
+    """What the planner chose for one of memopt's own ops (a head, a chain) and why."""
+
+    site: Any     # head_pass.HeadSite or chain_pass.ChainSite
+    config: Any   # head_pass.HeadConfig or chain_pass.ChainConfig
     reason: str
+
+
+
 
 
 def _choose_heads(sites: list[head_pass.HeadSite], joint: fx.GraphModule,
                   num_fwd_outputs: int, target: int | None, step: StepContext, build,
-                  costs: dict[str, head_pass.HeadCosts]) -> list[_HeadChoice]:
+                  costs: dict[str, head_pass.HeadCosts]) -> list[_Choice]:
     """Each language-model head's chunk (passes.heads), chosen before the chains and
     the Chen planner see the rest of the graph.
 
@@ -340,11 +345,11 @@ def _choose_heads(sites: list[head_pass.HeadSite], joint: fx.GraphModule,
     """
     whole = {s.fwd: head_pass.configure(s, costs[s.fwd], s.rows) for s in sites}
     if target is None:
-        return [_HeadChoice(s, whole[s.fwd], "no budget: one chunk, nothing recomputed")
+        return [_Choice(s, whole[s.fwd], "no budget: one chunk, nothing recomputed")
                 for s in sites]
     built = build(Mirror())
     if built.peak_bytes <= target:
-        return [_HeadChoice(s, whole[s.fwd], "the budget fits with one chunk: nothing "
+        return [_Choice(s, whole[s.fwd], "the budget fits with one chunk: nothing "
                                              "recomputed") for s in sites]
     gran = allocation_granularity(_device_of(built.fw))
     choices = []
@@ -367,11 +372,11 @@ def _choose_heads(sites: list[head_pass.HeadSite], joint: fx.GraphModule,
         log.debug("memopt head %s: %d chunks of %d tokens, peak %s", s.name, best.chunks,
                   best.chunk, format_bytes(p))
         head_pass.apply([joint, built.fw, built.bw], s, best)
-        choices.append(_HeadChoice(s, best, reason))
+        choices.append(_Choice(s, best, reason))
     return choices
 
 
-def _head_records(choices: list[_HeadChoice]) -> tuple[HeadRecord, ...]:
+def _head_records(choices: list[_Choice]) -> tuple[HeadRecord, ...]:
     return tuple(HeadRecord(
         module=c.site.name, tokens=c.site.rows, vocab=c.site.vocab, chunk=c.config.chunk,
         chunks=c.config.chunks, held_bytes=c.config.held_bytes,
@@ -380,17 +385,10 @@ def _head_records(choices: list[_HeadChoice]) -> tuple[HeadRecord, ...]:
         reason=c.reason) for c in choices)
 
 
-@dataclass(frozen=True)
-class _ChainChoice:
-    site: chain_pass.ChainSite
-    config: chain_pass.ChainConfig
-    reason: str
-
-
 def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                    num_fwd_outputs: int, target: int | None,
                    step: StepContext, build,
-                   costs: dict[str, chain_pass.ChunkCosts]) -> list[_ChainChoice]:
+                   costs: dict[str, chain_pass.ChunkCosts]) -> list[_Choice]:
     """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
     Chen's planner sees the rest of the graph.
 
@@ -418,17 +416,17 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
     for s in sites:
         chain_pass.apply([joint], s, one_chunk[s.fwd])
     if target is None:
-        return [_ChainChoice(s, one_chunk[s.fwd], "no budget: one chunk, nothing recomputed")
+        return [_Choice(s, one_chunk[s.fwd], "no budget: one chunk, nothing recomputed")
                 for s in sites]
     built = build(Mirror())
     if built.peak_bytes <= target:
-        return [_ChainChoice(s, one_chunk[s.fwd],
+        return [_Choice(s, one_chunk[s.fwd],
                              "the budget fits with one chunk: nothing recomputed") for s in sites]
     gran = allocation_granularity(_device_of(built.fw))
     current = dict(one_chunk)
 
     def choose(s: chain_pass.ChainSite, goal: int, kept: int | None = None
-               ) -> tuple[_ChainChoice, int]:
+               ) -> tuple[_Choice, int]:
         """``kept``: the peak with the chain's current configuration, which fits the
         goal: only the configurations estimated faster are priced besides it."""
         peaks: dict[tuple[int, int], int] = {}  # other chains as in ``current``
@@ -474,10 +472,10 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                       f"planner recomputes the rest)")
         chain_pass.apply([built.fw, built.bw], s, best)
         current[s.fwd] = best
-        return _ChainChoice(s, best, reason), p
+        return _Choice(s, best, reason), p
 
     # Step 3: each chain in turn removes its share of what is still over the target
-    chosen: dict[str, _ChainChoice] = {}
+    chosen: dict[str, _Choice] = {}
     now = built.peak_bytes
     for k, s in enumerate(sites):
         goal = max(target, now - (now - target) // (len(sites) - k))
@@ -492,7 +490,7 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
     return [chosen[s.fwd] for s in sites]
 
 
-def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
+def _chain_records(choices: list[_Choice]) -> tuple[ChainRecord, ...]:
     return tuple(ChainRecord(
         module=c.site.name, module_type=c.site.module_type, steps=c.site.steps,
         chunk=c.config.chunk, t=c.config.t, m=c.config.m, strategy=c.config.policy.strategy,
@@ -766,12 +764,12 @@ def plan_joint(
     fits = target  # what the plan must fit; the search may aim lower (cap)
     if cap is not None:
         target = cap if target is None else min(target, cap)
-    heads: list[_HeadChoice] = []
+    heads: list[_Choice] = []
     if head_sites:
         with _stage("language-model head chunks", done):
             heads = _choose_heads(head_sites, joint, num_fwd_outputs, target, step, build,
                                   head_costs)
-    chains: list[_ChainChoice] = []
+    chains: list[_Choice] = []
     if sites:
         with _stage("recurrent chain policies", done):
             chains = _choose_chains(sites, joint, num_fwd_outputs, target, step, build, costs)
