@@ -325,9 +325,6 @@ class _Choice:
     reason: str
 
 
-
-
-
 def _choose_heads(sites: list[head_pass.HeadSite], joint: fx.GraphModule,
                   num_fwd_outputs: int, target: int | None, step: StepContext, build,
                   costs: dict[str, head_pass.HeadCosts]) -> list[_Choice]:
