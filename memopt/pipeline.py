@@ -325,15 +325,15 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                    num_fwd_outputs: int, target: int | None,
                    step: StepContext, build,
                    costs: dict[str, chain_pass.ChunkCosts]) -> list[_ChainChoice]:
-    """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
-    Chen's planner sees the rest of the graph.
+    """Each recurrent chain's policy (Gruslys et al. 2016: BPTT-HSM, ISM or MSM), chosen
+    before Chen's planner sees the rest of the graph.
 
     Step 1: every chain starts as one chunk (t = 1: no recomputation, eager's memory).
     Step 2: with no budget, or when that fits, done.
-    Step 3: else price every (chunk length, m) of each chain's grid
+    Step 3: else price every (chunk length, strategy, m) of each chain's grid
         (chain_pass.configurations) by the exact simulator on one build (only the
-        chain's held and workspace bytes change between configurations), other chains
-        fixed.
+        chain's held and workspace bytes change between configurations: one run per
+        distinct bytes), other chains fixed.
     Step 4: between the longest grid chunk that fits with every boundary kept (m = t)
         and the next longer grid chunk, bisect for the longest chunk that fits
         (chain_pass.longest_fitting_chunk): its T - L recomputed steps can beat the grid.
@@ -355,10 +355,13 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
     gran = allocation_granularity(_device_of(built.fw))
     choices = []
     for s in sites:
-        peaks: dict[tuple[int, int], int] = {}
+        peaks: dict[tuple[int, int, int], int] = {}
+        tried: set[tuple[int, str, int]] = set()
 
-        def peak(config: chain_pass.ChainConfig, site=s, peaks=peaks) -> int:
-            key = (config.chunk, config.m)
+        def peak(config: chain_pass.ChainConfig, site=s, peaks=peaks, tried=tried) -> int:
+            tried.add((config.chunk, config.policy.strategy, config.m))
+            # liveness sees only these bytes: policies that share them share a peak
+            key = (config.held_bytes, config.forward_workspace_bytes, config.workspace_bytes)
             if key not in peaks:
                 chain_pass.apply([built.fw, built.bw], site, config)
                 schedule = step.liveness(built.fw, built.bw, built.saved_names,
@@ -369,7 +372,8 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
         grid = chain_pass.configurations(s, costs[s.fwd])
         priced = [(peak(c), c) for c in grid]
         fitting = [(p, c) for p, c in priced if p <= target]
-        full = [c.chunk for _, c in fitting if c.m == c.t and c.t > 1]
+        full = [c.chunk for _, c in fitting
+                if c.policy.strategy == "hsm" and c.m == c.t and c.t > 1]
         if full:
             lo = max(full)
             hi = min((c.chunk for c in grid if c.chunk > lo), default=lo + 1)
@@ -380,11 +384,11 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
         if fitting:
             fitting.sort(key=lambda pc: (pc[1].seconds, pc[1].recompute_steps, pc[1].t, pc[0]))
             for p, c in fitting[:5]:
-                log.debug("memopt chain %s: fits: %d x %d, m=%d, %d steps recomputed, "
-                          "%.1f ms, peak %s", s.name, c.t, c.chunk, c.m, c.recompute_steps,
-                          c.seconds * 1e3, format_bytes(p))
+                log.debug("memopt chain %s: fits: %d x %d, %s m=%d, %d steps recomputed, "
+                          "%.1f ms, peak %s", s.name, c.t, c.chunk, c.policy.strategy, c.m,
+                          c.recompute_steps, c.seconds * 1e3, format_bytes(p))
             p, best = fitting[0]
-            reason = (f"least estimated time of the {len(fitting)} of {len(peaks)} "
+            reason = (f"least estimated time of the {len(fitting)} of {len(tried)} "
                       f"policies priced that fit")
         else:
             p, best = min(priced, key=lambda pc: (pc[0], pc[1].recompute_steps))
@@ -399,6 +403,7 @@ def _chain_records(choices: list[_ChainChoice]) -> tuple[ChainRecord, ...]:
     return tuple(ChainRecord(
         module=c.site.name, module_type=c.site.module_type, steps=c.site.steps,
         chunk=c.config.chunk, t=c.config.t, m=c.config.m, strategy=c.config.policy.strategy,
+        alpha=c.config.policy.alpha, beta=c.config.policy.beta,
         cost=c.config.policy.cost, recompute_steps=c.config.recompute_steps,
         estimated_seconds=c.config.seconds,
         recompute_flops=c.config.recompute_steps * c.site.step_flops,
