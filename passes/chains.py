@@ -482,16 +482,20 @@ MSM_TABLE_ENTRIES = 200_000
 
 def _grid(site: ChainSite, costs: ChunkCosts, chunk: int) -> list[ChainConfig]:
     """One chunk length's policies: HSM with m on a sqrt 2 grid up to t, then ISM
-    (m up to t) and MSM (m up to alpha t, or MSM_TABLE_ENTRIES / t) on grids of 2."""
+    (m up to t) on a grid of 2, and MSM with m - beta on a grid of 4, m up to alpha t
+    (or MSM_TABLE_ENTRIES / t)."""
     t = math.ceil(site.steps / chunk)
     configs = [configure(site, costs, chunk, m) for m in _m_values(t)]
     if t == 1:  # one chunk: nothing to store, every strategy is the same
         return configs
     configs += [configure(site, costs, chunk, m, "ism") for m in _m_values(t, 2)]
     split = site.output_bytes_per_step * chunk
-    alpha, _ = msm_units(site.hidden_bytes, costs.saved(chunk) + split)
+    alpha, beta = msm_units(site.hidden_bytes, costs.saved(chunk) + split)
     top = min(alpha * t, max(alpha + 1, MSM_TABLE_ENTRIES // t))
-    return configs + [configure(site, costs, chunk, m, "msm") for m in _m_values(top, 2)]
+    # m <= beta stores no internal state but the core (HSM's policy, priced above): the
+    # grid is of the units beyond beta
+    return configs + [configure(site, costs, chunk, beta + v, "msm")
+                      for v in _m_values(top - beta, 4)] if top > beta else configs
 
 
 def configurations(site: ChainSite, costs: ChunkCosts) -> list[ChainConfig]:
