@@ -188,3 +188,20 @@ def test_forced_strategy_measured_within_budget(monkeypatch, strategy, fraction)
     assert measured <= budget, (measured, budget)
     assert abs(plan.predicted_peak_bytes - measured) <= 0.10 * measured, (
         plan.predicted_peak_bytes, measured)
+
+
+def test_chain_record_keeps_msm_units_through_json():
+    """ChainRecord's alpha and beta round-trip through JSON, and a record written
+    before they existed (no alpha, no beta) still loads."""
+    from memopt.memory_plan import ChainRecord
+
+    fields = {"module": "rnn", "module_type": "LSTM", "steps": 10, "chunk": 2, "t": 5,
+              "m": 12, "strategy": "msm", "cost": 7, "recompute_steps": 4,
+              "estimated_seconds": 0.1, "recompute_flops": 0, "hidden_bytes": 8,
+              "internal_bytes": 40, "held_bytes": 100, "forward_workspace_bytes": 1,
+              "workspace_bytes": 2, "reason": "fits"}
+    record = ChainRecord(alpha=5, beta=4, **fields)
+    assert ChainRecord.model_validate_json(record.model_dump_json()) == record
+    old = ChainRecord.model_validate_json(ChainRecord(**fields).model_dump_json(
+        exclude={"alpha", "beta"}))
+    assert (old.alpha, old.beta) == (None, None)
