@@ -99,7 +99,8 @@ class ChainSite:
 
 @dataclass(frozen=True)
 class ChainConfig:
-    """One (chunk length, m) choice for a chain, with its policy and bytes."""
+    """One (chunk length, strategy, m) choice for a chain, with its policy (its strategy,
+    and MSM's alpha and beta) and bytes."""
 
     chunk: int
     t: int
