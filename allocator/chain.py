@@ -532,6 +532,36 @@ def _peak_units(strategy: str, schedule: tuple[Action, ...], units: dict[int, in
     return peak
 
 
+def strategy_text(strategy: str, alpha: int | None = None, beta: int | None = None) -> str:
+    """A policy's strategy as one string, ``"hsm"``, ``"ism"`` or ``"msm:ALPHA:BETA"``:
+    how the chain ops (memopt.recurrent.ops) carry it in their ``strategy`` argument, so
+    that their schema stays ``(chunk, m, strategy)``. ``parse_strategy`` inverts it."""
+    alpha, beta = _check(1, 1, strategy, alpha, beta)
+    return f"msm:{alpha}:{beta}" if strategy == "msm" else strategy
+
+
+def parse_strategy(text: str) -> tuple[str, int | None, int | None]:
+    """(strategy, alpha, beta) of ``strategy_text``'s string; a bare ``"msm"`` has no
+    alpha and fails in ``solve``. Raises ValueError for anything else."""
+    strategy, *rest = text.split(":")
+    if strategy != "msm" or not rest:
+        if rest:
+            raise ValueError(f"only msm takes alpha and beta, got {text!r}")
+        return strategy, None, None
+    try:
+        alpha, beta = (int(v) for v in rest)
+    except ValueError:
+        raise ValueError(f"expected 'msm:ALPHA:BETA' with two ints, got {text!r}") from None
+    return strategy, alpha, beta
+
+
+def useful_m(t: int, m: int, strategy: str, alpha: int | None = None) -> int:
+    """m capped where more memory stops lowering C(t, m): t slots for HSM and ISM,
+    alpha t units for MSM (every internal state stored)."""
+    top = (alpha or 1) * t if strategy == "msm" else t
+    return max(1, min(m, top))
+
+
 def chunk_sizes(steps: int, chunk: int) -> list[int]:
     """The lengths of the chain's chunks: ``chunk`` steps each but the FIRST, which takes
     the remainder. The last chunk (the core, Gruslys et al. 2016 Sec. 3.1) is never

@@ -233,14 +233,18 @@ def markdown(rows: list[list[str]], header: list[str]) -> str:
 
 
 def chain_cells(chains: Sequence[dict] | None) -> list[str]:
-    """Each chain of memopt's plan: t chunks x chunk length, m, strategy, the DP's cost
-    C(t, m) (chunk forwards, the first pass included) and the time steps recomputed."""
+    """Each chain of memopt's plan: t chunks x chunk length, m, strategy (MSM's alpha and
+    beta with it), the DP's cost C(t, m) (chunk forwards, the first pass included) and
+    the time steps recomputed."""
     if not chains:
         return ["-"] * len(CHAIN_HEADER)
     cells: list[list[str]] = [[] for _ in CHAIN_HEADER]
     for chain in chains:
+        strategy = chain.get("strategy")
+        if chain.get("alpha") is not None:  # MSM: an internal state's units
+            strategy = f"{strategy} (alpha={chain['alpha']}, beta={chain.get('beta')})"
         values = (f"{chain.get('t')} x {chain.get('chunk')}", chain.get("m"),
-                  chain.get("strategy"), chain.get("cost"), chain.get("recompute_steps"))
+                  strategy, chain.get("cost"), chain.get("recompute_steps"))
         for column, value in zip(cells, values):
             column.append(str(value))
     return ["; ".join(c) for c in cells]

@@ -121,8 +121,12 @@ class ChainRecord(BaseModel):
     steps: Count                   # T: time steps of the sequence
     chunk: Count                   # time steps per chunk (one call of the step)
     t: Count                       # chunks: the chain's length
-    m: Count                       # hidden-state slots (BPTT-HSM's m, h_0 included)
-    strategy: str                  # "hsm" (Sec. 3.1)
+    m: Count                       # memory units: HSM's hidden-state slots (h_0 included),
+                                   # ISM's internal-state slots (the core's included), MSM's
+                                   # hidden-state units
+    strategy: str                  # "hsm" (Sec. 3.1), "ism" (Sec. 3.2) or "msm" (Sec. 3.3)
+    alpha: Count | None = None     # MSM: a stored internal state in hidden-state units
+    beta: Count | None = None      # MSM: one whose input state is stored already (eq. 10)
     cost: Count                    # C(t, m): chunk forwards, the first pass included
     recompute_steps: Count         # time steps run again in backward
     estimated_seconds: NonNegativeFloat  # the chain's forward + backward, at measured chunk costs
@@ -430,7 +434,9 @@ class MemoryPlan(BaseModel):
         for c in self.chains:
             lines.append(
                 f"  chain {c.module} ({c.module_type}): T={c.steps} as t={c.t} chunks of "
-                f"{c.chunk}, BPTT-{c.strategy.upper()} m={c.m}, C(t,m)={c.cost} chunk "
+                f"{c.chunk}, BPTT-{c.strategy.upper()} m={c.m}"
+                f"{f' (alpha={c.alpha}, beta={c.beta})' if c.alpha is not None else ''}, "
+                f"C(t,m)={c.cost} chunk "
                 f"forwards ({c.recompute_steps} steps recomputed, about "
                 f"{c.estimated_seconds * 1e3:.0f} ms forward + backward), holds {b(c.held_bytes)} "
                 f"(+ {b(c.forward_workspace_bytes)} while its forward runs, "

@@ -386,18 +386,18 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                    num_fwd_outputs: int, target: int | None,
                    step: StepContext, build,
                    costs: dict[str, chain_pass.ChunkCosts]) -> list[_Choice]:
-    """Each recurrent chain's policy (Gruslys et al. 2016, BPTT-HSM), chosen before
-    Chen's planner sees the rest of the graph.
+    """Each recurrent chain's policy (Gruslys et al. 2016: BPTT-HSM, ISM or MSM), chosen
+    before Chen's planner sees the rest of the graph.
 
     Step 1: every chain starts as one chunk (t = 1: no recomputation, eager's memory).
     Step 2: with no budget, or when that fits, done.
-    Step 3: else, chain by chain, price every (chunk length, m) of its grid
+    Step 3: else, chain by chain, price every (chunk length, strategy, m) of its grid
         (chain_pass.configurations) by the exact simulator on one build (only the
-        chain's held and workspace bytes change between configurations), other chains
-        fixed, against a goal: the peak less this chain's share of the bytes still over
-        the target (the excess over the chains left, this one included), so that the
-        first chain of several (a bidirectional RNN's, a stack's) is not split to its
-        lowest peak while the others stay whole.
+        chain's held and workspace bytes change between configurations: one run per
+        distinct bytes), other chains fixed, against a goal: the peak less this chain's
+        share of the bytes still over the target (the excess over the chains left, this
+        one included), so that the first chain of several (a bidirectional RNN's, a
+        stack's) is not split to its lowest peak while the others stay whole.
     Step 4: between the longest grid chunk that fits with every boundary kept (m = t)
         and the next longer grid chunk, bisect for the longest chunk that fits
         (chain_pass.longest_fitting_chunk): its T - L recomputed steps can beat the grid.
@@ -426,10 +426,16 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
                ) -> tuple[_Choice, int]:
         """``kept``: the peak with the chain's current configuration, which fits the
         goal: only the configurations estimated faster are priced besides it."""
-        peaks: dict[tuple[int, int], int] = {}  # other chains as in ``current``
+        peaks: dict[tuple[int, int, int], int] = {}  # other chains as in ``current``
+        tried: set[tuple[int, str, int]] = set()
+
+        def key_of(config: chain_pass.ChainConfig) -> tuple[int, int, int]:
+            # liveness sees only these bytes: policies that share them share a peak
+            return (config.held_bytes, config.forward_workspace_bytes, config.workspace_bytes)
 
         def peak(config: chain_pass.ChainConfig) -> int:
-            key = (config.chunk, config.m)
+            tried.add((config.chunk, config.policy.strategy, config.m))
+            key = key_of(config)
             if key not in peaks:
                 chain_pass.apply([built.fw, built.bw], s, config)
                 schedule = step.liveness(built.fw, built.bw, built.saved_names,
@@ -440,11 +446,12 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
         grid = chain_pass.configurations(s, costs[s.fwd])
         if kept is not None:
             mine = current[s.fwd]
-            peaks[(mine.chunk, mine.m)] = kept
+            peaks[key_of(mine)] = kept
             grid = [mine, *(c for c in grid if c.seconds < mine.seconds)]
         priced = [(peak(c), c) for c in grid]
         fitting = [(p, c) for p, c in priced if p <= goal]
-        full = [c.chunk for _, c in fitting if c.m == c.t and c.t > 1]
+        full = [c.chunk for _, c in fitting
+                if c.policy.strategy == "hsm" and c.m == c.t and c.t > 1]
         if full:
             lo = max(full)
             hi = min((c.chunk for c in grid if c.chunk > lo), default=lo + 1)
@@ -455,11 +462,11 @@ def _choose_chains(sites: list[chain_pass.ChainSite], joint: fx.GraphModule,
         if fitting:
             fitting.sort(key=lambda pc: (pc[1].seconds, pc[1].recompute_steps, pc[1].t, pc[0]))
             for p, c in fitting[:5]:
-                log.debug("memopt chain %s: fits: %d x %d, m=%d, %d steps recomputed, "
-                          "%.1f ms, peak %s", s.name, c.t, c.chunk, c.m, c.recompute_steps,
-                          c.seconds * 1e3, format_bytes(p))
+                log.debug("memopt chain %s: fits: %d x %d, %s m=%d, %d steps recomputed, "
+                          "%.1f ms, peak %s", s.name, c.t, c.chunk, c.policy.strategy, c.m,
+                          c.recompute_steps, c.seconds * 1e3, format_bytes(p))
             p, best = fitting[0]
-            reason = (f"least estimated time of the {len(fitting)} of {len(peaks)} "
+            reason = (f"least estimated time of the {len(fitting)} of {len(tried)} "
                       f"policies priced that fit")
             if goal > target:
                 reason += f" its share of the excess (a peak of {format_bytes(goal)})"
@@ -491,6 +498,7 @@ def _chain_records(choices: list[_Choice]) -> tuple[ChainRecord, ...]:
     return tuple(ChainRecord(
         module=c.site.name, module_type=c.site.module_type, steps=c.site.steps,
         chunk=c.config.chunk, t=c.config.t, m=c.config.m, strategy=c.config.policy.strategy,
+        alpha=c.config.policy.alpha, beta=c.config.policy.beta,
         cost=c.config.policy.cost, recompute_steps=c.config.recompute_steps,
         estimated_seconds=c.config.seconds,
         recompute_flops=c.config.recompute_steps * c.site.step_flops,

@@ -2,39 +2,51 @@
 
 A chain is a ``memopt::chain_fwd`` node (an nn.LSTM / nn.GRU / nn.RNN or a marked
 cell loop, see memopt.recurrent.modules) and the ``memopt::chain_bwd`` node(s)
-reading its handle. Its policy has two knobs the planner chooses after capture:
+reading its handle. Its policy has three knobs the planner chooses after capture:
 the chunk length L (t = ceil(T / L) chunks form the chain; each chunk is one call
 of the step; the first chunk takes the remainder, so the last one, the core that is
-never recomputed, is full) and m, the hidden-state slots of Gruslys et al. 2016's
-BPTT-HSM (Sec. 3.1). Nothing else in the graph changes with them, only what the
-chain holds between its forward and backward ops and what its backward op allocates.
-The planner (memopt.pipeline) prices a grid of (L, m) (``configurations``), then
-bisects L where every chunk boundary is kept (``longest_fitting_chunk``): there the
-recomputed steps are exactly T - L and the calls 3t - 1, so the longest chunk that
-fits is the fastest. It takes the fitting policy of least estimated time: each
-chunk's forward runs (Gruslys et al. 2016's C(t, m) in all) and its backward, at the
-per-call and per-step costs measured on a real chunk (ChunkCosts).
+never recomputed, is full), the strategy of Gruslys et al. 2016 (BPTT-HSM, Sec. 3.1:
+store hidden states; BPTT-ISM, Sec. 3.2: store chunks' internal states, whose backward
+then needs no recomputation; BPTT-MSM, Sec. 3.3-3.4: either) and its m (HSM: hidden-
+state slots; ISM: internal-state slots, the core's included; MSM: hidden-state units,
+an internal state costing alpha = ceil(I(L) / H) of them, or beta = ceil((I(L) - H) / H)
+when its input state is stored already, from the chunk's measured bytes). Nothing else
+in the graph changes with them, only what the chain holds between its forward and
+backward ops and what its backward op allocates. The planner (memopt.pipeline) prices
+a grid of (L, strategy, m) (``configurations``), then bisects L where HSM keeps every
+chunk boundary (``longest_fitting_chunk``): there the recomputed steps are exactly
+T - L and the calls 3t - 1, so the longest chunk that fits is the fastest. It takes
+the fitting policy of least estimated time: each chunk's forward runs (Gruslys et al.
+2016's C(t, m) in all, a stored internal state's first run included) and its backward,
+at the per-call and per-step costs measured on a real chunk (ChunkCosts).
 
 Requires: FakeTensors on the joint graph. Ensures: ``apply`` rewrites the two
-ops' integer arguments and records the bytes (passes.meta.HELD_BYTES on the
-forward op's handle, WORKSPACE_BYTES on the backward op) that liveness charges.
+ops' policy arguments (chunk, m, strategy: memopt.allocator.chain.strategy_text) and
+records the bytes (passes.meta.HELD_BYTES on the forward op's handle, WORKSPACE_BYTES
+on the backward op) that liveness charges.
 
 Memory model of one configuration of chunks of L steps (H: the state's bytes; P: the
-step's parameters; I(L), F(L), B(L): a chunk's saved bytes, its forward's and its
-backward's transients, measured on real tensors at two lengths, see ChunkCosts; Y(L):
-a chunk's output when the chain is split, else 0):
-    held         = H x (hidden states stored when the forward phase ends) + I(L) +
-                   Y(L) (the last chunk's graph and output, kept for backward: the core)
+step's parameters; I(L), F(L), B(L): a chunk's saved bytes (its graph's saved tensors,
+its input and final states), its forward's and its backward's transients, measured on
+real tensors at two lengths, see ChunkCosts; Y(L): a chunk's output when the chain is
+split, else 0). S(a) is the bytes the policy's stores hold after action a of its
+schedule, walked with the real sizes (``_stored_bytes``): H a stored hidden state,
+I(L) + Y(L) a stored internal state (a chunk's graph and its output), H less where its
+input state is held anyway (h_0, a stored hidden state, the previous chunk's stored
+internal state); an internal state backpropagated as soon as it is stored is the core's.
+    held         = S(end of the forward phase) + I(L) + Y(L) (the last chunk's graph and
+                   output, kept for backward: the core)
     forward op   = F(L) + Y(L) (a chunk's kernel temporaries, and a chunk's output
                    before it is copied into the chain's output)
-    backward op  = H x (most hidden states stored in backward - those at the end of
-                   the forward phase) + 2H (the gradient carried between chunks)
-                   + P (the running sum of the parameter gradients) + B(L) (a chunk's
-                   backward, its parameter and input gradients included), or F(L)
-                   when split and that is larger (a chunk recomputed with autograd).
-                   One chunk graph is live at a time: a recomputed chunk's I(L) + Y(L)
-                   takes the place of the core's, freed after its backward, which
-                   ``held`` counts until the op ends
+    backward op  = max S - S(end of the forward phase) (what backward stores beyond
+                   that: hidden states, and ISM's and MSM's internal states) + 2H (the
+                   gradient carried between chunks) + P (the running sum of the
+                   parameter gradients) + B(L) (a chunk's backward, its parameter and
+                   input gradients included), or F(L) when split and that is larger (a
+                   chunk recomputed with autograd). One chunk graph is live in the core
+                   at a time: a recomputed chunk's I(L) + Y(L) takes the place of the
+                   core's, freed after its backward, which ``held`` counts until the op
+                   ends
 """
 
 from __future__ import annotations
@@ -50,7 +62,7 @@ from torch import fx
 from ._torch_compat import autograd_inside_op, real_tensors, storage_key
 from .allocation import can_track, maybe_allocation_peak
 from .runtime import runtime
-from memopt.allocator.chain import Policy, chunk_sizes, solve
+from memopt.allocator.chain import Policy, chunk_sizes, solve, strategy_text, useful_m
 
 from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers
 
@@ -87,7 +99,8 @@ class ChainSite:
 
 @dataclass(frozen=True)
 class ChainConfig:
-    """One (chunk length, m) choice for a chain, with its policy and bytes."""
+    """One (chunk length, strategy, m) choice for a chain, with its policy (its strategy,
+    and MSM's alpha and beta) and bytes."""
 
     chunk: int
     t: int
@@ -178,8 +191,8 @@ class ChunkCosts:
     """The bytes and time of one chunk of L steps, each linear in L, measured once per
     chain on real tensors (``chunk_costs``):
 
-    - ``saved``: what autograd keeps for the chunk's backward and its final state (the
-      internal state I of Gruslys et al. 2016, Sec. 3.2; fused RNN kernels keep
+    - ``saved``: what autograd keeps for the chunk's backward, and its input and final
+      states (the internal state of Gruslys et al. 2016, Sec. 3.2; fused RNN kernels keep
       workspaces, cuDNN's reserve or oneDNN's, that FakeTensors do not show);
     - ``forward``: the most its forward allocates beyond what it returns and saves
       (kernel temporaries, e.g. the input projection of every step);
@@ -293,7 +306,9 @@ def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[in
                            "planning; this is a memopt bug")
     # the output sequence is the chain's output (counted by liveness), not its state
     resident = {storage_key(t) for t in (run.x, y, *run.params)}
-    seen = {storage_key(t): t.untyped_storage().nbytes() for t in out}
+    # a kept chunk holds its input and final states (the executor's _Internal), saved
+    # by its graph or not
+    seen = {storage_key(t): t.untyped_storage().nbytes() for t in (*run.state, *out)}
     for t in _saved_by_graph((y, *out)):
         if storage_key(t) not in resident:
             seen[storage_key(t)] = t.untyped_storage().nbytes()
@@ -370,68 +385,132 @@ def _runs(policy: Policy) -> list[int]:
     return runs
 
 
-def _stored_hidden(policy: Policy) -> tuple[int, int]:
-    """(hidden states stored when the forward phase ends, most stored at once)."""
+@dataclass(frozen=True)
+class _Stored:
+    """The bytes a policy's stores hold (the core excluded), see ``_stored_bytes``."""
+
+    at_backward: int  # when the forward phase ends
+    peak: int         # the most at once, over the whole schedule
+
+
+def _stored_bytes(policy: Policy, hidden: int, internal: int) -> _Stored:
+    """Walk the schedule as memopt.recurrent.executor.ChainRun keeps tensors: a stored
+    hidden state holds ``hidden`` bytes (H); a stored internal state (a chunk's graph
+    with its input and output states, and its output when split: I(L)) holds
+    ``internal``, or ``internal - hidden`` where its input state is held anyway (h_0, a
+    stored hidden state, or the previous chunk's stored internal state, whose output it
+    is: Gruslys et al. 2016's beta, eq. 10). An internal state stored and backpropagated
+    at once is the core's (its own slot, counted by the caller)."""
+    sched = policy.schedule
+    hidden_at: set[int] = set()
+    internal_at: dict[int, int] = {}
     live = peak = 0
     at_backward = None
-    for op, _, _ in policy.schedule:
+    for n, (op, i, _) in enumerate(sched):
         if op == "store_hidden":
-            live += 1
+            hidden_at.add(i)
+            live += hidden
         elif op == "free":
-            live -= 1
-        elif op == "backward" and at_backward is None:
-            at_backward = live
+            hidden_at.discard(i)
+            live -= hidden
+        elif op == "store_internal" and sched[n + 1:n + 2] != (("backward", i, i + 1),):
+            held = i == 0 or i in hidden_at or i - 1 in internal_at
+            internal_at[i] = max(0, internal - hidden) if held else internal
+            live += internal_at[i]
+        elif op == "backward":
+            if at_backward is None:
+                at_backward = live
+            live -= internal_at.pop(i, 0)
         peak = max(peak, live)
-    return at_backward or 0, peak
+    return _Stored(at_backward or 0, peak)
 
 
-def _m_values(t: int) -> list[int]:
-    """m = 1, 2, 3, 4, 6, 8, 11, 16, ... up to t (HSM's cost stops falling there)."""
-    values, m = {1, t}, 1.0
-    while m < t:
+def _m_values(top: int, ratio: float = math.sqrt(2)) -> list[int]:
+    """m = 1, then on a geometric grid of ``ratio`` (sqrt 2: 1, 2, 3, 4, 6, 8, 11, 16,
+    ...) up to ``top``, ``top`` included."""
+    values, m = {1, top}, 1.0
+    while m < top:
         values.add(int(m))
-        m *= math.sqrt(2)
-    return sorted(v for v in values if 1 <= v <= t)
+        m *= ratio
+    return sorted(v for v in values if 1 <= v <= top)
 
 
-def configure(site: ChainSite, costs: ChunkCosts, chunk: int, m: int) -> ChainConfig:
-    """The BPTT-HSM policy for chunks of ``chunk`` steps in ``m`` hidden-state slots (m is
-    capped at the chunk count t, where HSM's cost stops falling), with its bytes (see
-    the module docstring's memory model)."""
+def msm_units(hidden: int, internal: int) -> tuple[int, int]:
+    """(alpha, beta) of BPTT-MSM (Gruslys et al. 2016, Sec. 3.3-3.4) from a chunk's real
+    sizes, as the paper's Fig. 6 does: alpha = ceil(I / H), a stored internal state in
+    hidden-state units (I counts its input state), at least 2; beta = ceil((I - H) / H),
+    one whose input state is stored already (eq. 10), in [1, alpha]."""
+    hidden = max(1, hidden)
+    alpha = max(2, -(-internal // hidden))
+    beta = min(alpha, max(1, -(-(internal - hidden) // hidden)))
+    return alpha, beta
+
+
+def configure(site: ChainSite, costs: ChunkCosts, chunk: int, m: int,
+              strategy: str = "hsm") -> ChainConfig:
+    """The Gruslys et al. 2016 policy for chunks of ``chunk`` steps: ``strategy`` "hsm"
+    (m hidden-state slots, h_0 included), "ism" (m internal-state slots, the core
+    included) or "msm" (m hidden-state units; alpha and beta from the chunk's bytes,
+    ``msm_units``), m capped where more stops helping (``useful_m``), with its bytes
+    (see the module docstring's memory model)."""
     chunk = max(1, min(chunk, site.steps))
     t = math.ceil(site.steps / chunk)
-    m = max(1, min(m, t))
     H, split = site.hidden_bytes, t > 1
     out = site.output_bytes_per_step * chunk if split else 0
     # a split chain keeps its last chunk's output inside the core, beside the copy in
     # the chain's output (one chunk: the output is the core's own)
     kept = costs.saved(chunk) + out
-    policy = solve(t, m, "hsm")
-    at_fwd, peak = _stored_hidden(policy)
+    alpha, beta = msm_units(H, kept) if strategy == "msm" else (None, None)
+    m = useful_m(t, m, strategy, alpha)
+    policy = solve(t, m, strategy, alpha, beta)
+    stored = _stored_bytes(policy, H, kept)
     sizes, runs = chunk_sizes(site.steps, chunk), _runs(policy)
     return ChainConfig(
         chunk=chunk, t=t, m=m, policy=policy, internal_bytes=kept,
         recompute_steps=sum((n - 1) * size for n, size in zip(runs, sizes)),
         seconds=costs.seconds(runs, sizes),
-        held_bytes=H * at_fwd + kept,
+        held_bytes=stored.at_backward + kept,
         forward_workspace_bytes=costs.forward(chunk) + out,
-        workspace_bytes=H * (peak - at_fwd) + 2 * H + site.param_bytes
+        workspace_bytes=stored.peak - stored.at_backward + 2 * H + site.param_bytes
         + max(costs.backward(chunk), costs.forward(chunk) if split else 0),
     )
+
+
+#: BPTT-MSM's table for t chunks has a column for every m up to the largest priced; its
+#: grid stops where t x m would pass this many entries (about 0.5 s of the DP each).
+MSM_TABLE_ENTRIES = 200_000
+
+
+def _grid(site: ChainSite, costs: ChunkCosts, chunk: int) -> list[ChainConfig]:
+    """One chunk length's policies: HSM with m on a sqrt 2 grid up to t, then ISM
+    (m up to t) on a grid of 2, and MSM with m - beta on a grid of 4, m up to alpha t
+    (or MSM_TABLE_ENTRIES / t)."""
+    t = math.ceil(site.steps / chunk)
+    configs = [configure(site, costs, chunk, m) for m in _m_values(t)]
+    if t == 1:  # one chunk: nothing to store, every strategy is the same
+        return configs
+    configs += [configure(site, costs, chunk, m, "ism") for m in _m_values(t, 2)]
+    split = site.output_bytes_per_step * chunk
+    alpha, beta = msm_units(site.hidden_bytes, costs.saved(chunk) + split)
+    top = min(alpha * t, max(alpha + 1, MSM_TABLE_ENTRIES // t))
+    # m <= beta stores no internal state but the core (HSM's policy, priced above): the
+    # grid is of the units beyond beta
+    return configs + [configure(site, costs, chunk, beta + v, "msm")
+                      for v in _m_values(top - beta, 4)] if top > beta else configs
 
 
 def configurations(site: ChainSite, costs: ChunkCosts) -> list[ChainConfig]:
     """The policies the planner prices first, t = 1 first (one chunk, nothing
     recomputed: eager's memory), then, unless the chain cannot be split (a
-    bidirectional RNN), t = 2, 3, ..., 8 and 16, 32, ... chunks up to T, each with m on
-    a geometric grid up to t. ``longest_fitting_chunk`` then refines between them."""
+    bidirectional RNN), t = 2, 3, ..., 8 and 16, 32, ... chunks up to T, each with
+    BPTT-HSM, ISM and MSM on grids of m (``_grid``). ``longest_fitting_chunk`` then
+    refines between them."""
     if site.unsplittable:
         return [configure(site, costs, site.steps, 1)]
     chunks = sorted({math.ceil(site.steps / t) for t in range(1, min(8, site.steps) + 1)} | {
         math.ceil(site.steps / (1 << k)) for k in range(4, site.steps.bit_length())},
         reverse=True)
-    return [configure(site, costs, chunk, m) for chunk in chunks
-            for m in _m_values(math.ceil(site.steps / chunk))]
+    return [c for chunk in chunks for c in _grid(site, costs, chunk)]
 
 
 def longest_fitting_chunk(site: ChainSite, costs: ChunkCosts, fits, lo: int, hi: int
@@ -468,5 +547,7 @@ def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) ->
 
 def _set_policy_args(node: fx.Node, config: ChainConfig) -> None:
     args = list(node.args)
-    args[_CHUNK], args[_M], args[_STRATEGY] = config.chunk, config.m, "hsm"
+    p = config.policy
+    args[_CHUNK], args[_M] = config.chunk, config.m
+    args[_STRATEGY] = strategy_text(p.strategy, p.alpha, p.beta)
     node.args = tuple(args)

@@ -5,7 +5,7 @@ Dynamo unrolls ``for t in range(T): h, c = self.cell(xs[t], (h, c))`` into T cop
 of the cell's ops. This pass finds such runs (memopt.allocator.loops, on plain data)
 and replaces each by one ``memopt::chain_fwd`` call, the op ``Recurrent`` and
 ``ChainedRNN`` emit (memopt.recurrent.ops), so the planner (passes.chains) chooses its
-chunk length and BPTT-HSM slots m under the budget like a marked loop's.
+chunk length and its BPTT-HSM, ISM or MSM policy under the budget like a marked loop's.
 
 Requires: the torch-level FX graph dynamo hands a torch.compile backend (FakeTensors
 in ``node.meta["example_value"]``), before AOTAutograd traces it; a graph that records

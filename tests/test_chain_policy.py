@@ -12,9 +12,9 @@ from torch import nn
 
 import memopt
 from memopt.allocation import allocation_peak
-from memopt.allocator.chain import chunk_sizes
-from memopt.passes.chains import (ChainSite, ChunkCosts, Linear, configure,
-                                  longest_fitting_chunk)
+from memopt.allocator.chain import chunk_sizes, parse_strategy, solve, strategy_text
+from memopt.passes.chains import (ChainSite, ChunkCosts, Linear, _stored_bytes, configure,
+                                  longest_fitting_chunk, msm_units)
 from memopt.recurrent import ops
 from models import allocated_step
 
@@ -50,11 +50,14 @@ def test_recompute_steps_every_boundary_kept(steps, chunk):
     assert config.recompute_steps == steps - min(chunk, steps)
 
 
-@settings(max_examples=60, deadline=None)
-@given(steps=st.integers(1, 300), chunk=st.integers(1, 300), m=st.integers(1, 300))
-def test_estimated_time_counts_every_call(steps, chunk, m):
-    """C(t, m) chunk forwards and t chunk backwards, each at 1 ms + 0.1 ms a step."""
-    config = configure(_site(steps), _costs(10, 5), chunk, m)
+@settings(max_examples=90, deadline=None)
+@given(steps=st.integers(1, 300), chunk=st.integers(1, 300), m=st.integers(1, 300),
+       strategy=st.sampled_from(["hsm", "ism", "msm"]))
+def test_estimated_time_counts_every_call(steps, chunk, m, strategy):
+    """C(t, m) chunk forwards (a stored internal state's run included) and t chunk
+    backwards, each at 1 ms + 0.1 ms a step, for every strategy."""
+    config = configure(_site(steps), _costs(10, 5), chunk, m, strategy)
+    assert config.policy.strategy == strategy
     calls = config.policy.cost + config.t
     steps_run = steps + config.recompute_steps + steps
     assert config.seconds == pytest.approx(1e-3 * calls + 1e-4 * steps_run)
@@ -69,6 +72,66 @@ def test_recompute_steps_one_slot(steps, chunk):
     sizes = chunk_sizes(steps, chunk)
     t = len(sizes)
     assert config.recompute_steps == sum((t - 1 - k) * s for k, s in enumerate(sizes))
+
+
+def test_msm_units_come_from_the_chunk_bytes():
+    """alpha = ceil(I / H), beta = ceil((I - H) / H) (eq. 10: the input state is stored
+    already), clamped to the solver's 2 <= alpha, 1 <= beta <= alpha."""
+    assert msm_units(1000, 4500) == (5, 4)
+    assert msm_units(1000, 5000) == (5, 4)
+    assert msm_units(1000, 5001) == (6, 5)
+    assert msm_units(1000, 900) == (2, 1)
+
+
+@pytest.mark.parametrize("strategy", ["ism", "msm"])
+def test_storing_every_internal_state_recomputes_nothing(strategy):
+    """ISM with m = t slots, MSM with alpha t units: every chunk's graph is kept, no
+    step is rerun, and the held bytes are the t chunks' internal states, each but the
+    core's less its input state (h_0, or the previous chunk's output state)."""
+    site, costs = _site(120, hidden_bytes=1000), _costs(5000, 3000)
+    chunk = 10
+    internal = costs.saved(chunk) + site.output_bytes_per_step * chunk
+    alpha, _ = msm_units(site.hidden_bytes, internal)
+    config = configure(site, costs, chunk, 12 if strategy == "ism" else alpha * 12, strategy)
+    assert config.t == 12 and config.recompute_steps == 0 and config.policy.cost == 12
+    assert config.internal_bytes == internal
+    assert config.held_bytes == 11 * (internal - 1000) + internal
+
+
+@settings(max_examples=80, deadline=None)
+@given(t=st.integers(1, 40), m=st.integers(1, 60), strategy=st.sampled_from(["hsm", "ism", "msm"]),
+       hidden=st.integers(1, 50), extra=st.integers(0, 200))
+def test_stored_bytes_walk_agrees_with_the_policy(t, m, strategy, hidden, extra):
+    """The schedule walk's peak is the solver's own replay (Policy.peak_bytes) for HSM;
+    with internal states it lies between that replay at I - H and at I a state (each
+    stored internal state is charged one or the other, by whether its input is held)."""
+    internal = hidden + extra + 1
+    alpha, beta = msm_units(hidden, internal) if strategy == "msm" else (None, None)
+    policy = solve(t, min(m, (alpha or 1) * t), strategy, alpha, beta)
+    got = _stored_bytes(policy, hidden, internal)
+    assert 0 <= got.at_backward <= got.peak
+    if strategy == "hsm":
+        assert got.peak == policy.peak_bytes(hidden, internal)
+    else:
+        assert policy.peak_bytes(hidden, internal - hidden) <= got.peak
+        assert got.peak <= policy.peak_bytes(hidden, internal)
+
+
+def test_strategy_reaches_the_ops_solver():
+    """The ops' strategy argument carries MSM's alpha and beta ("msm:ALPHA:BETA"), and
+    the policy the ops run is the planner's."""
+    assert parse_strategy(strategy_text("msm", 5, 4)) == ("msm", 5, 4)
+    assert parse_strategy(strategy_text("ism")) == ("ism", None, None)
+    with pytest.raises(ValueError):
+        parse_strategy("ism:3:2")
+    with pytest.raises(ValueError):
+        strategy_text("msm", 1, 1)
+    config = configure(_site(200, hidden_bytes=1000), _costs(5000, 3000), 4, 90, "msm")
+    p = config.policy
+    ran = ops._policy(config.t, config.m, strategy_text(p.strategy, p.alpha, p.beta))
+    assert (ran.strategy, ran.alpha, ran.beta, ran.m, ran.cost) == (
+        "msm", p.alpha, p.beta, p.m, p.cost)
+    assert ops._policy(config.t, 3, "ism").strategy == "ism"
 
 
 def test_longest_fitting_chunk_bisects_held_bytes():

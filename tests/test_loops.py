@@ -257,7 +257,9 @@ def test_compiled_loop_runs_as_a_chain_with_eager_gradients(kind):
     _assert_close(_grads(tight, xs), ref)
     plan = tight.memopt_plan
     (chain,) = plan.chains
-    assert chain.t > 1 and 1 <= chain.m <= chain.t and chain.recompute_steps > 0, chain
+    # m: slots (HSM, ISM), at most t; or MSM's hidden-state units, at most alpha t
+    assert chain.t > 1 and 1 <= chain.m <= chain.t * (chain.alpha or 1), chain
+    assert chain.recompute_steps > 0, chain
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert f"chain {chain.module} ({module_type})" in plan.summary()
     assert not chain_ops._STASH

@@ -7,7 +7,8 @@ the modules memopt.compile runs as chains.
 
 Inside ``memopt.compile``, every nn.LSTM / nn.GRU / nn.RNN becomes a chain of chunks
 (``ChainedRNN``), and a cell loop marked with ``Recurrent(cell)`` becomes a chain of
-steps; the planner picks each chain's chunk length and m under the one budget.
+steps; the planner picks each chain's chunk length and policy (BPTT-HSM, ISM or MSM,
+and its m) under the one budget.
 """
 
 from memopt.allocator.chain import STRATEGIES, Action, Policy, cost, solve

@@ -4,8 +4,9 @@
 Dynamo and AOTAutograd see one forward op (outputs, final state, and a one-element
 ``handle`` tensor) and one backward op (reading the handle). What the policy stores
 between them (hidden states, kept step graphs) lives in a side table keyed by the
-handle, so the planner can change the policy (chunk length, m) after capture by
-rewriting the node's integer arguments, and memopt's liveness analysis charges the
+handle, so the planner can change the policy after capture by rewriting the
+node's arguments (chunk, m and strategy: ``"hsm"``, ``"ism"`` or
+``"msm:ALPHA:BETA"``, see ``_policy``), and memopt's liveness analysis charges the
 stored bytes to the handle's storage (``passes.chains``). A handle that is never
 backpropagated (no backward call) releases its entry when it is garbage collected.
 
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from memopt.passes.runtime import RUNTIMES
 from memopt.passes._torch_compat import real_tensors, storage_key
-from memopt.allocator.chain import chunk_sizes, solve
+from memopt.allocator.chain import chunk_sizes, parse_strategy, solve, useful_m
 
 from .executor import ChainRun, ChainStats, Step
 
@@ -79,7 +80,10 @@ def spec_of(chain: int) -> ChainSpec:
 
 
 def _policy(t: int, m: int, strategy: str):
-    return solve(t, max(1, min(m, t)), strategy)
+    """The policy the ops run: ``strategy`` is ``"hsm"``, ``"ism"`` or ``"msm:ALPHA:BETA"``
+    (memopt.allocator.chain.strategy_text), m capped where more stops helping."""
+    name, alpha, beta = parse_strategy(strategy)
+    return solve(t, useful_m(t, m, name, alpha), name, alpha, beta)
 
 
 def _bounds(spec: ChainSpec, sizes: list[int]) -> list[tuple[int, int]]:
