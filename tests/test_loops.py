@@ -313,7 +313,9 @@ def test_dropout_in_the_cell_draws_eager_masks():
     ref = _grads(model, xs, seed=7)
     free = memopt.compile(model)
     _assert_close(_grads(free, xs, seed=7), ref)
-    tight = memopt.compile(model, budget=int(0.88 * free.memopt_plan.predicted_peak_bytes))
+    # a chunk that draws keeps its own RNG state (5056 bytes on CPU) for the replay: more
+    # than the tanh loop without dropout, whose chunks share one
+    tight = memopt.compile(model, budget=int(0.95 * free.memopt_plan.predicted_peak_bytes))
     _assert_close(_grads(tight, xs, seed=7), ref)
     (chain,) = tight.memopt_plan.chains
     assert chain.recompute_steps > 0
