@@ -39,14 +39,24 @@ internal state); an internal state backpropagated as soon as it is stored is the
     forward op   = F(L) + Y(L) (a chunk's kernel temporaries, and a chunk's output
                    before it is copied into the chain's output)
     backward op  = max S - S(end of the forward phase) (what backward stores beyond
-                   that: hidden states, and ISM's and MSM's internal states) + 2H (the
-                   gradient carried between chunks) + P (the running sum of the
-                   parameter gradients) + B(L) (a chunk's backward, its parameter and
-                   input gradients included), or F(L) when split and that is larger (a
-                   chunk recomputed with autograd). One chunk graph is live in the core
-                   at a time: a recomputed chunk's I(L) + Y(L) takes the place of the
-                   core's, freed after its backward, which ``held`` counts until the op
-                   ends
+                   that: hidden states, and ISM's and MSM's internal states) + B(L) (a
+                   chunk's backward, its parameter and input gradients included), or
+                   F(L) when split and that is larger (a chunk recomputed with
+                   autograd). Beside them live the op's inputs and outputs, which
+                   liveness charges at the op: the gradient carried into a chunk (H) is
+                   the op's input for the core and, for the others, the size of its
+                   output state gradient (made only by the first chunk's backward); the
+                   running sum of the parameter gradients (P) is the size of its output
+                   parameter gradients (the last sum is them). One chunk graph is live
+                   in the core at a time: a recomputed chunk's I(L) + Y(L) takes the
+                   place of the core's, freed after its backward, which ``held`` counts
+                   until the op ends
+    RNG states   = where the chain replays random ops (ChainSpec.preserve_rng), the
+                   executor keeps the RNG state before each chunk's first run, one per
+                   chunk when a chunk draws random numbers, else one shared by all:
+                   R x (t or 1) more held, and R more in the backward op (the caller's
+                   state, restored when it ends); R is 5056 bytes on CPU, 0 on CUDA (the
+                   states are host tensors). See ChunkCosts.rng_bytes
 """
 
 from __future__ import annotations
@@ -210,6 +220,18 @@ class ChunkCosts:
     backward: Linear
     forward_ns: Linear
     backward_ns: Linear
+    #: one RNG state the executor keeps to replay a chunk's random ops, in bytes on the
+    #: chain's device (the CPU generator's 5056; 0 on CUDA, whose states are host
+    #: tensors, or where the chain replays nothing: ChainSpec.preserve_rng)
+    rng_state_bytes: int = 0
+    #: whether a chunk draws random numbers (its run moved the RNG state)
+    random: bool = False
+
+    def rng_bytes(self, t: int) -> int:
+        """The RNG states a chain of ``t`` chunks holds from its forward to its backward
+        (memopt.recurrent.executor: one per chunk when chunks draw random numbers, else
+        one, shared)."""
+        return self.rng_state_bytes * (t if self.random else 1)
 
     def seconds(self, runs: list[int], sizes: list[int]) -> float:
         """A chain's estimated time: chunk i run forward ``runs[i]`` times and
@@ -229,7 +251,9 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
         allocations cannot be tracked (another profiler is recording on CPU) the
         transients are taken as zero, and a warning says the plan may undercount.
     Step 3: time: both chunks run TIMED_RUNS more times, interleaved; the fastest
-        forward and backward of each count (the first runs were the warm-up)."""
+        forward and backward of each count (the first runs were the warm-up).
+    Step 4: RNG states: where the chain replays random ops, the bytes of one state on
+        the device, and whether the runs of Step 2 moved the state (a chunk draws)."""
     long = min(16, site.steps)
     lengths = (min(2, long - 1) if long > 1 else 1, long)
     device = fake_value(_fwd_node(joint, site).args[_FWD_XS]).device
@@ -239,12 +263,30 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
                     "is recording); its kernels' temporaries are not counted", site.name)
     with real_tensors():
         runs = [_chunk_run(joint, site, n) for n in lengths]                 # Step 1
+        rng_before = _rng_state(device)
         measured = [_chunk_bytes(run, device, tracked) for run in runs]     # Step 2
+        random = not _same_rng(rng_before, _rng_state(device))
         for values, times in zip(measured, _chunk_times(runs, device)):     # Step 3
             values.extend(times)
     short, long = measured
+    replays = _ops()[0].spec_of(site.chain).preserve_rng                    # Step 4
+    state_bytes = sum(s.untyped_storage().nbytes() for s in rng_before
+                      if s is not None and s.device.type == device.type) if replays else 0
     return ChunkCosts(*(Linear.through((lengths[0], a), (lengths[1], b))
-                        for a, b in zip(short, long)))
+                        for a, b in zip(short, long)),
+                      rng_state_bytes=state_bytes, random=replays and random)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The RNG state the chain executor keeps before a chunk's first run (its
+    ``_get_rng``): the CPU generator's, and the device's on CUDA."""
+    cpu = torch.get_rng_state()
+    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu, None)
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return all((x is None) == (y is None) and (x is None or torch.equal(x, y))
+               for x, y in zip(a, b))
 
 
 #: Timed runs of each chunk while planning (after the untimed one); the fastest counts.
@@ -254,12 +296,16 @@ TIMED_RUNS = 3
 @dataclass(frozen=True)
 class _ChunkRun:
     """One chunk's forward under autograd and its backward to every input that needs
-    it, inside a custom op's implementation (passes._torch_compat.autograd_inside_op)."""
+    it, inside a custom op's implementation (passes._torch_compat.autograd_inside_op).
+    As in the executor (memopt.recurrent.executor.ChainRun._run), the input requires
+    grad even where backward does not take its gradient (``x_grad`` False): the step
+    then saves what that gradient would need (a dropout's noise on its input)."""
 
     step: object
     params: tuple[torch.Tensor, ...]
     state: tuple[torch.Tensor, ...]
     x: torch.Tensor
+    x_grad: bool = True
 
     def forward(self):
         with autograd_inside_op():
@@ -271,7 +317,8 @@ class _ChunkRun:
 
     def backward(self, y: torch.Tensor, out, grads: list[torch.Tensor]) -> None:
         outputs = [t for t in (y, *out) if t.requires_grad]
-        inputs = [t for t in (*self.state, self.x, *self.params) if t.requires_grad]
+        inputs = [t for t in (*self.state, self.x, *self.params)
+                  if t.requires_grad and (t is not self.x or self.x_grad)]
         with autograd_inside_op():
             torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
@@ -291,8 +338,7 @@ def _chunk_run(joint: fx.GraphModule, site: ChainSite, chunk: int) -> _ChunkRun:
             t.is_floating_point())
 
     return _ChunkRun(spec.step, tuple(real(p) for p in fake_params),
-                     tuple(real(s) for s in fake_state),
-                     real(fake_x).requires_grad_(site.x_grad and fake_x.is_floating_point()))
+                     tuple(real(s) for s in fake_state), real(fake_x), site.x_grad)
 
 
 def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[int]:
@@ -469,9 +515,9 @@ def configure(site: ChainSite, costs: ChunkCosts, chunk: int, m: int,
         chunk=chunk, t=t, m=m, policy=policy, internal_bytes=kept,
         recompute_steps=sum((n - 1) * size for n, size in zip(runs, sizes)),
         seconds=costs.seconds(runs, sizes),
-        held_bytes=stored.at_backward + kept,
+        held_bytes=stored.at_backward + kept + costs.rng_bytes(t),
         forward_workspace_bytes=costs.forward(chunk) + out,
-        workspace_bytes=stored.peak - stored.at_backward + 2 * H + site.param_bytes
+        workspace_bytes=stored.peak - stored.at_backward + costs.rng_state_bytes
         + max(costs.backward(chunk), costs.forward(chunk) if split else 0),
     )
 

@@ -12,7 +12,10 @@ gradient of the hidden state from step to step and summing parameter gradients.
 
 Random ops inside a step (dropout) draw the same numbers when recomputed: the RNG
 state before each step's first run is kept and restored around every rerun, and
-the caller's RNG state is left as it was.
+the caller's RNG state is left as it was. A step that draws nothing leaves the state
+as it found it, so the next step's state equals it and is kept as the same tensors:
+a chain of steps without random ops holds one RNG state (5056 bytes on CPU), not one
+a step (passes.chains.ChunkCosts.rng_bytes counts them).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class ChainRun:
     on_grad_x: Callable[[int, torch.Tensor | None], None] | None = None
     units: int = 0
     stored_bytes: int = 0
+    last_rng: object = None         # the RNG state kept last (shared while it is unchanged)
 
     # -- state ---------------------------------------------------------------
 
@@ -101,7 +105,7 @@ class ChainRun:
         self.stats.forward_steps += 1
         if self.preserve_rng:
             if first:
-                self.rng[i] = _get_rng(self.xs[i].device)
+                self.rng[i] = self._keep_rng(self.xs[i].device)
             else:
                 _set_rng(self.xs[i].device, self.rng[i])
         if not grad:
@@ -117,6 +121,15 @@ class ChainRun:
         out = tuple(out)
         return y, out, _Internal(state_in, x, params, y, out)
 
+    def _keep_rng(self, device: torch.device) -> object:
+        """The RNG state now, as the tensors of the state kept last when it is the same
+        (the steps between drew nothing), so that it is held once."""
+        state = _get_rng(device)
+        if self.last_rng is not None and _same_rng(state, self.last_rng):
+            return self.last_rng
+        self.last_rng = state
+        return state
+
     def _account(self, units: int, nbytes: int) -> None:
         self.units += units
         self.stored_bytes += nbytes
@@ -127,8 +140,9 @@ class ChainRun:
 
     def forward_phase(self) -> tuple[list[torch.Tensor], Tensors]:
         """Every step once, storing what the policy keeps; returns the outputs (no
-        graph; None entries when ``on_output`` takes them) and the final state. Stops at the first backward action, whose step
-        (the chain's last) stays as the core's graph."""
+        graph; None entries when ``on_output`` takes them) and the final state. Stops at
+        the first backward action, whose step (the chain's last) stays as the core's
+        graph."""
         t = self.policy.t
         ys: list[torch.Tensor | None] = [None] * t
         self.units = 0 if self.policy.strategy == "ism" else 1
@@ -246,6 +260,11 @@ def _get_rng(device: torch.device) -> object:
     return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu, None)
 
 
+def _same_rng(a: object, b: object) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))
+
+
 def _set_rng(device: torch.device, state: object) -> None:
     cpu, dev = state
     torch.set_rng_state(cpu)
@@ -278,7 +297,8 @@ class _ChainFunction(torch.autograd.Function):
         params = tuple(flat[n_state + n_xs:])
         x_grad = any(t.requires_grad for t in flat[n_state:n_state + n_xs])
         run = ChainRun(step, policy, params, xs, state0, preserve_rng, x_grad,
-                       tuple(p.requires_grad for p in params), stats=stats if stats is not None else ChainStats())
+                       tuple(p.requires_grad for p in params),
+                       stats=stats if stats is not None else ChainStats())
         ys, final = run.forward_phase()
         ctx.run = run
         ctx.n = (n_state, n_xs, len(params))

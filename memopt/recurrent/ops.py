@@ -176,6 +176,9 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
         return _unaliased([y, *final], [*state, xs, *params]) + [handle]
     run, box = _start(chain, chunk, m, strategy, state, xs, params)
     _, final = run.forward_phase()
+    # chain_bwd hands the initial state back: kept here, it would outlive the forward
+    # graph where the plan frees it and makes it again in backward (a zeros h_0)
+    run.state0 = ()
     out = box[0]
     run.on_output = None  # it holds the output: the handle must not keep it alive
     key = next(_HANDLES)
@@ -202,6 +205,7 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
         run, _ = _start(chain, chunk, m, strategy, state, xs, params)
         run.forward_phase()
     run.x_grad = need_x
+    run.state0 = tuple(s.detach() for s in state)
     grad_x = torch.zeros_like(xs) if need_x else None
     bounds = _bounds(spec, [c.shape[spec.time_dim] for c in run.xs])
     if need_x:
