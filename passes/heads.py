@@ -359,17 +359,17 @@ def head_costs(joint: fx.GraphModule, site: HeadSite) -> HeadCosts:
     """Measured on zeros of the real shapes on the real device (inside real_tensors):
     the forward and backward ops at two chunk sizes and as one chunk, under allocation
     tracking. Where allocations cannot be tracked (another profiler is recording on
-    CPU) the transients are taken as zero, and a warning says the plan may undercount."""
+    CPU: memopt planning a step inside a user's memory profile) they are estimated from
+    the sizes instead (``_estimated_costs``)."""
     fwd_op, bwd_op = _ops()
     node = _node(joint, site.fwd)
     a = node.args
     h, w = fake_value(a[_FWD_H]), fake_value(a[_FWD_W])
     b = fake_value(a[_FWD_B]) if a[_FWD_B] is not None else None
     device = h.device
-    tracked = can_track(device)
-    if not tracked:
-        log.warning("memopt: cannot track allocations while planning head %s (a profiler "
-                    "is recording); its temporaries are not counted", site.name)
+    if not can_track(device):
+        return _estimated_costs(site, w.element_size(), bool(a[_UPCAST]))
+    tracked = True
 
     def measure(chunk: int) -> tuple[int, int]:
         def zeros(t):
@@ -398,6 +398,17 @@ def head_costs(joint: fx.GraphModule, site: HeadSite) -> HeadCosts:
     return HeadCosts(forward_first=f1 - (small - 1) * f_per, forward_per_row=f_per,
                      backward_first=b1 - (small - 1) * b_per, backward_per_row=b_per,
                      whole_forward=whole[0], whole_backward=whole[1])
+
+
+def _estimated_costs(site: HeadSite, itemsize: int, upcast: bool) -> HeadCosts:
+    """The transients from the sizes, for where allocations cannot be measured, counted
+    high: per row of a chunk, its logits (``itemsize`` each), their float copy when
+    ``upcast``, and two float (tokens, V) temporaries (log-probabilities or softmax,
+    and the gradient); one chunk makes its logits and the float copy."""
+    row = site.vocab * (itemsize + (4 if upcast else 0) + 2 * 4)
+    whole = site.rows * site.vocab * (itemsize + (4 if upcast else 0))
+    return HeadCosts(forward_first=row, forward_per_row=row, backward_first=row,
+                     backward_per_row=row, whole_forward=whole, whole_backward=whole)
 
 
 @dataclass(frozen=True)

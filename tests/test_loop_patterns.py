@@ -247,7 +247,8 @@ def test_a_third_party_transformer_accumulates_within_its_budget(solver: str) ->
     micro(eager)
     plan = compiled.memopt_plan
     assert plan.existing_grad_bytes > 0
-    assert plan.search and not any(c.level == 3 for c in plan.search)  # no MILP plan in 1 s
+    # the budget binds: met by the search (no MILP plan in 1 s), or by the head in chunks
+    assert (plan.search or plan.heads) and not any(c.level == 3 for c in plan.search)
     for (name, p), q in zip(case.model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert measured <= plan.budget_bytes
