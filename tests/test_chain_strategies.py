@@ -14,6 +14,7 @@ import torch
 from memopt.allocator.chain import solve
 from memopt.passes import chains as chain_pass
 from models import allocated_step
+from test_chain_policy import _Regression
 from test_loops import GRUCellLoop, LSTMCellLoop
 from test_recurrent import LanguageModel
 from torch import nn
@@ -91,18 +92,6 @@ def test_forced_strategy_gives_eager_gradients(monkeypatch, kind, strategy):
     assert f"BPTT-{strategy.upper()}" in plan.summary()
     _check_grads(loss, got, ref_loss, ref)
     assert not ops._STASH
-
-
-class _Regression(nn.Module):
-    """An LSTM and the MSE of its outputs, the loss inside forward (planned with it)."""
-
-    def __init__(self, steps: int) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(32, 64)
-        self.register_buffer("target", torch.randn(steps, 16, 64), persistent=False)
-
-    def forward(self, xs):
-        return nn.functional.mse_loss(self.rnn(xs)[0], self.target)
 
 
 def _steps_dominate(monkeypatch) -> None:
