@@ -197,11 +197,9 @@ class _Regression(nn.Module):
         return nn.functional.mse_loss(self.rnn(xs)[0], self.target)
 
 
-@pytest.mark.parametrize("fraction", [0.6, 0.35])
-def test_measured_allocations_stay_within_the_budget(fraction):
-    """The allocated bytes of a step (what a budget counts and a GPU charges) stay
-    within budgets that bind the chain, and the plan predicts them within 10%: the
-    chain's model counts its kernels' temporaries (ChunkCosts.forward / backward)."""
+def regression_at(fraction: float):
+    """_Regression over 120 steps, its inputs, resident bytes, and a budget of the fixed
+    bytes plus ``fraction`` of eager's measured activation bytes."""
     torch.manual_seed(0)
     model = _Regression(120)
     xs = torch.randn(120, 16, 32)
@@ -209,7 +207,15 @@ def test_measured_allocations_stay_within_the_budget(fraction):
                    for t in (*model.parameters(), *model.buffers(), xs))
     fixed = resident + sum(p.numel() * 4 for p in model.parameters())
     eager = allocated_step(model, xs, resident)
-    budget = fixed + int(fraction * (eager - fixed))
+    return model, xs, resident, fixed + int(fraction * (eager - fixed))
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.35])
+def test_measured_allocations_stay_within_the_budget(fraction):
+    """The allocated bytes of a step (what a budget counts and a GPU charges) stay
+    within budgets that bind the chain, and the plan predicts them within 10%: the
+    chain's model counts its kernels' temporaries (ChunkCosts.forward / backward)."""
+    model, xs, resident, budget = regression_at(fraction)
     compiled = memopt.compile(model, budget=budget)
     for p in model.parameters():  # plan the step measured below: gradients set to None
         p.grad = None

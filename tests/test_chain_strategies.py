@@ -14,7 +14,7 @@ import torch
 from memopt.allocator.chain import solve
 from memopt.passes import chains as chain_pass
 from models import allocated_step
-from test_chain_policy import _Regression
+from test_chain_policy import _Regression, regression_at
 from test_loops import GRUCellLoop, LSTMCellLoop
 from test_recurrent import LanguageModel
 from torch import nn
@@ -160,14 +160,7 @@ def test_planner_takes_internal_states_where_they_are_faster(monkeypatch):
 def test_forced_strategy_measured_within_budget(monkeypatch, strategy, fraction):
     """ISM and MSM plans of an LSTM at budgets binding the chain: the step's allocated
     bytes stay within the budget, and the plan predicts them within 10%."""
-    torch.manual_seed(0)
-    model = _Regression(120)
-    xs = torch.randn(120, 16, 32)
-    resident = sum(t.untyped_storage().nbytes()
-                   for t in (*model.parameters(), *model.buffers(), xs))
-    fixed = resident + sum(p.numel() * 4 for p in model.parameters())
-    eager = allocated_step(model, xs, resident)
-    budget = fixed + int(fraction * (eager - fixed))
+    model, xs, resident, budget = regression_at(fraction)
     _only(monkeypatch, strategy)
     compiled = memopt.compile(model, budget=budget)
     measured = _measured(compiled, model, xs, resident)
