@@ -74,7 +74,7 @@ from .allocation import can_track, maybe_allocation_peak
 from .runtime import runtime
 from memopt.allocator.chain import Policy, chunk_sizes, solve, strategy_text, useful_m
 
-from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers
+from .meta import HELD_BYTES, KEPT_ARGS, WORKSPACE_BYTES, fake_value, handle_readers
 
 log = logging.getLogger("memopt")
 
@@ -586,6 +586,7 @@ def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) ->
                 _set_policy_args(node, config)
                 node.meta[HELD_BYTES] = {len(fake_value(node)) - 1: config.held_bytes}
                 node.meta[WORKSPACE_BYTES] = config.forward_workspace_bytes
+                node.meta[KEPT_ARGS] = (_FWD_XS,)  # the core's graph reads its chunk of xs
             elif node.target is bwd_op and node.name in site.bwds:
                 _set_policy_args(node, config)
                 node.meta[WORKSPACE_BYTES] = config.workspace_bytes

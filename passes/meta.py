@@ -28,6 +28,12 @@ HELD_BYTES = "memopt.held_bytes"
 #: Bytes an opaque op allocates and frees while it runs (int): a chain's recomputation
 #: slots in backward. Set by passes.chains; liveness adds them at the op's step.
 WORKSPACE_BYTES = "memopt.workspace_bytes"
+#: Positions of an opaque op's arguments whose storage the op holds until its backward
+#: (tuple[int, ...]): a chain's inputs, read by the core chunk's graph and by stored
+#: internal states. Recomputing such a value in backward frees nothing, so
+#: passes.recompute does not mirror it (nor the views it is read through). Set by
+#: passes.chains.
+KEPT_ARGS = "memopt.kept_args"
 
 #: Name of the parameter primal whose existing `.grad` a backward node adds a gradient
 #: into (str). Set by passes.gradients.

@@ -185,6 +185,36 @@ def test_uneven_chunks_keep_eager_gradients(fraction):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_near_the_minimum_the_chain_takes_the_room_the_mirror_set_leaves():
+    """At memopt's minimum the chain keeps one boundary state (its lowest peak); 5% above
+    it, once the Chen planner's mirror set is chosen, the chain takes the fastest policy
+    that still fits (pipeline._relax): fewer recomputed steps, the budget still met by
+    the plan and by the measured step, eager's gradients."""
+    torch.manual_seed(0)
+    model = _LM()
+    tokens, targets = torch.randint(0, 50, (97, 16)), torch.randint(0, 50, (97, 16))
+    loss = model(tokens, targets)
+    ref = torch.autograd.grad(loss, list(model.parameters()))
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.plan(model, tokens, targets, budget=1)
+    minimum = err.value.minimum_bytes
+    (lowest,) = memopt.plan(model, tokens, targets, budget=minimum).chains
+    budget = int(1.05 * minimum)
+    compiled = memopt.compile(model, budget=budget)
+    got = torch.autograd.grad(compiled(tokens, targets), list(model.parameters()))
+    (chain,) = compiled.memopt_plan.chains
+    assert chain.recompute_steps < lowest.recompute_steps, (chain, lowest)
+    assert compiled.memopt_plan.predicted_peak_bytes <= budget
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), tokens, targets))
+    with allocation_peak("cpu") as seen:
+        compiled(tokens, targets).backward()
+    measured = seen.peak + resident
+    assert measured <= budget, (measured, compiled.memopt_plan.predicted_peak_bytes, budget)
+
+
 class _Regression(nn.Module):
     """An LSTM and the MSE of its outputs, the loss inside forward (planned with it)."""
 
