@@ -302,7 +302,11 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             terminal; `solver="milp"` also solves the exact recomputation MILP
             (Checkmate-style, HiGHS: `pip install "memopt[solver]"`; memopt.oracle) and
             takes its plan where it recomputes less, for graphs small enough to solve
-            within `solver_seconds` (default 30 s per solve).
+            within `solver_seconds` (default 30 s per solve); `drop_outputs=True` says
+            the loop keeps only the scalar loss and drops the other outputs before
+            backward (`model(**batch).loss.backward()`, the HF Trainer): the plan then
+            frees them (a language model's logits) as the forward ends, and memopt warns
+            at any backward where one is still alive (for a model that is one graph).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from memopt.passes.heads import Attach, chunk_heads
 from memopt.passes.loops import chain_loops
@@ -183,10 +184,12 @@ class MemoptBackend:
                  mirror: object = None, headroom: float = Options.headroom,
                  plan_only: bool = False, loops: bool = True,
                  existing_grads: bool = False, progress: bool = True,
-                 solver: str | None = None, solver_seconds: float = 30.0) -> None:
+                 solver: str | None = None, solver_seconds: float = 30.0,
+                 drop_outputs: bool = False) -> None:
         self.budget: Budget | None = parse_budget(budget)
         for name, flag in (("loops", loops), ("existing_grads", existing_grads),
-                           ("inplace", inplace), ("progress", progress)):
+                           ("inplace", inplace), ("progress", progress),
+                           ("drop_outputs", drop_outputs)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loops = loops
@@ -204,7 +207,8 @@ class MemoptBackend:
                               '(or pip install highspy)')
         self.options = Options(inplace=inplace, mirror=mirror, headroom=float(headroom),
                                progress=progress, solver=solver,
-                               solver_seconds=float(solver_seconds))
+                               solver_seconds=float(solver_seconds),
+                               drop_outputs=drop_outputs)
         self.plan_only = plan_only
 
     @property
@@ -415,6 +419,8 @@ class _Graph:
         self.plan: MemoryPlan | None = None
         self.compiled: Callable | None = None
         self.attaches: list[Attach] = []  # logits returned without a gradient (_chunk_heads)
+        #: drop_outputs=True, the step one graph: the outputs the plan frees as it ends
+        self.dropped = _DroppedOutputs() if backend.options.drop_outputs and alone else None
 
     def label(self) -> str:
         where = f", {self.frame.where()}" if self.frame.graph_break else ""
@@ -469,12 +475,24 @@ class _Graph:
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
             return make_boxed(graph)
 
+        def compile_backward(graph: fx.GraphModule, _inputs: Any) -> Callable:
+            run = make_boxed(graph)
+            if self.dropped is None:
+                return run
+
+            def checked(args: list[Any]) -> Any:
+                self.dropped.check(args)
+                return run(args)
+
+            checked._boxed_call = True  # type: ignore[attr-defined]
+            return checked
+
         # Planning runs chain steps on real tensors (passes.chains measures what they
         # save): the user's RNG state must not move, or dropout would draw other masks.
         with torch.random.fork_rng(devices=_cuda_devices()):
             compiled = aot_module_simplified(
                 self.gm, list(example_inputs), fw_compiler=compile_graph,
-                bw_compiler=compile_graph, inference_compiler=compile_graph,
+                bw_compiler=compile_backward, inference_compiler=compile_graph,
                 partition_fn=partition_fn, decompositions=loss_decompositions(),
             )
         if self.attaches:
@@ -514,9 +532,42 @@ class _Graph:
         if self.sink is not None:
             self.sink.bind(flat)
         out = self.compiled(*args)
+        if self.dropped is not None:
+            self.dropped.watch(out)
         if record is not None:
             record.record_outputs(out)
         return out
+
+
+class _DroppedOutputs:
+    """drop_outputs=True: the forward's non-scalar outputs, watched by storage, so that
+    the backward can say when the loop still holds one that the plan freed as the
+    forward ended (passes.liveness: its bytes then come on top of the predicted peak)."""
+
+    def __init__(self) -> None:
+        self.refs: list[tuple[StorageWeakRef, int, int]] = []  # (ref, data_ptr, bytes)
+        self.warned = False
+
+    def watch(self, out: Any) -> None:
+        self.refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().data_ptr(),
+                      t.untyped_storage().nbytes())
+                     for t in torch.utils._pytree.tree_leaves(out)
+                     if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+    def check(self, backward_inputs: list[Any]) -> None:
+        """At the backward's start: outputs still alive that backward does not read."""
+        read = {t.untyped_storage().data_ptr() for t in backward_inputs
+                if isinstance(t, torch.Tensor)}
+        alive = sum(n for ref, ptr, n in self.refs if not ref.expired() and ptr not in read)
+        self.refs = []
+        if alive and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"memopt planned this step with drop_outputs=True, but {format_bytes(alive)} "
+                f"of the forward's outputs are still alive as its backward starts: this step "
+                f"can exceed the plan's predicted peak by that much. Drop every output but the "
+                f"loss before calling backward (loss = model(**batch).loss), or compile "
+                f"without drop_outputs.", stacklevel=2)
 
 
 def _ddp_fields(ddp: DDPBuckets | None) -> dict[str, int]:

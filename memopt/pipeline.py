@@ -83,6 +83,8 @@ class StepContext:
     #: What the rest of the step holds while this graph's forward and its backward run
     #: (the other graphs of a forward with graph breaks, unused parameters: memopt.steps).
     outside: Outside = Outside()
+    #: The caller drops every output but its scalar loss before backward (passes.liveness)
+    outputs_dropped: bool = False
 
     def liveness(self, fw: fx.GraphModule, bw: fx.GraphModule, saved: frozenset[str],
                  num_user_outputs: int) -> StepSchedule:
@@ -91,7 +93,7 @@ class StepContext:
             primal_kinds=self.primal_kinds,
             existing_grads=self.grads.nbytes if self.grads is not None else None,
             outside_grad_bytes=self.outside_grad_bytes,
-            outside_bytes=self.outside.bytes())
+            outside_bytes=self.outside.bytes(), outputs_dropped=self.outputs_dropped)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,12 @@ class Options:
     #: A progress bar (tqdm, on stderr) for a budget search that runs longer than
     #: PROGRESS_DELAY seconds, when stderr is a terminal; False: never.
     progress: bool = True
+    #: True: the training loop keeps only the scalar loss past the forward and drops the
+    #: other outputs before backward (``model(**batch).loss.backward()``, the HF Trainer),
+    #: so the plan frees them as the forward ends, unless backward reads them. Only for a
+    #: step that is one graph; memopt warns at backward when such an output is still
+    #: alive (memopt.backend). False: every output is held until the step ends.
+    drop_outputs: bool = False
 
 
 #: Seconds a plan runs before its progress bar shows.
@@ -748,7 +756,8 @@ def plan_joint(
     with _stage("minimum dependencies", done):
         read_concat_views(joint, num_fwd_outputs, find_cut(joint, num_fwd_outputs))
 
-    step = StepContext(primal_kinds, grads, outside_grad_bytes, outside)
+    step = StepContext(primal_kinds, grads, outside_grad_bytes, outside,
+                       outputs_dropped=options.drop_outputs and whole_step)
 
     def build(mirror: Mirror, inplace: bool = options.inplace) -> _Built:
         return _build(joint, num_fwd_outputs, mirror, inplace=inplace, step=step, done=[])
@@ -783,7 +792,8 @@ def plan_joint(
             existing_grads=grads.nbytes if grads is not None else None,
             accumulate=grads.add if grads is not None else None,
             outside_grad_bytes=outside_grad_bytes, outside=outside.bytes(),
-            granularity=gran, impure_random=dce_impure_random())
+            granularity=gran, impure_random=dce_impure_random(),
+            outputs_dropped=step.outputs_dropped)
 
     for sink in _OBSERVERS.get():
         sink(Observed(model=model, joint=joint, num_fwd_outputs=num_fwd_outputs,

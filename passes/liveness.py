@@ -52,6 +52,13 @@ TIMELINE_KINDS = {"parameter": "parameters", "buffer": "parameters", "input": "i
 _RESIDENT = ("parameter", "buffer", "input", "existing_grad")
 
 
+def kept_by_caller(value: object) -> bool:
+    """With outputs dropped (memopt.compile's drop_outputs), whether the caller still
+    holds a forward output through backward: a scalar, the loss that ``.backward()`` is
+    called on (it takes no gradient argument only for a scalar)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
 def timeline_kind(kind: str, *, workspace: bool = False, recomputed: bool = False,
                   chain: bool = False) -> str:
     """The timeline kind (allocator.timeline.KINDS) of a storage of `kind` (KINDS):
@@ -156,6 +163,7 @@ def analyze_liveness(
     existing_grads: dict[str, int] | None = None,
     outside_grad_bytes: int = 0,
     outside_bytes: tuple[int, ...] = (0, 0),
+    outputs_dropped: bool = False,
 ) -> StepSchedule:
     """Lifetimes of every storage of a training step. `saved`: names of saved values;
     the forward returns `num_user_outputs` outputs for the caller, then the saved values
@@ -168,7 +176,10 @@ def analyze_liveness(
     backward) bytes the rest of the step holds while this graph's forward, and its
     backward, run (memopt.steps), one storage over each part of the schedule, and
     optionally a third, bytes allocated as the backward ends on top of what is live then
-    (FSDP2's reduce-scatter), charged at its last step."""
+    (FSDP2's reduce-scatter), charged at its last step. `outputs_dropped`: the caller
+    keeps only its scalar outputs (the loss it calls backward on) past the forward
+    (memopt.compile's drop_outputs); the others die as the forward ends, unless backward
+    reads them."""
     primal_kinds = primal_kinds or {}
     stores = _Storages()
     node_keys: dict[tuple[str, str], list[object]] = {}
@@ -256,10 +267,13 @@ def analyze_liveness(
     held: set[object] = set(resident_kind)
     fw_out = next(iter(fw.graph.find_nodes(op="output")))
     user_outputs: set[object] = set()
+    kept_outputs: set[object] = set()  # what the caller holds until the step ends
     for arg in fw_out.args[0][:num_user_outputs]:
         if isinstance(arg, fx.Node):
             user_outputs.update(keys_of("fw", arg))
-    held |= user_outputs
+            if not outputs_dropped or kept_by_caller(fake_value(arg)):
+                kept_outputs.update(keys_of("fw", arg))
+    held |= kept_outputs
     gradients: set[object] = set()
     if bw is not None:
         bw_out = next(iter(bw.graph.find_nodes(op="output")))
@@ -270,7 +284,8 @@ def analyze_liveness(
 
     lives: list[StorageLife] = []
     for key, start in first.items():
-        end = end_of_step if key in held else last[key]
+        end = (end_of_step if key in held else
+               max(last[key], num_forward - 1) if key in user_outputs else last[key])
         if key in resident_kind:
             kind = resident_kind[key]
         elif key in tangent_keys:

@@ -55,7 +55,7 @@ from memopt.allocator.mirror import placement_order
 
 from ._torch_compat import is_sym_node, is_tangent, storage_key
 
-from .liveness import timeline_kind
+from .liveness import kept_by_caller, timeline_kind
 from .inplace import (_inplace_overload, _is_whole_dense, _opaque_output, _out_overload,
                       merge_storage)
 from .meta import fake_value, held_bytes, tensor_value, value_tensors
@@ -124,8 +124,9 @@ class StepModel:
                  existing_grads: dict[str, int] | None = None,
                  accumulate: Callable[..., Any] | None = None, outside_grad_bytes: int = 0,
                  outside: tuple[int, ...] = (0, 0), granularity: int = 1,
-                 impure_random: bool = False) -> None:
+                 impure_random: bool = False, outputs_dropped: bool = False) -> None:
         self.num_fwd_outputs = num_fwd_outputs
+        self.outputs_dropped = outputs_dropped  # passes.liveness's
         self.primal_kinds = primal_kinds or {}  # parameter / buffer / input, by primal name
         self.existing_grads = existing_grads
         self.accumulate = accumulate
@@ -148,6 +149,9 @@ class StepModel:
         outs = list(output.args[0])
         self.fw_outputs = [self.index[a] if isinstance(a, fx.Node) else None
                            for a in outs[:num_fwd_outputs]]
+        #: the forward outputs the caller holds until the step ends (passes.liveness)
+        self.kept_outputs = [i for i in self.fw_outputs if i is not None and (
+            not outputs_dropped or kept_by_caller(fake_value(nodes[i])))]
         self.bw_outputs = [self.index[a] if isinstance(a, fx.Node) else None
                            for a in outs[num_fwd_outputs:]]
         self.placeholders = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
@@ -671,9 +675,14 @@ class _Candidate:
         user_outputs = {find(k) for i in fw.outputs[:m.num_fwd_outputs] if i is not None
                         for k in keys_fw.get(i, ())}
         gradients = {find(k) for i in bw.outputs if i is not None for k in keys_bw.get(i, ())}
-        held = resident | user_outputs | gradients
-        lifetimes = {key: (nbytes[key], s, max(end_of_step if key in held else last[key], s))
-                     for key, s in first.items()}
+        kept = {find(k) for i in m.kept_outputs for k in keys_fw.get(i, ())}
+        held = resident | kept | gradients
+
+        def end(key: int) -> int:  # a dropped output lives to the forward's end at least
+            return (end_of_step if key in held else
+                    max(last[key], num_forward - 1) if key in user_outputs else last[key])
+
+        lifetimes = {key: (nbytes[key], s, max(end(key), s)) for key, s in first.items()}
         intervals = list(lifetimes.values())
         saved = {find(k) for i in saved_values for k in keys_fw.get(i, ())}
         tangents = {find(k) for i in m.tangents for k in keys_bw.get(i, ())}

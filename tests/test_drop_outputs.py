@@ -1,0 +1,120 @@
+"""memopt.compile(..., drop_outputs=True): a loop that keeps only the scalar loss past
+the forward (``model(**batch).loss.backward()``, the HF Trainer) gets a plan that frees
+the other outputs (a language model's logits) as the forward ends (passes.liveness), and
+a warning at any backward where one is still alive (memopt.backend._DroppedOutputs)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import memopt
+from memopt.allocation import allocation_peak
+
+
+class _LM(nn.Module):
+    """A language model returning its loss and its logits, as HF models do."""
+
+    def __init__(self, vocab: int = 2000, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens, targets):
+        logits = self.head(self.body(self.embed(tokens)))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = _LM()
+    tokens, targets = torch.randint(0, 2000, (8, 64)), torch.randint(0, 2000, (8, 64))
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), tokens, targets))
+    return model, tokens, targets, resident
+
+
+def _minimum(model, *inputs, **options) -> int:
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.plan(model, *inputs, budget=1, **options)
+    return err.value.minimum_bytes
+
+
+def _step(model, compiled, tokens, targets, resident, keep: bool) -> tuple[int, list[str]]:
+    """One step's allocated peak (resident bytes included) and memopt's warnings."""
+    for p in model.parameters():
+        p.grad = None
+    with warnings.catch_warnings(record=True) as seen, allocation_peak("cpu") as peak:
+        warnings.simplefilter("always")
+        if keep:
+            out = compiled(tokens, targets)
+            out[0].backward()
+            del out
+        else:
+            compiled(tokens, targets)[0].backward()
+    return peak.peak + resident, [str(w.message) for w in seen if "memopt" in str(w.message)]
+
+
+def test_dropped_logits_lower_the_minimum_and_the_step_stays_within_it():
+    model, tokens, targets, resident = _setup()
+    held_minimum = _minimum(model, tokens, targets)
+    minimum = _minimum(model, tokens, targets, drop_outputs=True)
+    # the logits must exist as the forward returns them: what dropping them saves is
+    # what backward would have held beside them
+    assert minimum < held_minimum, (minimum, held_minimum)
+
+    expected = torch.autograd.grad(model(tokens, targets)[0], list(model.parameters()))
+    compiled = memopt.compile(model, budget=minimum, drop_outputs=True)
+    for p in model.parameters():
+        p.grad = None
+    compiled(tokens, targets)[0].backward()  # plans (not under the profiler: no nesting)
+    for p, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
+    measured, warned = _step(model, compiled, tokens, targets, resident, keep=False)
+    plan = compiled.memopt_plan
+    assert not warned, warned
+    assert measured <= minimum, (measured, minimum)
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * measured, (
+        measured, plan.predicted_peak_bytes)
+
+    # the loop keeps the logits after all: the step goes over the plan, and memopt says so
+    measured, warned = _step(model, compiled, tokens, targets, resident, keep=True)
+    assert measured > plan.predicted_peak_bytes
+    assert len(warned) == 1 and "still alive as its backward starts" in warned[0], warned
+
+
+def test_an_output_backward_reads_is_not_counted_as_held():
+    """No budget: the head is eager's, whose backward reads what it saved; dropping the
+    logits frees them and nothing is reported when the loop drops them."""
+    model, tokens, targets, resident = _setup()
+    compiled = memopt.compile(model, drop_outputs=True)
+    compiled(tokens, targets)[0].backward()
+    measured, warned = _step(model, compiled, tokens, targets, resident, keep=False)
+    assert not warned, warned
+    assert measured <= compiled.memopt_plan.predicted_peak_bytes * 1.02
+
+
+def test_drop_outputs_must_be_a_flag():
+    with pytest.raises(ValueError, match="drop_outputs must be True or False"):
+        memopt.compile(_LM(), drop_outputs="yes")
+
+
+def test_dropped_outputs_simulate_as_they_build():
+    """The step simulator frees dropped outputs where the exact liveness does (every
+    candidate of the budget search built and compared, memopt.pipeline.verifying)."""
+    from memopt.pipeline import verifying  # noqa: PLC0415
+
+    model, tokens, targets, _ = _setup()
+    planned = 0
+    with verifying():
+        for budget in (None, 0.7, 0.45):
+            try:
+                memopt.plan(model, tokens, targets, budget=budget, drop_outputs=True)
+                planned += 1
+            except memopt.BudgetError:
+                pass
+    assert planned >= 2
