@@ -106,8 +106,8 @@ def _input_mismatch(model: nn.Module, args: tuple, kwargs: dict,
     input_devices = {str(t.device) for t in inputs}
     if len(model_devices) == 1 and input_devices - model_devices:
         (device,) = model_devices
-        fix = (f"materialize the weights first: model.to_empty(device=...) and load or "
-               f"initialize them" if device == "meta" else f"move the inputs with "
+        fix = ("materialize the weights first: model.to_empty(device=...) and load or "
+               "initialize them" if device == "meta" else f"move the inputs with "
                f".to({device!r}), or the model with model.to(...), before the call")
         return InputError(
             f"{failed}: the inputs are on {', '.join(sorted(input_devices))} but the model's "
