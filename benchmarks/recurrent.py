@@ -86,7 +86,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = "benchmarks.recurrent_workloads"
 DEFAULT_T = (128, 256, 512, 1000, 2000)
 QUICK_T = (128,)
-FRACTIONS = (0.25, 0.20, 0.15, 0.10, 0.05)
+FRACTIONS = (0.25, 0.20, 0.15, 0.11, 0.10, 0.05)
 """Budgets of Part 1, as fractions of eager's activation memory."""
 LM_FRACTIONS = (0.90, 0.85, 0.50, 0.30)
 """Budgets of Part 2 below the two-chunk method's peak, as fractions of that peak."""

@@ -6,6 +6,9 @@ The workloads the child processes build are defined in this file and named
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +20,7 @@ from torch import nn
 
 import memopt
 from memopt.measure import (
+    MALLOC_MMAP_THRESHOLD,
     Measurement,
     Workload,
     default_loss,
@@ -279,3 +283,18 @@ def test_measurement_json_round_trip() -> None:
     assert Measurement.from_json(m.to_json()) == m
     with pytest.raises(ValueError):
         Measurement.from_json('{"peak_bytes": 1}')
+
+
+def test_timed_steps_leave_the_measuring_allocator():
+    """The CPU child measures RSS with every page-sized buffer mmap'd; its timed steps
+    run under glibc's steady state instead (memopt.measure._steady_allocator), and only
+    in that child: a process not started so is left as it is."""
+    code = "from memopt.measure import _steady_allocator; print(_steady_allocator())"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == "True"
+    env.pop("MALLOC_MMAP_THRESHOLD_")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == "False"
