@@ -466,3 +466,153 @@ def test_chunked_head_on_cuda(returns_logits: bool) -> None:
 
     measured, _ = _peak_of(loss_only, model, resident)
     assert measured <= err.value.minimum_bytes, (measured, err.value.minimum_bytes)
+
+
+# --------------------------------------------------------------------------
+# Issue 17 on CUDA: bidirectional and autocast chains, reversible dropout, the chain
+# relaxed near the minimum, outputs dropped before backward
+# --------------------------------------------------------------------------
+
+
+def _grads_of(module: nn.Module, run: Callable[[], torch.Tensor], xs: torch.Tensor
+              ) -> tuple[torch.Tensor, list]:
+    params = list(module.parameters())
+    xs.grad = None
+    for p in params:
+        p.grad = None
+    torch.manual_seed(11)
+    loss = run()
+    loss.backward()
+    return loss.detach(), [xs.grad, *(p.grad for p in params)]
+
+
+def test_bidirectional_chains_on_cuda_under_a_budget() -> None:
+    """A 2-layer bidirectional LSTM (no dropout: with it, cuDNN draws inside its call
+    and the stack stays one chunk) as four chains split under a budget: eager's loss
+    and gradients, measured within the budget."""
+    from test_chains_more import BiRegression  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = BiRegression(128, 0.0).to(DEVICE)
+    xs = torch.randn(128, 16, 32, device=DEVICE, requires_grad=True)
+    ref_loss, ref = _grads_of(model, lambda: model(xs), xs)
+    free = memopt.compile(model)
+    _grads_of(free, lambda: free(xs), xs)
+    budget = int(0.7 * free.memopt_plan.predicted_peak_bytes)
+    tight = memopt.compile(model, budget=budget)
+    loss, got = _grads_of(tight, lambda: tight(xs), xs)
+    chains = tight.memopt_plan.chains
+    assert len(chains) == 4 and all(c.t > 1 for c in chains), chains
+    _close(loss, ref_loss, "loss")
+    for i, (a, b) in enumerate(zip(got, ref)):
+        _close(a, b, f"gradient {i}")
+    measured, raw = _peak_of(lambda: tight(xs).backward(), model,
+                             _resident_bytes(model, (xs,)))
+    _report(test="bidirectional", budget_bytes=budget,
+            predicted=tight.memopt_plan.predicted_peak_bytes, measured=measured,
+            raw_max_memory_allocated=raw)
+    assert measured <= budget, (measured, budget)
+
+
+def test_chain_under_bf16_autocast_on_cuda() -> None:
+    """Under torch.autocast("cuda", bfloat16) a split chain computes in bf16 as eager
+    does: eager's loss to bf16 rounding, gradients within bf16 rounding."""
+    from test_chains_more import AutocastRegression, _relative  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = AutocastRegression(nn.LSTM(16, 32, num_layers=2)).to(DEVICE)
+    xs = torch.randn(128, 8, 16, device=DEVICE, requires_grad=True)
+
+    def under_autocast(module: nn.Module) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return module(xs)
+        return run
+
+    ref_loss, ref = _grads_of(model, under_autocast(model), xs)
+    free = memopt.compile(model)
+    _grads_of(free, under_autocast(free), xs)
+    tight = memopt.compile(model, budget=int(0.8 * free.memopt_plan.predicted_peak_bytes))
+    loss, got = _grads_of(tight, under_autocast(tight), xs)
+    assert all(c.t > 1 for c in tight.memopt_plan.chains), tight.memopt_plan.chains
+    _close(loss, ref_loss, "loss", {"rtol": 1e-2, "atol": 1e-3})
+    assert _relative(got, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_reversible_dropout_on_cuda(kind: str) -> None:
+    """Dropout between reversible layers on CUDA's generator: compiled equals eager
+    from the same seed (the masks rebuilt in backward from the saved seeds)."""
+    from test_reversible_compile import _Regression  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = _Regression(kind, steps=15, dropout=0.4).to(DEVICE)
+    xs = torch.randn(8, 15, 12, device=DEVICE, requires_grad=True)
+    compiled = memopt.compile(model)
+    for _ in range(2):  # the first step plans
+        ref_loss, ref = _grads_of(model, lambda: model(xs), xs)
+        loss, got = _grads_of(compiled, lambda: compiled(xs), xs)
+        _close(loss, ref_loss, "loss", {"rtol": 0, "atol": 0})
+        for i, (a, b) in enumerate(zip(got, ref)):
+            _close(a, b, f"gradient {i}", {"rtol": 1e-5, "atol": 1e-6})
+
+
+def test_chain_relaxed_near_the_minimum_on_cuda() -> None:
+    """5% above memopt's minimum, the cuDNN chain takes the fastest policy that fits
+    the Chen planner's mirror set: fewer recomputed steps than the lowest-peak one,
+    eager's gradients, measured within the budget."""
+    from test_chain_policy import _LM  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = _LM().to(DEVICE)
+    tokens = torch.randint(0, 50, (97, 16), device=DEVICE)
+    targets = torch.randint(0, 50, (97, 16), device=DEVICE)
+    eager = copy.deepcopy(model)
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.plan(model, tokens, targets, budget=1)
+    (lowest,) = memopt.plan(model, tokens, targets, budget=err.value.minimum_bytes).chains
+    budget = int(1.05 * err.value.minimum_bytes)
+    compiled = memopt.compile(model, budget=budget)
+    _step(compiled, (tokens, targets), 1, loss_fn=lambda loss: loss)
+    _step(eager, (tokens, targets), 1, loss_fn=lambda loss: loss)
+    _assert_same_state(model, eager, "after one step")
+    (chain,) = compiled.memopt_plan.chains
+    assert chain.recompute_steps < lowest.recompute_steps, (chain, lowest)
+    measured, raw = cuda_step_peak(compiled, (tokens, targets), lambda loss: loss)
+    _report(test="chain_relaxed", budget_bytes=budget,
+            predicted=compiled.memopt_plan.predicted_peak_bytes, measured=measured,
+            raw_max_memory_allocated=raw)
+    assert measured <= budget, (measured, budget)
+
+
+def test_dropped_outputs_on_cuda() -> None:
+    """drop_outputs=True at memopt's minimum: the step that drops its logits is within
+    the budget and the plan; one that keeps them is warned about."""
+    import warnings  # noqa: PLC0415
+
+    from test_drop_outputs import _LM  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = _LM().to(DEVICE)
+    tokens = torch.randint(0, 2000, (8, 64), device=DEVICE)
+    targets = torch.randint(0, 2000, (8, 64), device=DEVICE)
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.plan(model, tokens, targets, budget=1, drop_outputs=True)
+    budget = err.value.minimum_bytes
+    compiled = memopt.compile(model, budget=budget, drop_outputs=True)
+    compiled(tokens, targets)[0].backward()
+    resident = _resident_bytes(model, (tokens, targets))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        measured, raw = _peak_of(lambda: compiled(tokens, targets)[0].backward(), model,
+                                 resident)
+    assert not [w for w in seen if "drop_outputs" in str(w.message)]
+    plan = compiled.memopt_plan
+    _report(test="drop_outputs", budget_bytes=budget, predicted=plan.predicted_peak_bytes,
+            measured=measured, raw_max_memory_allocated=raw)
+    assert measured <= budget, (measured, budget)
+    for p in model.parameters():
+        p.grad = None
+    with pytest.warns(UserWarning, match="still alive as its backward starts"):
+        out = compiled(tokens, targets)
+        out[0].backward()
