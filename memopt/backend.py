@@ -545,29 +545,32 @@ class _DroppedOutputs:
     forward ended (passes.liveness: its bytes then come on top of the predicted peak)."""
 
     def __init__(self) -> None:
-        self.refs: list[tuple[StorageWeakRef, int, int]] = []  # (ref, data_ptr, bytes)
-        self.warned = False
+        #: (weak reference, data pointer, bytes, shape) of each watched output's storage
+        self.refs: list[tuple[StorageWeakRef, int, int, tuple[int, ...]]] = []
 
     def watch(self, out: Any) -> None:
         self.refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().data_ptr(),
-                      t.untyped_storage().nbytes())
+                      t.untyped_storage().nbytes(), tuple(t.shape))
                      for t in torch.utils._pytree.tree_leaves(out)
                      if isinstance(t, torch.Tensor) and t.dim() > 0]
 
     def check(self, backward_inputs: list[Any]) -> None:
-        """At the backward's start: outputs still alive that backward does not read."""
+        """At the backward's start: outputs still alive that backward does not read
+        (Python's warning filter shows the same warning once)."""
         read = {t.untyped_storage().data_ptr() for t in backward_inputs
                 if isinstance(t, torch.Tensor)}
-        alive = sum(n for ref, ptr, n in self.refs if not ref.expired() and ptr not in read)
+        alive = [(n, shape) for ref, ptr, n, shape in self.refs
+                 if not ref.expired() and ptr not in read]
         self.refs = []
-        if alive and not self.warned:
-            self.warned = True
+        if alive:
+            shapes = ", ".join(str(list(shape)) for _, shape in alive)
             warnings.warn(
-                f"memopt planned this step with drop_outputs=True, but {format_bytes(alive)} "
-                f"of the forward's outputs are still alive as its backward starts: this step "
-                f"can exceed the plan's predicted peak by that much. Drop every output but the "
-                f"loss before calling backward (loss = model(**batch).loss), or compile "
-                f"without drop_outputs.", stacklevel=2)
+                f"memopt planned this step with drop_outputs=True, but "
+                f"{format_bytes(sum(n for n, _ in alive))} of the forward's outputs (shapes "
+                f"{shapes}) are still alive as its backward starts: this step can exceed the "
+                f"plan's predicted peak by that much. Drop every output but the loss before "
+                f"calling backward (loss = model(**batch).loss), or compile without "
+                f"drop_outputs.", stacklevel=2)
 
 
 def _ddp_fields(ddp: DDPBuckets | None) -> dict[str, int]:
