@@ -198,7 +198,8 @@ def test_repeated_graphs_accumulate_kept_gradients_within_budget() -> None:
         assert peak <= budget, (peak, budget)
 
 
-@pytest.mark.parametrize("micro", [1, 2], ids=["grads_set_to_none", "accumulating"])
+@pytest.mark.parametrize("micro", [pytest.param(1, marks=pytest.mark.slow), 2],
+                         ids=["grads_set_to_none", "accumulating"])  # its first step: grads None
 def test_a_forward_traced_again_every_call_keeps_its_plan(micro: int) -> None:
     """dynamo traces Appends' forward again at every call (its list grew); memopt reuses
     the plan of the identical graphs instead of planning each call anew: more calls than

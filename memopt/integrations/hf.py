@@ -11,9 +11,9 @@ model the caller compiled), and writes checkpoints with the original model's
 `save_pretrained`, so `from_pretrained` loads them (a plain Trainer holding a memopt
 module saves its state dict only: the same keys, no config). Gradient accumulation
 (`gradient_accumulation_steps`) runs memopt's kept-gradient step after the first
-micro-batch; the model is compiled with `drop_outputs=True` (the Trainer keeps only the
-loss past the forward, so a language model's logits are freed before backward), unless
-`memopt_options` says otherwise; `gradient_checkpointing=True` is ignored with a warning (memopt plans
+micro-batch; `memopt_options={"drop_outputs": True}` plans for what the Trainer does (it
+keeps only the loss past the forward, so a language model's logits are freed before
+backward; not the default: see the README's Known limits); `gradient_checkpointing=True` is ignored with a warning (memopt plans
 recomputation itself).
 
 `PeakMemoryCallback` measures the allocated peak of the forward and backward of chosen
@@ -47,10 +47,7 @@ class MemoptTrainer(Trainer):
                  memopt_options: dict | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.model, CompiledModule):
-            # the Trainer's training_step keeps only the loss past compute_loss: the
-            # logits and other outputs are dropped before backward (memopt warns if not)
-            options = {"drop_outputs": True, **(memopt_options or {})}
-            self.model = memopt_compile(self.model, memopt_budget, **options)
+            self.model = memopt_compile(self.model, memopt_budget, **(memopt_options or {}))
         self.model_wrapped = self.model
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
