@@ -28,7 +28,8 @@ from torch.utils import _pytree as pytree
 
 from memopt.passes._torch_compat import (FailOnRecompileLimitHit, ignored_logging_config, recompile_limit,
                             unwrap_backend_error)
-from .backend import MemoptBackend, _PlanOnly
+from .backend import MemoptBackend
+from .compiled_graph import PlanOnly
 from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
 from .fsdp import fsdp_unit, refuse_fsdp, refuse_sharded_inside
@@ -60,16 +61,16 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
     """Call a torch.compile'd function; surface memopt's own errors and name capture failures
     (inputs that do not match `model`'s device or dtype as InputError)."""
     backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
-    backend._log.clock = time.perf_counter()  # a plan's capture time counts from here
+    backend.plan_log.start_clock()  # a plan's capture time counts from here
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS,
                                         **_DYNAMO_DDP, **ignored_logging_config()):
             return fn(*args, **kwargs)
-    except (MemoptError, _PlanOnly):
+    except (MemoptError, PlanOnly):
         raise
     except Exception as err:  # dynamo wraps backend errors; unwrap memopt's own
         inner = unwrap_backend_error(err)
-        if isinstance(inner, (MemoptError, _PlanOnly)):
+        if isinstance(inner, (MemoptError, PlanOnly)):
             raise inner from None
         if isinstance(err, FailOnRecompileLimitHit):  # only with a user's own lower limit
             raise CaptureError(
@@ -174,7 +175,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_memopt_fullgraph", fullgraph)
         object.__setattr__(self, "_memopt_fsdp", None)  # FsdpRecord under fully_shard
         # a graph of this code that returns is the whole forward (memopt.steps)
-        backend._log.forward_code = getattr(traced.forward, "__func__", traced.forward).__code__
+        backend.plan_log.set_forward(traced.forward)
         # One compiled step per gradient state (memopt.grads): .grad absent, or kept from
         # earlier steps (gradient accumulation), which is planned with those tensors
         # resident and adds the new gradients into them in place. Built when first needed.
@@ -204,8 +205,7 @@ class CompiledModule(nn.Module):
         for original, copy in self._memopt_pairs:  # train()/eval() on the user's model
             copy.training = original.training
         backend, model = self._memopt_backend, self._memopt_model
-        if backend._log.pending is not None:  # a re-plan after graph breaks did not fit
-            raise backend._log.pending
+        backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit
         existing = torch.is_grad_enabled() and _has_grads(model)
         compiled = self._memopt_compiled.get(existing)
         if compiled is None:
@@ -385,11 +385,11 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
     backend = MemoptBackend(budget, plan_only=True, **options)
     refuse_fsdp(model, "memopt.plan")
     traced, _ = substitute_rnns(model)
-    backend._log.forward_code = getattr(traced.forward, "__func__", traced.forward).__code__
+    backend.plan_log.set_forward(traced.forward)
     compiled = _compile_step(traced, _never_run(backend), fullgraph=True)
     try:
         _run_captured(compiled, example_inputs, example_kwargs or {}, backend, model)
-    except _PlanOnly as ready:
+    except PlanOnly as ready:
         if ready.plan is not None:
             return ready.plan
     raise InputError(
@@ -408,6 +408,6 @@ def _never_run(backend: MemoptBackend) -> Any:
 
     def compile_fn(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
         backend(gm, example_inputs, **kwargs)
-        raise _PlanOnly(None)
+        raise PlanOnly(None)
 
     return compile_fn

@@ -72,7 +72,7 @@ class BudgetError(MemoptError):
         self._budget = budget
         self._byte_headroom = byte_headroom
         self.step = step  # which kind of step did not fit ("" for a first step)
-        # A byte budget keeps `headroom` free, a fraction budget nothing (memopt.pipeline):
+        # A byte budget keeps `headroom` free, a fraction budget nothing (memopt.planner):
         # the step's peak fits in minimum_bytes * (1 - headroom) bytes.
         peak = math.floor(minimum_bytes * (1 - headroom) + 1e-6)  # rounding: never below
         self.smallest_byte_budget = (

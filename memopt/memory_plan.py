@@ -13,6 +13,7 @@ step counts are non-negative ints, and `from_json` is strict about types ("12" i
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
 from pydantic import (
@@ -49,8 +50,28 @@ class StorageRecord(BaseModel):
     tag: int | None = None     # Chen's sharing tag
 
 
+class SavedReason(Enum):
+    """Why a value is saved for backward: `SavedTensor.reason` is `reason.text(...)`.
+
+    The planner decides the reason as one of these (memopt.planner.assemble) and renders
+    it once; nothing reads the text back."""
+
+    #: a view of a parameter, buffer or input: its storage is resident anyway (0 bytes)
+    RESIDENT_VIEW = "a view of graph input {storage}: already resident"
+    #: another saved value holds the same storage (0 bytes)
+    SHARES_STORAGE = "shares storage with saved {other}"
+    #: no recomputation was planned: the budget does not bind
+    NOT_BINDING = "read by backward; no recomputation planned (budget not binding)"
+    #: the budget search recomputes other values; this one is kept (Chen Alg. 3)
+    SEGMENT_BOUNDARY = ("kept: a segment boundary of the Alg. 3 plan, read by backward or "
+                        "by recomputation")
+
+    def text(self, **detail: str) -> str:
+        return self.value.format(**detail)
+
+
 class SavedTensor(BaseModel):
-    """A tensor the forward keeps for backward, and why."""
+    """A tensor the forward keeps for backward, and why (SavedReason)."""
 
     model_config = _FROZEN
     name: str
@@ -104,7 +125,7 @@ class SearchCandidate(BaseModel):
     level: int = 1                 # 1: Alg. 3, m(v) <= 1; 2: inside level 1's segments
                                    # (Sec. 4.4); 0: Sec. 4.2, every cheap op dropped (B unused);
                                    # 3: the exact MILP's plan (solver="milp"; B: its budget);
-                                   # 4: the peak-directed path (B: its step; pipeline.peak_path)
+                                   # 4: the peak-directed path (B: its step; planner.chen.peak_path)
     segment_budget_bytes: Bytes    # Alg. 3's B
     predicted_peak_bytes: Bytes    # the simulator's peak for the plan Alg. 3 made with B
     recompute_flops: Count         # the forward work it recomputes
@@ -272,7 +293,7 @@ class MemoryPlan(BaseModel):
     predicted_peak_bytes: Bytes    # simulated peak of the step as memopt runs it
     lower_bound_bytes: Bytes       # max over the schedule of live bytes (no allocator does better)
     arena_bytes: Bytes             # resident bytes + the offset assignment's arena
-    arena_layout: str = "greedy by size"  # or "tag blocks" (past pipeline's greedy limit)
+    arena_layout: str = "greedy by size"  # or "tag blocks" (past the planner's greedy limit)
     sharing_bytes: Bytes           # resident bytes + Chen's tag-recycling total
     no_reuse_bytes: Bytes          # every storage its own memory (Chen's "no optimization")
     resident_bytes: Bytes          # parameters, buffers, inputs and existing .grad tensors
@@ -492,7 +513,7 @@ class StepPlan(BaseModel):
     @property
     def budget_bytes(self) -> int | None:
         """The step's budget in bytes. A byte budget is every graph's; a fraction budget
-        resolves per graph (memopt.pipeline: the fraction of its own part, above what the
+        resolves per graph (memopt.planner: the fraction of its own part, above what the
         other graphs hold), and the step's is the largest."""
         budgets = [g.budget_bytes for g in self.graphs if g.budget_bytes is not None]
         return max(budgets) if budgets else None

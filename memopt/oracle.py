@@ -35,7 +35,7 @@ from .allocator.milp import RecomputeProblem, RecomputeSolution, solve
 from .errors import BudgetError, InputError
 from .passes.oracle import recompute_problem
 from .passes.simulate import StepModel
-from .pipeline import observing
+from .planner import observing
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ op, as memopt runs them), stacked by kind, for the baseline (memopt's predicted 
 no recomputation and no in-place rewrites, what a fraction budget is of) beside the step
 as memopt runs it, sharing the y axis; the budget and the lower bound as horizontal
 lines, the peak op labelled with the user's module it came from. The data is the plan's
-own (MemoryPlan.timeline, MemoryPlan.baseline_timeline), recorded by memopt.pipeline
+own (MemoryPlan.timeline, MemoryPlan.baseline_timeline), recorded by memopt.planner
 from the same liveness that gives the predicted peak, so a plan read back from JSON
 plots the same picture.
 

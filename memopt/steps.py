@@ -15,7 +15,7 @@ what the rest of the step holds while it runs:
 `ForwardTrace` records one forward of a compiled module as it runs: the resident
 storages, and for each graph run its inputs' storages, what its plan saves, and weak
 references to its outputs. `outside(...)` turns that into the two byte counts the
-pipeline charges (memopt.pipeline.StepContext): while graph k's forward runs, and while
+pipeline charges (memopt.planner.StepContext): while graph k's forward runs, and while
 its backward runs. At a graph's first run only what came before it is known, so the
 backward count there is a lower estimate of what later graphs' outputs add; when the
 forward ends, `ForwardTrace.exact()` gives every run's counts with the whole forward known,

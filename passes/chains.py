@@ -12,7 +12,7 @@ state slots; ISM: internal-state slots, the core's included; MSM: hidden-state u
 an internal state costing alpha = ceil(I(L) / H) of them, or beta = ceil((I(L) - H) / H)
 when its input state is stored already, from the chunk's measured bytes). Nothing else
 in the graph changes with them, only what the chain holds between its forward and
-backward ops and what its backward op allocates. The planner (memopt.pipeline) prices
+backward ops and what its backward op allocates. The planner (memopt.planner) prices
 a grid of (L, strategy, m) (``configurations``), then bisects L where HSM keeps every
 chunk boundary (``longest_fitting_chunk``): there the recomputed steps are exactly
 T - L and the calls 3t - 1, so the longest chunk that fits is the fastest. It takes

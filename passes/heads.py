@@ -7,7 +7,7 @@ body removes: ``F.cross_entropy(F.linear(h, W, b).view(-1, V), target)`` keeps t
 and the logits' gradient, each as large. ``chunk_heads`` (run on dynamo's torch-level
 graph, before AOTAutograd traces it, like passes.loops) puts memopt's ``head_fwd`` op
 (memopt.lm_head) in the pattern's place; AOTAutograd then traces its ``head_bwd`` into
-the backward. The planner (memopt.pipeline) chooses each head's chunk, the tokens
+the backward. The planner (memopt.planner) chooses each head's chunk, the tokens
 computed at once, after capture, by rewriting the ops' first argument (``apply``):
 one chunk keeps eager's log-probabilities and recomputes nothing; smaller chunks keep
 nothing and recompute each chunk's logits in backward (one more matmul of the head).

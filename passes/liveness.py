@@ -49,7 +49,8 @@ TIMELINE_KINDS = {"parameter": "parameters", "buffer": "parameters", "input": "i
                   "activation": "temporaries", "saved": "saved", "output": "temporaries",
                   "tangent": "temporaries", "backward": "temporaries",
                   "outside": "other_graphs"}
-_RESIDENT = ("parameter", "buffer", "input", "existing_grad")
+#: Storage kinds resident for the whole step (not part of the step's arena).
+RESIDENT_KINDS = ("parameter", "buffer", "input", "existing_grad")
 
 
 def kept_by_caller(value: object) -> bool:
@@ -67,7 +68,7 @@ def timeline_kind(kind: str, *, workspace: bool = False, recomputed: bool = Fals
     backward allocation of a recomputed node (Chen Alg. 2's mirror) is "recomputed"."""
     if workspace:
         return "chain_states" if chain else "workspace"
-    if chain and kind not in _RESIDENT:
+    if chain and kind not in RESIDENT_KINDS:
         return "chain_states"
     if recomputed and kind == "backward":
         return "recomputed"

@@ -2,7 +2,7 @@
 
 Chen et al. 2016, Appendix A scores every candidate of its search over the budget B by
 the exact static allocation of the candidate's graph. memopt's exact build of a
-candidate (memopt.pipeline: copy the joint graph with mirror nodes, partition it,
+candidate (memopt.planner: copy the joint graph with mirror nodes, partition it,
 rewrite in place, measure workspaces, analyze liveness) spends most of its time in
 torch.fx graph copies, about half a millisecond per node; Alg. 3's search tries dozens
 of candidates and a ResNet-1000 has tens of thousands of nodes. This pass runs the same
@@ -11,18 +11,18 @@ per candidate, and gives the same schedule of storages, hence the same peak.
 
 Requires: the joint GraphModule as the pipeline plans it (after
 passes.partition.read_concat_views), the buffers the step may mutate, and the step
-context (memopt.pipeline.StepContext: existing gradients, what the rest of the step
+context (memopt.planner.StepContext: existing gradients, what the rest of the step
 holds). Recurrent chains' and reversible stacks' held and workspace bytes are read from
 their nodes' meta at each simulation, so passes.chains may reconfigure them in between.
 
 Ensures: `StepModel(...).simulate(mirror, twice, inplace, kinds)` returns the storages'
-(bytes, first step, last step) that memopt.pipeline's exact build of the same mirror
+(bytes, first step, last step) that memopt.planner's exact build of the same mirror
 counts would give to liveness, the recomputed FLOPs, and the peak. Nothing is
 changed: not the joint graph, not its nodes' meta.
 
 Algorithm (each step mirrors the pass it names, and must agree with it exactly;
 tests/test_simulate.py compares both on the corpus, the third-party zoo and fuzzed
-models, and memopt.pipeline builds the plan it chooses for real):
+models, and memopt.planner builds the plan it chooses for real):
     Step 1 (once, in StepModel): every joint node as plain data: its input nodes, its
         top-level arguments, the storages of its FakeTensor value and their bytes, the
         forward region, impurity (torch's dead-code elimination), the nodes that may be
@@ -80,7 +80,7 @@ class Simulated:
     saved_bytes: int  # the storages of kind "saved" (passes.liveness.KINDS)
     #: per run of consecutive steps where the peak is reached (at most PEAK_RUNS, the last
     #: one stretched over the rest), the forward storages live throughout it, each as the
-    #: mirrorable nodes that hold it (the value and its views; memopt.pipeline's
+    #: mirrorable nodes that hold it (the value and its views; memopt.planner's
     #: peak-directed path)
     at_peak: tuple[frozenset[tuple[str, ...]], ...] = ()
     #: per interval, its kind in a timeline of the step (allocator.timeline.KINDS), where
@@ -282,7 +282,7 @@ class StepModel:
     def simulate(self, mirrored: Iterable[str] = (), twice: Iterable[str] = (),
                  inplace: bool = True, kinds: bool = False) -> Simulated:
         """The step of mirror counts m(v) = 1 for the nodes named in `mirrored`, 2 for
-        those also in `twice` (memopt.pipeline.Mirror), with or without in-place
+        those also in `twice` (memopt.planner.Mirror), with or without in-place
         rewrites; with `kinds`, each interval's timeline kind too (Simulated.kinds, for
         a plan's timeline: the search does without)."""
         run = _Candidate(self)

@@ -40,7 +40,7 @@ Algorithm:
         strides, storage offset, dtype, and which of them share a storage), the
         device and the intra-op thread count (CPU kernels size per-thread buffers
         by it); look the key up in the cache (a candidate plan rebuilds the same
-        graphs many times: memopt.pipeline).
+        graphs many times: memopt.planner).
     Step 2: for each key not yet measured: real zero-filled storages of the
         FakeTensors' storage sizes (storages shared as in the graph), the op's
         tensors as strided views of them, and one call of the op under allocation
@@ -97,7 +97,7 @@ class WorkspaceCache:
         self.seconds = 0.0
 
 
-#: The process-wide cache memopt.pipeline uses.
+#: The process-wide cache memopt.planner uses.
 CACHE = WorkspaceCache()
 
 

@@ -604,12 +604,12 @@ def test_too_many_shapes_gives_a_clear_error() -> None:
 
 
 def test_recursion_limit_in_compilation_names_the_fix(monkeypatch) -> None:
-    import memopt.backend
+    import memopt.compiled_graph
 
     def deep(*_a, **_k):
         raise RecursionError("maximum recursion depth exceeded during compilation")
 
-    monkeypatch.setattr(memopt.backend, "plan_joint", deep)
+    monkeypatch.setattr(memopt.compiled_graph, "plan_joint", deep)
     with pytest.raises(memopt.CaptureError, match="setrecursionlimit"):
         memopt.plan(nn.Linear(4, 4), torch.randn(2, 4))
 
@@ -652,9 +652,9 @@ class _Terminal(io.StringIO):
 def test_a_long_plan_shows_progress_on_a_terminal_unless_asked_not_to(progress, monkeypatch):
     """tqdm's bar on stderr for a budget search (after PROGRESS_DELAY seconds; 0 here), on
     a terminal only, and never with progress=False."""
-    import memopt.pipeline as pipeline
+    import memopt.planner.plan as planning
 
-    monkeypatch.setattr(pipeline, "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr(planning, "PROGRESS_DELAY", 0.0)
     stderr = _Terminal()
     monkeypatch.setattr(sys, "stderr", stderr)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))

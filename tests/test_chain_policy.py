@@ -188,7 +188,7 @@ def test_uneven_chunks_keep_eager_gradients(fraction):
 def test_near_the_minimum_the_chain_takes_the_room_the_mirror_set_leaves():
     """At memopt's minimum the chain keeps one boundary state (its lowest peak); 5% above
     it, once the Chen planner's mirror set is chosen, the chain takes the fastest policy
-    that still fits (pipeline._relax): fewer recomputed steps, the budget still met by
+    that still fits (planner.families.relax): fewer recomputed steps, the budget still met by
     the plan and by the measured step, eager's gradients."""
     torch.manual_seed(0)
     model = _LM()

@@ -108,8 +108,8 @@ def test_drop_outputs_must_be_a_flag():
 
 def test_dropped_outputs_simulate_as_they_build():
     """The step simulator frees dropped outputs where the exact liveness does (every
-    candidate of the budget search built and compared, memopt.pipeline.verifying)."""
-    from memopt.pipeline import verifying  # noqa: PLC0415
+    candidate of the budget search built and compared, memopt.planner.verifying)."""
+    from memopt.planner import verifying  # noqa: PLC0415
 
     model, tokens, targets, _ = _setup()
     planned = 0

@@ -73,7 +73,7 @@ def _results(rank: int) -> dict:
 
     import memopt  # noqa: PLC0415
     from memopt.allocation import allocation_peak  # noqa: PLC0415
-    from memopt.pipeline import verifying  # noqa: PLC0415
+    from memopt.planner import verifying  # noqa: PLC0415
 
     mesh = init_device_mesh("cpu", (WORLD,))
     model = _model()

@@ -215,7 +215,7 @@ def test_a_forward_traced_again_every_call_keeps_its_plan(micro: int) -> None:
     _train(eager, eager, steps=10 // micro, micro=micro)
     _assert_same_parameters(model, eager)
     # planned once each (the kept-gradient step's twin graphs besides, when accumulating)
-    assert len(compiled._memopt_backend._log.graphs_built) == 2 * micro
+    assert len(compiled._memopt_backend.plan_log.graphs_built) == 2 * micro
     for peak, predicted in zip(peaks, compiled.predicted, strict=True):
         assert peak <= budget, (peak, budget)
         assert abs(peak - predicted) <= 0.05 * predicted, (peaks, compiled.predicted)

@@ -188,12 +188,12 @@ def test_row_safe_kernels_may_write_into_their_inputs():
 
 
 def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
-    import memopt.pipeline as pipeline
+    import memopt.planner.build as building
 
     def broken(gm):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(pipeline, "reinplace", broken)
+    monkeypatch.setattr(building, "reinplace", broken)
     with pytest.raises(memopt.PassError) as info:
         memopt.plan(nn.Linear(4, 4), torch.randn(2, 4))
     assert info.value.stage == "in-place"

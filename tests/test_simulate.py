@@ -2,7 +2,7 @@
 
 The planner scores every candidate of its search with `StepModel.simulate`, arrays
 built once from the joint graph, instead of building each candidate's graphs; the
-plan it picks is then built for real. Under `memopt.pipeline.verifying()` every
+plan it picks is then built for real. Under `memopt.planner.verifying()` every
 candidate the planner simulates is also built exactly, and any difference in the
 schedule of storages (bytes, first and last step), the number of steps, the peak,
 the recomputed FLOPs or the saved bytes raises. These tests plan models that reach
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 import memopt
 from benchmarks.zoo import ZOO
 from fuzz_models import build_model, make_inputs, model_specs
-from memopt.pipeline import verifying
+from memopt.planner import verifying
 from models import CASES, CORPUS
 
 #: budgets every model is planned at: binding fractions, and 1 byte (a BudgetError at
@@ -120,16 +120,16 @@ def test_a_disagreement_is_caught() -> None:
 
 def test_planning_scores_candidates_without_building_them() -> None:
     """Outside `verifying()`, a budget search builds one plan's graphs, not one per
-    candidate: _build runs a fixed number of times however many candidates there are."""
-    from memopt import pipeline
+    candidate: planner.build runs a fixed number of times however many candidates there are."""
+    from memopt.planner import plan as planning
 
     torch.manual_seed(0)
     case = CASES["resnet"]
     calls = []
-    original = pipeline._build
+    original = planning.build
     try:
-        pipeline._build = lambda *a, **k: calls.append(1) or original(*a, **k)
+        planning.build = lambda *a, **k: calls.append(1) or original(*a, **k)
         plan = memopt.plan(case.make_model(), *case.make_inputs(), budget=0.8)
     finally:
-        pipeline._build = original
+        planning.build = original
     assert len(plan.search) > 5 and len(calls) == 1, (len(plan.search), len(calls))

@@ -1,0 +1,320 @@
+"""One graph dynamo captured and memopt planned, as it runs: CompiledGraph.
+
+What a graph needs to be planned again (its FX graph, FakeTensor inputs, primal kinds),
+its plan and compiled function (AOTAutograd with the planner as its partition function,
+memopt.planner.plan_joint), and where in the user's code it ends. Also what the capture
+tells the planner about the step: which primals are parameters, buffers and inputs; the
+output gradients autograd forms outside the compiled backward; the `.grad` tensors a
+kept-gradient step adds into; and, with drop_outputs, the watcher that warns when the
+loop still holds an output the plan freed (DroppedOutputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified,
+                                         loss_decompositions, make_boxed, storage_key)
+from memopt.passes.heads import Attach
+
+from .budget import Budget, format_bytes
+from .ddp import DDPBuckets
+from .errors import BudgetError
+from .grads import GradSink
+from .graph_breaks import ReplanPolicy
+from .memory_plan import GraphBreak, MemoryPlan
+from .planner import ExistingGrads, PlanRequest, plan_joint
+from .steps import Outside
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .backend import MemoptBackend
+
+
+class PlanOnly(Exception):
+    """Raised by the backend in plan-only mode (memopt.plan), carrying the plan out of
+    torch.compile (None: the captured graph was an inference graph, with no backward to
+    plan)."""
+
+    def __init__(self, plan: MemoryPlan | None) -> None:
+        super().__init__("plan ready")
+        self.plan = plan
+
+
+class CompiledGraph:
+    """One graph dynamo captured and memopt planned: what it needs to be planned again
+    (its FX graph, FakeTensor inputs, primal kinds), its plan and compiled function, and
+    where in the user's code it ends (`frame`). `run` is what dynamo calls; a re-plan
+    swaps the function it runs for the steps after."""
+
+    def __init__(self, backend: MemoptBackend, gm: fx.GraphModule,
+                 example_inputs: Sequence[Any], frame: CompilingFrame, index: int,
+                 alone: bool) -> None:
+        self.backend, self.gm, self.frame = backend, gm, frame
+        self.index, self.alone = index, alone  # its position in the forward; the only one
+        self.kinds = _primal_kinds(gm, example_inputs)
+        self.attributes = [*gm.parameters(), *gm.buffers()]  # AOTAutograd's first primals
+        self.fakes = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        self.sink, self.grads = None, None
+        if backend.existing_grads:
+            self.sink, self.grads = _grad_sink(self.kinds, [*self.attributes, *example_inputs])
+        self.outside_grads = aliased_output_grad_bytes(gm)
+        self.outside, self.policy, self.step_baseline = Outside(), ReplanPolicy.GREEDY, None
+        self.provisional = False  # planned with a guess for the graphs after it
+        self.plan: MemoryPlan | None = None
+        self.compiled: Callable | None = None
+        self.attaches: list[Attach] = []  # logits returned without a gradient (_chunk_heads)
+        #: drop_outputs=True, the step one graph: the outputs the plan frees as it ends
+        self.dropped = DroppedOutputs() if backend.options.drop_outputs and alone else None
+
+    def label(self) -> str:
+        where = f", {self.frame.where()}" if self.frame.graph_break else ""
+        return f"graph {self.index + 1}{where}"
+
+    def graph_break(self) -> GraphBreak | None:
+        """The break that ends this graph (None: it returns)."""
+        if not self.frame.graph_break:
+            return None
+        return GraphBreak(reason=self.frame.reason, filename=self.frame.filename,
+                          lineno=self.frame.lineno)
+
+    def compile(self, example_inputs: Sequence[Any], outside: Outside, policy: ReplanPolicy,
+                budget: Budget | None, step_baseline: int | None = None,
+                must_fit: bool = True) -> Callable:
+        """Plan this graph under `budget` with `outside` held around it, by `policy`
+        (ReplanPolicy), a fraction budget of `step_baseline` when given
+        (memopt.planner.PlanRequest), and compile it (AOTAutograd with memopt's partition
+        function); the callable for dynamo. Raises BudgetError where the plan misses,
+        if `must_fit` (else the plan is kept all the same: `plan.fits` says)."""
+        backend, plans = self.backend, self.backend.plan_log
+        options = backend.options
+        if policy == ReplanPolicy.LEAN:
+            options = dataclasses.replace(options, mirror="all")
+        planned: list[MemoryPlan] = []
+
+        def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
+                         **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+            captured = plans.capture_seconds()
+            request = PlanRequest(
+                joint, num_fwd_outputs, budget, primal_kinds=self.kinds, options=options,
+                grads=self.grads, outside_grad_bytes=self.outside_grads, outside=outside,
+                label="" if self.alone else self.label(),
+                lowest_peak=policy == ReplanPolicy.LOWEST, step_baseline=step_baseline,
+                must_fit=must_fit, whole_step=self.alone)
+            try:
+                fw, bw, plan = plan_joint(request)
+            except BudgetError as err:
+                err.capture_seconds = captured
+                raise
+            plan = plan.model_copy(update={"graph_index": self.index,
+                                           "graph_break": self.graph_break(),
+                                           "capture_seconds": captured,
+                                           **_ddp_fields(plans.ddp)})
+            planned.append(plan)
+            plans.record(plan)
+            if backend.plan_only:  # stop before AOTAutograd builds its runtime wrappers
+                raise PlanOnly(plan)
+            return fw, bw
+
+        def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
+            return make_boxed(graph)
+
+        def compile_backward(graph: fx.GraphModule, _inputs: Any) -> Callable:
+            run = make_boxed(graph)
+            if self.dropped is None:
+                return run
+
+            def checked(args: list[Any]) -> Any:
+                self.dropped.check(args)
+                return run(args)
+
+            checked._boxed_call = True  # type: ignore[attr-defined]
+            return checked
+
+        # Planning runs chain steps on real tensors (passes.chains measures what they
+        # save): the user's RNG state must not move, or dropout would draw other masks.
+        with torch.random.fork_rng(devices=_cuda_devices()):
+            compiled = aot_module_simplified(
+                self.gm, list(example_inputs), fw_compiler=compile_graph,
+                bw_compiler=compile_backward, inference_compiler=compile_graph,
+                partition_fn=partition_fn, decompositions=loss_decompositions(),
+            )
+        if self.attaches:
+            compiled = attach_logits(compiled, self.attaches)
+        if not planned:
+            return compiled  # an inference graph (no gradients needed): nothing to plan
+        self.plan, self.compiled, self.outside = planned[-1], compiled, outside
+        self.policy, self.step_baseline = policy, step_baseline
+        return self.run
+
+    def replan(self, outside: Outside, policy: ReplanPolicy, step_baseline: int | None) -> None:
+        """Plan and compile again (on FakeTensors) under the backend's budget, for the
+        next runs, keeping the plan even where it misses the budget (`plan.fits`); LEAN
+        falls back to LOWEST where it misses."""
+        budget = self.backend.budget
+        self.backend.plan_log.start_clock()  # capture: AOTAutograd's tracing only
+        self.compile(self.fakes, outside, policy, budget, step_baseline, must_fit=False)
+        if policy == ReplanPolicy.LEAN and not self.plan.fits:
+            self.compile(self.fakes, outside, ReplanPolicy.LOWEST, budget, step_baseline,
+                         must_fit=False)
+            self.policy = ReplanPolicy.LEAN  # what was asked: LOWEST is how LEAN fits here
+        self.provisional = False
+
+    def budget_error(self) -> BudgetError:
+        """The BudgetError of this graph's plan, which misses the budget."""
+        try:
+            self.compile(self.fakes, self.outside, ReplanPolicy.LOWEST, self.backend.budget,
+                         self.step_baseline)
+        except BudgetError as err:
+            return err
+        raise AssertionError(f"{self.label()}: its lowest-peak plan fits after all")
+
+    def run(self, *args: Any) -> Any:
+        log = self.backend.plan_log
+        log.last = self.plan
+        flat = [*self.attributes, *args]
+        record = log.trace.start_run(self, flat, self.plan.held_bytes) if log.trace else None
+        if self.sink is not None:
+            self.sink.bind(flat)
+        out = self.compiled(*args)
+        if self.dropped is not None:
+            self.dropped.watch(out)
+        if record is not None:
+            record.record_outputs(out)
+        return out
+
+
+class DroppedOutputs:
+    """drop_outputs=True: the forward's non-scalar outputs, watched by storage, so that
+    the backward can say when the loop still holds one that the plan freed as the
+    forward ended (passes.liveness: its bytes then come on top of the predicted peak)."""
+
+    def __init__(self) -> None:
+        #: (weak reference, data pointer, bytes, shape) of each watched output's storage
+        self.refs: list[tuple[StorageWeakRef, int, int, tuple[int, ...]]] = []
+
+    def watch(self, out: Any) -> None:
+        self.refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().data_ptr(),
+                      t.untyped_storage().nbytes(), tuple(t.shape))
+                     for t in torch.utils._pytree.tree_leaves(out)
+                     if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+    def check(self, backward_inputs: list[Any]) -> None:
+        """At the backward's start: outputs still alive that backward does not read
+        (Python's warning filter shows the same warning once)."""
+        read = {t.untyped_storage().data_ptr() for t in backward_inputs
+                if isinstance(t, torch.Tensor)}
+        alive = [(n, shape) for ref, ptr, n, shape in self.refs
+                 if not ref.expired() and ptr not in read]
+        self.refs = []
+        if alive:
+            shapes = ", ".join(str(list(shape)) for _, shape in alive)
+            warnings.warn(
+                f"memopt planned this step with drop_outputs=True, but "
+                f"{format_bytes(sum(n for n, _ in alive))} of the forward's outputs (shapes "
+                f"{shapes}) are still alive as its backward starts: this step can exceed the "
+                f"plan's predicted peak by that much. Drop every output but the loss before "
+                f"calling backward (loss = model(**batch).loss), or compile without "
+                f"drop_outputs.", stacklevel=2)
+
+
+
+def _primal_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:
+    """Names of the joint graph's primals ("primals_1", ...) mapped to parameter/buffer/input.
+
+    AOTAutograd's primals are the GraphModule's own parameters and buffers, then
+    the example inputs, in order. With dynamo's inlined nn.Modules the parameters
+    arrive as inputs; a parameter is recognised by its type, a buffer by the
+    dynamo source name recorded on the placeholder.
+    """
+    kinds: list[str] = ["parameter"] * len(list(gm.parameters()))
+    kinds += ["buffer"] * len(list(gm.buffers()))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, torch.nn.Parameter):
+            kinds.append("parameter")
+            continue
+        source = ""
+        if i < len(placeholders):
+            grapharg = placeholders[i].meta.get("grapharg")
+            source = str(getattr(getattr(grapharg, "source", None), "name", ""))
+            if callable(getattr(getattr(grapharg, "source", None), "name", None)):
+                source = grapharg.source.name()
+        kinds.append("buffer" if "_buffers" in source else "input")
+    return {f"primals_{i + 1}": kind for i, kind in enumerate(kinds)}
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
+def attach_logits(compiled: Callable, attaches: list[Attach]) -> Callable:
+    """`compiled` returning what dynamo expects: the graph's extra outputs (each head's
+    projection input, memopt.passes.heads) stripped, and each head's logits given their
+    gradient through the projection (memopt.lm_head.attach_logits)."""
+    from .lm_head import attach_logits as attach  # noqa: PLC0415
+
+    extra = len(attaches)
+
+    def run(*args: Any) -> Any:
+        out = list(compiled(*args))
+        own = out[:len(out) - extra]
+        for a in attaches:
+            bias = args[a.bias] if a.bias is not None else None
+            own[a.logits] = attach(own[a.logits], out[a.h], args[a.weight], bias)
+        return own
+
+    return run
+
+
+def _ddp_fields(ddp: DDPBuckets | None) -> dict[str, int]:
+    """The plan's record of DDP's gradient buckets (their bytes are in its outside bytes,
+    through the forward's trace: memopt.steps)."""
+    if ddp is None:
+        return {}
+    return {"ddp_bucket_bytes": ddp.nbytes, "ddp_bucket_counted_bytes": ddp.counted_bytes}
+
+
+def aliased_output_grad_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the output gradients autograd forms outside the compiled backward.
+
+    AOTAutograd returns one tensor per storage and regenerates outputs that alias another
+    output (`return h, h`, a slice of an output, HF's hidden-states tuple holding the last
+    hidden state twice) or a graph input as views outside the compiled graph, so the loss's
+    gradients for those outputs are summed by autograd before the compiled backward runs
+    (and those of an input's view flow to the input outside it). While autograd sums k
+    gradients of one storage it holds up to k + 1 storage-sized buffers (the contributions,
+    a slice's gradient expanded to its base, the running sum), one of which becomes the
+    tangent the plan counts: k more, every one for an input's storage. The fuzzer
+    (tests/test_fuzz.py) measured a model returning `{"a": h[:, :1], "b": h}` 1.10x its
+    budget when the plan left them out. Dynamo hands memopt the same tensor returned
+    twice as one output, so `return h, h` is not seen here (README, "Known limits")."""
+    placeholders = {storage_key(v): True for v in
+                    (n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder"))
+                    if isinstance(v, torch.Tensor)}
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    uses: dict[Any, list[int]] = {}
+    for node in torch.utils._pytree.tree_leaves(output.args):
+        value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            storage = value.untyped_storage()
+            uses.setdefault(storage_key(value), []).append(storage.nbytes())
+    return sum(sizes[0] * len(sizes) for key, sizes in uses.items()
+               if len(sizes) > 1 or key in placeholders)
+
+
+def _grad_sink(kinds: dict[str, str], inputs: Sequence[Any]) -> tuple[GradSink, ExistingGrads]:
+    """The runtime sink and the plan's view of the `.grad` tensors of every parameter that
+    requires grad (primal `primals_{i+1}` is `inputs[i]`)."""
+    slots = {name: i for i, (name, kind) in enumerate(kinds.items())
+             if kind == "parameter" and i < len(inputs)
+             and isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad}
+    sink = GradSink(slots)
+    nbytes = {name: inputs[i].numel() * inputs[i].element_size() for name, i in slots.items()}
+    return sink, ExistingGrads(nbytes=nbytes, add=sink.add)
+
+

@@ -1,0 +1,84 @@
+"""What a memopt module has planned so far: the PlanLog a backend and its twin share.
+
+`memopt.compile` keeps one backend per module and a twin for the steps that find `.grad`
+tensors kept from earlier steps (memopt.grads); both write here. The API reads it through
+methods (the capture clock, the forward's code, a pending BudgetError), never by field.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import TYPE_CHECKING, Any
+
+from .errors import BudgetError, CaptureError
+from .memory_plan import MemoryPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .compiled_graph import CompiledGraph
+    from .ddp import DDPBuckets
+    from .steps import ForwardTrace
+
+
+@dataclass
+class PlanLog:
+    """Plans in capture order and the plan of the graph that ran last."""
+
+    plans: list[MemoryPlan] = field(default_factory=list)
+    last: MemoryPlan | None = None
+    graphs: dict[bool, int] = field(default_factory=dict)  # captured, by existing_grads
+    graph_limit: int = 8  # the most graphs of one kind (dynamo's recompile_limit)
+    #: Graph breaks: the forward now running (memopt.steps), every graph built, the graphs
+    #: the last forward ran (in order), the code object of the model's forward (a graph
+    #: of it that returns is the whole step), and a BudgetError a re-plan raised, for
+    #: the next call.
+    trace: ForwardTrace | None = None
+    graphs_built: list[CompiledGraph] = field(default_factory=list)
+    last_runs: tuple[CompiledGraph, ...] = ()
+    forward_code: CodeType | None = None
+    pending: BudgetError | None = None
+    warned_eager: bool = False
+    #: every graph built, by what makes two of dynamo's graphs the same step to plan
+    #: (memopt.backend.graph_key), and how many times dynamo handed over one already built
+    by_key: dict[tuple, CompiledGraph] = field(default_factory=dict)
+    retraced: int = 0
+    step_baselines: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: perf_counter when the compiled call began or the last graph was planned: a plan's
+    #: capture time (dynamo's and AOTAutograd's tracing) runs from here to partition_fn
+    clock: float = 0.0
+    #: the gradient buckets of the DDP running the current forward (None: no DDP)
+    ddp: DDPBuckets | None = None
+
+    def start_clock(self) -> None:
+        """Capture time counts from now (a compiled call begins, or a graph was planned)."""
+        self.clock = time.perf_counter()
+
+    def capture_seconds(self) -> float:
+        """Seconds since `start_clock` (0 when it never ran)."""
+        return max(0.0, time.perf_counter() - self.clock) if self.clock else 0.0
+
+    def set_forward(self, forward: Any) -> None:
+        """The model's forward: a graph of its code that returns is the whole step."""
+        self.forward_code = getattr(forward, "__func__", forward).__code__
+
+    def raise_pending(self) -> None:
+        """Raise the BudgetError a re-plan after graph breaks left for this call."""
+        if self.pending is not None:
+            raise self.pending
+
+    def record(self, plan: MemoryPlan) -> None:
+        self.plans.append(plan)
+        self.start_clock()
+
+    def count_graph(self, existing_grads: bool) -> None:
+        """One more captured graph of this kind: refuse past the limit, naming the fix."""
+        count = self.graphs.get(existing_grads, 0) + 1
+        if count > self.graph_limit:
+            raise CaptureError(
+                f"memopt plans each input shape / dtype / train-eval mode separately and this "
+                f"module has now seen more than torch._dynamo.config.recompile_limit = "
+                f"{self.graph_limit} of them. Pad inputs to a few bucket sizes, or raise "
+                f"that limit (torch._dynamo.config.patch(recompile_limit=...)) if every "
+                f"shape really needs its own plan.")
+        self.graphs[existing_grads] = count

@@ -1,0 +1,179 @@
+"""Recurrent chains as an op family (planner.families): each chain's Gruslys policy.
+
+A chain (passes.chains: an `nn.LSTM`/`nn.GRU`/`nn.RNN` split into chunks, or a user's
+cell loop found in the graph) runs under a (chunk length, strategy, m) policy of
+Gruslys et al. 2016: BPTT-HSM, ISM or MSM (Sec. 3.1-3.4), priced by the exact liveness
+of the step and by each chunk's measured call time (passes.chains.ChunkCosts).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import fx
+
+from memopt.passes import chains as chain_pass
+
+from ..budget import format_bytes
+from ..memory_plan import ChainRecord
+from .build import Built
+from .families import Choice, ChoiceContext, Sites, unchanged
+
+log = logging.getLogger("memopt")
+
+
+class ChainFamily:
+    """Recurrent chains (Gruslys et al. 2016)."""
+
+    find_stage = "recurrent chains"
+    choose_stage = "recurrent chain policies"
+    plan_field = "chains"
+
+    def find(self, joint: fx.GraphModule) -> list[chain_pass.ChainSite]:
+        return chain_pass.find_chains(joint)
+
+    def costs(self, joint: fx.GraphModule, site: chain_pass.ChainSite
+              ) -> chain_pass.ChunkCosts:
+        return chain_pass.chunk_costs(joint, site)
+
+    def initial(self, site: chain_pass.ChainSite, costs: chain_pass.ChunkCosts
+                ) -> chain_pass.ChainConfig:
+        """One chunk (t = 1): no recomputation, eager's memory."""
+        return chain_pass.configure(site, costs, site.steps, 1)
+
+    def apply(self, graphs: list[fx.GraphModule], site: chain_pass.ChainSite,
+              config: chain_pass.ChainConfig) -> None:
+        chain_pass.apply(graphs, site, config)
+
+    def choose(self, found: Sites, ctx: ChoiceContext) -> list[Choice]:
+        """Each recurrent chain's policy (Gruslys et al. 2016: BPTT-HSM, ISM or MSM),
+        chosen before Chen's planner sees the rest of the graph.
+
+        Step 1: every chain starts as one chunk (t = 1: no recomputation, eager's memory).
+        Step 2: with no budget, or when that fits, done (`unchanged`).
+        Step 3: else, chain by chain, price every (chunk length, strategy, m) of its grid
+            (chain_pass.configurations) by the exact liveness of one build (only the
+            chain's held and workspace bytes change between configurations: one run per
+            distinct bytes), other chains fixed, against a goal: the peak less this
+            chain's share of the bytes still over the target (the excess over the chains
+            left, this one included), so that the first chain of several (a
+            bidirectional RNN's, a stack's) is not split to its lowest peak while the
+            others stay whole.
+        Step 4: between the longest grid chunk that fits with every boundary kept
+            (m = t) and the next longer grid chunk, bisect for the longest chunk that
+            fits (chain_pass.longest_fitting_chunk): its T - L recomputed steps can beat
+            the grid. Take the configuration that fits the goal in the least estimated
+            time (chunk calls at their measured cost; then the fewest recomputed steps),
+            else the lowest peak, and leave the rest of the budget to the Chen planner.
+        Step 5: with several chains, when they fit together, each chooses again (Steps
+            3-4) against the target itself, the others fixed at their choice, among the
+            configurations estimated faster than its own.
+        """
+        kept, built = unchanged(found, ctx)
+        if kept is not None:
+            return kept
+        pricing = _Pricing(found, ctx, built)
+        sites = found.sites
+        # Step 3: each chain in turn removes its share of what is still over the target
+        chosen: dict[str, Choice] = {}
+        now = built.peak_bytes
+        for k, s in enumerate(sites):
+            goal = max(ctx.target, now - (now - ctx.target) // (len(sites) - k))
+            chosen[s.fwd], now = pricing.choose(s, goal)
+        # Step 5: with several chains, each chooses again, the others fixed, against the
+        # target itself: a chain that took more than its share lets the others split less
+        if len(sites) > 1 and now <= ctx.target:
+            for s in sites:
+                chosen[s.fwd], now = pricing.choose(s, ctx.target, kept=now)
+        for s in sites:
+            found.run(s, pricing.current[s.fwd], built.fw, built.bw)
+        return [chosen[s.fwd] for s in sites]
+
+    def faster(self, choice: Choice, costs: chain_pass.ChunkCosts
+               ) -> list[chain_pass.ChainConfig]:
+        grid = [g for g in chain_pass.configurations(choice.site, costs)
+                if g.seconds < choice.config.seconds]
+        return sorted(grid, key=lambda g: (g.seconds, g.recompute_steps, g.held_bytes))
+
+    def record(self, c: Choice) -> ChainRecord:
+        return ChainRecord(
+            module=c.site.name, module_type=c.site.module_type, steps=c.site.steps,
+            chunk=c.config.chunk, t=c.config.t, m=c.config.m,
+            strategy=c.config.policy.strategy, alpha=c.config.policy.alpha,
+            beta=c.config.policy.beta, cost=c.config.policy.cost,
+            recompute_steps=c.config.recompute_steps, estimated_seconds=c.config.seconds,
+            recompute_flops=self.recompute_flops(c), hidden_bytes=c.site.hidden_bytes,
+            internal_bytes=c.config.internal_bytes, held_bytes=c.config.held_bytes,
+            forward_workspace_bytes=c.config.forward_workspace_bytes,
+            workspace_bytes=c.config.workspace_bytes, reason=c.reason)
+
+    def forward_flops(self, site: chain_pass.ChainSite) -> int:
+        return site.steps * site.step_flops
+
+    def recompute_flops(self, choice: Choice) -> int:
+        return choice.config.recompute_steps * choice.site.step_flops
+
+
+class _Pricing:
+    """Steps 3-4 of `ChainFamily.choose` for one chain at a time, on one build whose
+    other chains run what `current` says."""
+
+    def __init__(self, found: Sites, ctx: ChoiceContext, built: Built) -> None:
+        self.found, self.ctx, self.built = found, ctx, built
+        self.current = dict(found.current)
+
+    @staticmethod
+    def _bytes(config: chain_pass.ChainConfig) -> tuple[int, int, int]:
+        # liveness sees only these bytes: policies that share them share a peak
+        return (config.held_bytes, config.forward_workspace_bytes, config.workspace_bytes)
+
+    def choose(self, s: chain_pass.ChainSite, goal: int, kept: int | None = None
+               ) -> tuple[Choice, int]:
+        """``kept``: the peak with the chain's current configuration, which fits the
+        goal: only the configurations estimated faster are priced besides it."""
+        costs, built, target = self.found.costs[s.fwd], self.built, self.ctx.target
+        peaks: dict[tuple[int, int, int], int] = {}  # other chains as in ``current``
+        tried: set[tuple[int, str, int]] = set()
+
+        def peak(config: chain_pass.ChainConfig) -> int:
+            tried.add((config.chunk, config.policy.strategy, config.m))
+            key = self._bytes(config)
+            if key not in peaks:
+                chain_pass.apply([built.fw, built.bw], s, config)
+                peaks[key] = self.ctx.peak(built)
+            return peaks[key]
+
+        grid = chain_pass.configurations(s, costs)
+        if kept is not None:
+            mine = self.current[s.fwd]
+            peaks[self._bytes(mine)] = kept
+            grid = [mine, *(c for c in grid if c.seconds < mine.seconds)]
+        priced = [(peak(c), c) for c in grid]
+        fitting = [(p, c) for p, c in priced if p <= goal]
+        full = [c.chunk for _, c in fitting
+                if c.policy.strategy == "hsm" and c.m == c.t and c.t > 1]
+        if full:  # Step 4: bisect past the grid
+            lo = max(full)
+            hi = min((c.chunk for c in grid if c.chunk > lo), default=lo + 1)
+            refined = chain_pass.longest_fitting_chunk(
+                s, costs, lambda c: peak(c) <= goal, lo, hi)
+            if refined is not None:
+                fitting.append((peak(refined), refined))
+        if fitting:
+            fitting.sort(key=lambda pc: (pc[1].seconds, pc[1].recompute_steps, pc[1].t, pc[0]))
+            for p, c in fitting[:5]:
+                log.debug("memopt chain %s: fits: %d x %d, %s m=%d, %d steps recomputed, "
+                          "%.1f ms, peak %s", s.name, c.t, c.chunk, c.policy.strategy, c.m,
+                          c.recompute_steps, c.seconds * 1e3, format_bytes(p))
+            p, best = fitting[0]
+            reason = (f"least estimated time of the {len(fitting)} of {len(tried)} "
+                      f"policies priced that fit")
+            if goal > target:
+                reason += f" its share of the excess (a peak of {format_bytes(goal)})"
+        else:
+            p, best = min(priced, key=lambda pc: (pc[0], pc[1].recompute_steps))
+            reason = (f"lowest peak of {len(priced)} policies (none fits alone; the Chen "
+                      f"planner recomputes the rest)")
+        chain_pass.apply([built.fw, built.bw], s, best)
+        self.current[s.fwd] = best
+        return Choice(s, best, reason), p

@@ -1,0 +1,258 @@
+"""plan_joint: memopt's planner over one joint forward+backward graph, stage by stage.
+
+    request -> prepare -> op families (find, one chunk) -> step model -> baseline
+            -> budget -> op families (choose) -> mirror set (Chen) -> relax families
+            -> exact build -> MemoryPlan
+
+Each stage is a pass in `memopt.passes`, a solver in `memopt.allocator` or a module of
+this package (build, chen, families, assemble); `plan_joint` runs them in order, and a
+stage that fails is re-raised as PassError naming it and the stages before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from torch import fx
+from tqdm.auto import tqdm
+
+from memopt.passes._torch_compat import dce_impure_random
+from memopt.passes.embedding_grads import add_embedding_grads_in_place
+from memopt.passes.partition import find_cut, forward_region, read_concat_views
+from memopt.passes.recompute import mirrorable, node_flops
+from memopt.passes.simulate import Simulated, StepModel
+
+from ..budget import format_bytes
+from ..errors import BudgetError
+from ..memory_plan import MemoryPlan, SearchCandidate
+from .assemble import Decisions, assemble
+from .build import Built, Mirror, allocation_granularity, as_simulated, build, device_of, stage
+from .chain_family import ChainFamily
+from .chen import choose_mirror, solve_exactly
+from .families import ChoiceContext, HeadFamily, ReversibleFamily, Sites, relax
+from .observe import Observed, is_verifying, notify, verify
+from .request import PlanRequest
+
+log = logging.getLogger("memopt")
+
+#: Seconds a plan runs before its progress bar shows.
+PROGRESS_DELAY = 2.0
+
+#: memopt's op families, in the order they are found in the joint graph.
+CHAINS, HEADS, REVERSIBLE = ChainFamily(), HeadFamily(), ReversibleFamily()
+FAMILIES = (CHAINS, HEADS, REVERSIBLE)
+#: The order they choose in: a head's chunk is fixed before the chains take their share
+#: of what is still over the budget (a head's bytes are one matmul's to recompute).
+CHOOSE_ORDER = (HEADS, CHAINS, REVERSIBLE)
+#: The order they are relaxed in after the mirror set: chains first, whose faster
+#: policies save whole recomputed time steps.
+RELAX_ORDER = (CHAINS, HEADS)
+
+
+def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
+    """Run memopt's passes on `request.joint`; return the forward, the backward and the
+    plan (PlanRequest says what each field asks).
+
+    Step 1: a tied embedding's gradient added into the weight's other gradient
+        (passes.embedding_grads), and minimum dependencies declared
+        (passes.partition.read_concat_views).
+    Step 2: memopt's op families found, each site run as one chunk (planner.families).
+    Step 3: the step model the search scores candidates on (passes.simulate), and the
+        baseline: no in-place, no recomputation.
+    Step 4: the budget in bytes, less headroom for a byte budget.
+    Step 5: each op family's configuration under the budget.
+    Step 6: the mirror set: the user's (`options.mirror`), none when the plan without
+        recomputation fits, else Chen's search (planner.chen); then each family takes the
+        fastest configuration that still fits with that mirror set.
+    Step 7: the exact build of the choice and its plan (planner.assemble), with the
+        timelines of live bytes by kind of the step and of the baseline.
+    """
+    run = _Planning(request)
+    run.prepare()                                   # Step 1
+    run.find_families()                             # Step 2
+    run.model_step()                                # Step 3
+    run.resolve_budget()                            # Step 4
+    run.choose_families()                           # Step 5
+    mirror, search = run.mirror_set()               # Step 6
+    expected = run.simulate(mirror).peak_bytes
+    if request.must_fit and run.fits is not None and expected > run.fits:
+        run.bar.close()  # below reach: no graphs to build (the simulated peak is the build's)
+        raise run.budget_error(expected)
+    return run.finish(mirror, search, expected)     # Step 7
+
+
+class _Planning:
+    """The state of one `plan_joint` call, one method a step."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request, self.t0, self.done = request, time.perf_counter(), []
+        self.joint, self.n = request.joint, request.num_fwd_outputs
+        self.options, self.step = request.options, request.step
+        self.found: dict[object, Sites] = {}
+        self.cache: dict[tuple, Simulated] = {}
+
+    def build(self, mirror: Mirror, inplace: bool | None = None, done: list | None = None
+              ) -> Built:
+        inplace = self.options.inplace if inplace is None else inplace
+        return build(self.joint, self.n, mirror, inplace=inplace, step=self.step,
+                     done=[] if done is None else done)
+
+    # Step 1
+    def prepare(self) -> None:
+        with stage("tied embedding gradients", self.done):
+            add_embedding_grads_in_place(self.joint)
+        with stage("minimum dependencies", self.done):
+            read_concat_views(self.joint, self.n, find_cut(self.joint, self.n))
+
+    # Step 2
+    def find_families(self) -> None:
+        for family in FAMILIES:
+            found = Sites(family, self.joint, family.find(self.joint))
+            if found.sites:
+                with stage(family.find_stage, self.done):  # one chunk: for the baseline
+                    found.begin()
+            self.found[family] = found
+
+    # Step 3
+    def model_step(self) -> None:
+        r = self.request
+        self.gran = allocation_granularity(device_of(self.joint))
+        with stage("step model", self.done):
+            self.model = StepModel(
+                self.joint, self.n, mutable_inputs=self.step.mutable_inputs,
+                primal_kinds=r.primal_kinds, existing_grads=self.step.existing_grad_bytes,
+                accumulate=r.grads.add if r.grads is not None else None,
+                outside_grad_bytes=r.outside_grad_bytes, outside=r.outside.bytes(),
+                granularity=self.gran, impure_random=dce_impure_random(),
+                outputs_dropped=self.step.outputs_dropped)
+        notify(Observed(model=self.model, joint=self.joint, num_fwd_outputs=self.n,
+                        primal_kinds=r.primal_kinds, options=self.options))
+        label = f" {r.label}" if r.label else ""
+        self.bar = tqdm(desc=f"memopt: planning{label}", unit=" plans", delay=PROGRESS_DELAY,
+                        leave=False, disable=None if self.options.progress else True)
+        with stage("baseline", self.done):
+            self.baseline = self.simulate(Mirror(), inplace=False, kinds=True)  # its timeline
+
+    def simulate(self, mirror: Mirror, inplace: bool | None = None, kinds: bool = False
+                 ) -> Simulated:
+        """The simulated step of `mirror` with every family as it runs now (cached: the
+        families' configurations are part of the key)."""
+        inplace = self.options.inplace if inplace is None else inplace
+        key = (mirror, inplace, tuple(f.key() for f in self.found.values()))
+        if key not in self.cache or (kinds and not self.cache[key].kinds):
+            result = self.model.simulate(mirror.names, mirror.twice, inplace,
+                                         kinds=kinds or is_verifying())
+            if is_verifying():
+                verify(result, self.build(mirror, inplace), mirror)
+            self.bar.update()
+            self.cache[key] = result
+        return self.cache[key]
+
+    # Step 4
+    def resolve_budget(self) -> None:
+        r = self.request
+        base = self.baseline.peak_bytes
+        self.budget_bytes = r.budget.resolve(r.step_baseline or base) \
+            if r.budget is not None else None
+        # Headroom guards byte budgets against what the plan does not model; a fraction
+        # is of memopt's own predicted baseline, which leaves that out too (1.0 fits).
+        self.headroom = self.options.headroom \
+            if r.budget is not None and r.budget.nbytes is not None else 0.0
+        self.fits = self.budget_bytes - math.ceil(self.budget_bytes * self.headroom) \
+            if self.budget_bytes else None  # what the plan must fit
+        self.target = 1 if r.lowest_peak else self.fits  # what the search aims at
+
+    # Step 5
+    def choose_families(self) -> None:
+        ctx = ChoiceContext(self.joint, self.n, self.target, self.step, self.build)
+        for family in CHOOSE_ORDER:
+            found = self.found[family]
+            if found.sites:
+                with stage(family.choose_stage, self.done):
+                    found.choices = family.choose(found, ctx)
+
+    # Step 6
+    def mirror_set(self) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
+        r, target, mirror, search = self.request, self.target, Mirror(), ()
+        if self.options.mirror == "all":
+            mirror = Mirror(frozenset(n.name for n in mirrorable(
+                self.joint, self.n, self.step.mutable_inputs)))
+        elif self.options.mirror is not None:
+            mirror = Mirror(frozenset(self.options.mirror))
+        elif target is not None and self.simulate(Mirror()).peak_bytes > target:
+            with stage("budget search", self.done):
+                # the peak-directed path only where the step is this one graph: with graph
+                # breaks its lean plans measured above their prediction
+                # (tests/test_graph_breaks); what a whole step holds outside its graph is a
+                # constant (DDP's buckets)
+                path = not r.lowest_peak and (r.whole_step or not (
+                    r.outside.forward or r.outside.backward))
+                mirror, search = choose_mirror(self.joint, self.n, target,
+                                               self.step.mutable_inputs, self.simulate, path)
+            if self.options.solver == "milp":
+                with stage("exact solver", self.done):
+                    mirror, search = solve_exactly(self.model, target, self.simulate, mirror,
+                                                   search, self.options.solver_seconds)
+        relaxing = [self.found[f] for f in RELAX_ORDER if self.found[f].choices]
+        if target is not None and relaxing and self.simulate(mirror).peak_bytes <= target:
+            with stage("faster heads and chains within the mirror set", self.done):
+                def peak() -> int:
+                    return self.model.simulate(mirror.names, mirror.twice,
+                                               self.options.inplace).peak_bytes
+                for found in relaxing:
+                    relax(found, peak, target)
+        return mirror, search
+
+    def budget_error(self, peak: int) -> BudgetError:
+        r = self.request
+        words = [r.label] if r.label else []
+        if r.grads is not None:
+            words.append("the step that finds .grad kept from earlier steps: gradient "
+                         "accumulation, zero_grad(set_to_none=False)")
+        err = BudgetError(
+            budget_bytes=self.budget_bytes, minimum_bytes=math.ceil(peak / (1 - self.headroom)),
+            baseline_bytes=self.baseline.peak_bytes, budget=str(r.budget),
+            headroom=self.headroom, byte_headroom=self.options.headroom,
+            step=f" ({'; '.join(words)})" if words else "")
+        err.plan_seconds = time.perf_counter() - self.t0
+        return err
+
+    # Step 7
+    def finish(self, mirror: Mirror, search: tuple[SearchCandidate, ...], expected: int
+               ) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
+        self.bar.set_postfix_str("building the plan's graphs")
+        final = self.build(mirror, done=self.done)
+        if final.peak_bytes != expected:  # a disagreement: the exact build decides
+            log.warning("memopt: the step simulator predicted a peak of %d bytes, the exact "
+                        "build %d (please report this model); planning with exact builds",
+                        expected, final.peak_bytes)
+            if search:
+                with stage("budget search", self.done):
+                    mirror, search = choose_mirror(
+                        self.joint, self.n, self.target, self.step.mutable_inputs,
+                        lambda m: as_simulated(self.build(m)))
+                final = self.build(mirror)
+        families = tuple(self.found[f] for f in FAMILIES)
+        # memopt's own ops count one element an output in node_flops: add what they run
+        forward_flops = sum(node_flops(n) for n in forward_region(self.joint, self.n)
+                            if n.op == "call_function") + sum(
+            f.forward_flops() for f in families)
+        decisions = Decisions(budget_bytes=self.budget_bytes, fits=self.fits,
+                              baseline=self.baseline, search=search, families=families,
+                              forward_flops=forward_flops)
+        with stage("allocator", self.done):
+            plan = assemble(final, self.request, decisions, device_of(final.fw), self.gran,
+                            time.perf_counter() - self.t0)
+        self.bar.close()
+        log.info(
+            "memopt: peak %s -> %s (lower bound %s, arena %s), %d in-place, %d saved tensors, "
+            "%d recomputed, planned in %.2fs", format_bytes(plan.baseline_peak_bytes),
+            format_bytes(plan.predicted_peak_bytes), format_bytes(plan.lower_bound_bytes),
+            format_bytes(plan.arena_bytes), len(final.rewrites), len(plan.saved),
+            len(final.recomputed), plan.plan_seconds)
+        if self.request.must_fit and self.fits is not None \
+                and plan.predicted_peak_bytes > self.fits:
+            raise self.budget_error(plan.predicted_peak_bytes)
+        return final.fw, final.bw, plan

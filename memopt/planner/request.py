@@ -1,0 +1,147 @@
+"""What one call of the planner is asked: the request, the step around the graph, options.
+
+A `PlanRequest` is built once, at the edge (memopt.backend), and validated there; the
+planner's stages only read it. `StepContext` is the part every build of the step needs
+for its liveness: what each primal is, the `.grad` tensors kept from earlier steps, and
+what the rest of the training step holds around this graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from memopt.passes.liveness import StepSchedule, analyze_liveness
+
+from ..budget import Budget
+from ..steps import Outside
+
+
+@dataclass(frozen=True)
+class ExistingGrads:
+    """The step in which parameters' `.grad` tensors already exist (gradients kept between
+    steps, gradient accumulation: memopt.grads). `nbytes` maps each parameter primal to its
+    `.grad`'s bytes, resident for the whole step; `add` is the runtime's
+    `GradSink.add`, which the backward calls with each new gradient as soon as it is
+    complete (passes.gradients)."""
+
+    nbytes: dict[str, int]
+    add: Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a step holds or forms besides its joint graph's values: the kind of every
+    primal (parameter / buffer / input), the `.grad` tensors kept from earlier steps, and
+    `outside_grad_bytes`, the gradients autograd forms outside the compiled backward
+    (outputs that alias each other or an input: memopt.backend). Liveness of any build of
+    the step comes from here."""
+
+    primal_kinds: dict[str, str]
+    grads: ExistingGrads | None = None
+    outside_grad_bytes: int = 0
+    #: What the rest of the step holds while this graph's forward and its backward run
+    #: (the other graphs of a forward with graph breaks, unused parameters: memopt.steps).
+    outside: Outside = Outside()
+    #: The caller drops every output but its scalar loss before backward (passes.liveness)
+    outputs_dropped: bool = False
+
+    @property
+    def mutable_inputs(self) -> frozenset[str]:
+        """Primals the step may mutate (buffers: BatchNorm statistics, counters)."""
+        return frozenset(name for name, kind in self.primal_kinds.items() if kind == "buffer")
+
+    @property
+    def existing_grad_bytes(self) -> dict[str, int] | None:
+        return self.grads.nbytes if self.grads is not None else None
+
+    def liveness(self, fw: fx.GraphModule, bw: fx.GraphModule, saved: frozenset[str],
+                 num_user_outputs: int) -> StepSchedule:
+        return analyze_liveness(
+            fw, bw, saved=saved, num_user_outputs=num_user_outputs,
+            primal_kinds=self.primal_kinds, existing_grads=self.existing_grad_bytes,
+            outside_grad_bytes=self.outside_grad_bytes,
+            outside_bytes=self.outside.bytes(), outputs_dropped=self.outputs_dropped)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Pipeline switches (the defaults are what `memopt.compile` runs)."""
+
+    inplace: bool = True
+    #: Forward node names to recompute in backward (m(v) = 1), or "all" for every
+    #: mirrorable node; None: decided by the budget search. An expert override.
+    mirror: frozenset[str] | str | None = None
+    #: Fraction of the budget kept free for what the plan does not model (library
+    #: workspaces such as convolution scratch space, allocator rounding beyond 512 B,
+    #: fragmentation): the plan's peak must fit in budget * (1 - headroom), for byte
+    #: budgets (a fraction is of memopt's own predicted baseline). Calibrated
+    #: on CPU: the largest measured excess over the prediction was 5.3% (ResNet-50,
+    #: BatchNorm recomputed, convolutions kept); 3% let a 305 MiB budget measure 309.
+    headroom: float = 0.06
+    #: "milp": also solve the exact MILP (memopt.allocator.milp, the `[solver]` extra) and
+    #: take its plan where it recomputes less than Alg. 3's; None: Alg. 3 + grid only.
+    solver: str | None = None
+    #: Seconds HiGHS may spend per solve (its best plan so far is used after that).
+    solver_seconds: float = 30.0
+    #: A progress bar (tqdm, on stderr) for a budget search that runs longer than
+    #: PROGRESS_DELAY seconds, when stderr is a terminal; False: never.
+    progress: bool = True
+    #: True: the training loop keeps only the scalar loss past the forward and drops the
+    #: other outputs before backward (``model(**batch).loss.backward()``, the HF Trainer),
+    #: so the plan frees them as the forward ends, unless backward reads them. Only for a
+    #: step that is one graph; memopt warns at backward when such an output is still
+    #: alive (memopt.backend). False: every output is held until the step ends.
+    drop_outputs: bool = False
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One graph to plan (memopt.planner.plan_joint), checked once when it is made.
+
+    `joint` is AOTAutograd's joint graph, its first `num_fwd_outputs` outputs the
+    forward's. `step` says what the step holds around it (StepContext). `label` names
+    the graph in a BudgetError when the step has several. `lowest_peak`: aim at the
+    graph's lowest-peak plan whatever the budget (a graph that must leave room for the
+    graphs after it: memopt.graph_breaks); a BudgetError is raised only when the budget
+    itself is missed, and only if `must_fit` (else the caller reads `plan.fits`).
+    `step_baseline`: the baseline peak of the whole step a fraction budget is of, when
+    the step has several graphs (else this graph's). `whole_step`: the graph is the whole
+    forward, so what `step.outside` holds (DDP's gradient buckets, parameters it does not
+    take) is held unchanged through its step, and the peak-directed path plans around it;
+    only then does `options.drop_outputs` apply.
+    """
+
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    budget: Budget | None
+    primal_kinds: dict[str, str]
+    options: Options = Options()
+    grads: ExistingGrads | None = None
+    outside_grad_bytes: int = 0
+    outside: Outside = Outside()
+    label: str = ""
+    lowest_peak: bool = False
+    step_baseline: int | None = None
+    must_fit: bool = True
+    whole_step: bool = False
+    step: StepContext = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_fwd_outputs < 0:
+            raise ValueError(f"num_fwd_outputs must be >= 0, got {self.num_fwd_outputs}")
+        if self.outside_grad_bytes < 0:
+            raise ValueError(f"outside_grad_bytes must be >= 0, got {self.outside_grad_bytes}")
+        if self.step_baseline is not None and self.step_baseline <= 0:
+            raise ValueError(f"step_baseline must be positive, got {self.step_baseline}")
+        if not 0 <= self.options.headroom < 1:
+            raise ValueError(f"headroom must be in [0, 1), got {self.options.headroom}")
+        unknown = set(self.primal_kinds.values()) - {"parameter", "buffer", "input"}
+        if unknown:
+            raise ValueError(f"primal kinds must be parameter, buffer or input: {unknown}")
+        object.__setattr__(self, "step", StepContext(
+            self.primal_kinds, self.grads, self.outside_grad_bytes, self.outside,
+            outputs_dropped=self.options.drop_outputs and self.whole_step))
