@@ -18,7 +18,6 @@ at the first call). See README.md, "Bad input".
 from __future__ import annotations
 
 import functools
-import time
 import warnings
 from typing import Any
 

@@ -35,9 +35,9 @@ from .recurrent import modules as _chain_runtime  # noqa: F401
 from memopt.passes._torch_compat import (CompilingFrame, compiling_frame, last_guard_failure,
                                          storage_key)
 from .budget import Budget, parse_budget
-from .compiled_graph import CompiledGraph, PlanOnly, aliased_output_grad_bytes
+from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
-from .errors import CaptureError, PassError
+from .errors import BudgetError, CaptureError, PassError
 from .graph_breaks import ReplanPolicy, replan_forward, step_baseline
 from .memory_plan import MemoryPlan, StepPlan
 from .plan_log import PlanLog
@@ -199,7 +199,8 @@ class MemoptBackend:
         once."""
         self.plan_log.retraced += 1
         if self.plan_log.retraced == 2:
-            reason = last_guard_failure(frame.code) or last_guard_failure(self.plan_log.forward_code)
+            reason = (last_guard_failure(frame.code)
+                      or last_guard_failure(self.plan_log.forward_code))
             warnings.warn(
                 "dynamo traces this model's forward again at every call"
                 f"{f' (its guard failed: {reason})' if reason else ''}: Python state the "

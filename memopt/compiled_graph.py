@@ -12,6 +12,7 @@ loop still holds an output the plan freed (DroppedOutputs).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
