@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from memopt.passes._torch_compat import (FailOnRecompileLimitHit, ignored_logging_config, recompile_limit,
-                            unwrap_backend_error)
+from memopt.passes._torch_compat import (FailOnRecompileLimitHit, dynamo_config_patch,
+                                         dynamo_error_lines, ignored_logging_config,
+                                         is_dynamo_error, pytree, recompile_limit,
+                                         unwrap_backend_error)
 from .backend import MemoptBackend
 from .compiled_graph import PlanOnly
 from .ddp import buckets_of
@@ -62,7 +63,7 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
     backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
     backend.plan_log.start_clock()  # a plan's capture time counts from here
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS,
+        with dynamo_config_patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS,
                                         **_DYNAMO_DDP, **ignored_logging_config()):
             return fn(*args, **kwargs)
     except (MemoptError, PlanOnly):
@@ -85,7 +86,7 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
         mismatch = _input_mismatch(model, args, kwargs, err)
         if mismatch is not None:  # the message quotes err; its traceback is torch's internals
             raise mismatch from None
-        if type(err).__module__.startswith("torch._dynamo"):
+        if is_dynamo_error(err):
             raise CaptureError(_capture_message(err)) from err
         raise
 
@@ -129,14 +130,8 @@ def _input_mismatch(model: nn.Module, args: tuple, kwargs: dict,
 
 def _capture_message(err: BaseException) -> str:
     """The first line of dynamo's error and the innermost user-code line it points at."""
-    text = str(err).strip()
-    first = text.splitlines()[0] if text else type(err).__name__
-    where = ""
-    if "from user code:" in text:
-        frames = [ln.strip() for ln in text.split("from user code:", 1)[1].splitlines()
-                  if ln.strip().startswith("File ")]
-        if frames:
-            where = f" at {frames[-1]}"
+    first, frame = dynamo_error_lines(err)
+    where = f" at {frame}" if frame else ""
     return (
         f"memopt could not capture the model as one training graph: {type(err).__name__}: "
         f"{first}{where}. One graph is needed by memopt.plan (it never runs the code "

@@ -33,7 +33,7 @@ from . import nn as _reversible_runtime  # noqa: F401
 from .recurrent import modules as _chain_runtime  # noqa: F401
 
 from memopt.passes._torch_compat import (CompilingFrame, compiling_frame, last_guard_failure,
-                                         storage_key)
+                                         pytree, storage_key)
 from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
@@ -310,7 +310,7 @@ def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], frame: Compilin
 
 def _needs_grad(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad
-               for t in torch.utils._pytree.tree_leaves(value))
+               for t in pytree.tree_leaves(value))
 
 
 def memopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Callable:

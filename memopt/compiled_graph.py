@@ -19,7 +19,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified,
+from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified, pytree,
                                          loss_decompositions, make_boxed, storage_key)
 from memopt.passes.heads import Attach
 
@@ -201,7 +201,7 @@ class DroppedOutputs:
     def watch(self, out: Any) -> None:
         self.refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().data_ptr(),
                       t.untyped_storage().nbytes(), tuple(t.shape))
-                     for t in torch.utils._pytree.tree_leaves(out)
+                     for t in pytree.tree_leaves(out)
                      if isinstance(t, torch.Tensor) and t.dim() > 0]
 
     def check(self, backward_inputs: list[Any]) -> None:
@@ -299,7 +299,7 @@ def aliased_output_grad_bytes(gm: fx.GraphModule) -> int:
                     if isinstance(v, torch.Tensor)}
     output = next(iter(gm.graph.find_nodes(op="output")))
     uses: dict[Any, list[int]] = {}
-    for node in torch.utils._pytree.tree_leaves(output.args):
+    for node in pytree.tree_leaves(output.args):
         value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
         if isinstance(value, torch.Tensor) and value.requires_grad:
             storage = value.untyped_storage()

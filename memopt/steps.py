@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from memopt.passes._torch_compat import storage_ref
+from memopt.passes._torch_compat import pytree, storage_ref
 
 StorageId = tuple[str, int]
 

@@ -15,6 +15,15 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+# The types of an aten or custom operator (a call_function node's target).
+from torch._ops import OpOverload, OpOverloadPacket  # noqa: F401
+
+# Pytrees (nested lists, tuples, dicts of tensors), as torch.compile flattens them.
+import torch.utils._pytree as pytree  # noqa: F401
+
+# The FakeTensorMode a graph's values were traced under.
+from torch._guards import detect_fake_mode  # noqa: F401
+
 # AOTAutograd's entry point used inside a torch.compile backend.
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
 
@@ -277,3 +286,40 @@ def dce_impure_random() -> bool:
 
         return bool(inductor_config.fallback_random)
     return True
+
+
+def dynamo_config_patch(**changes: Any) -> Any:
+    """torch._dynamo.config.patch: dynamo's settings changed inside a `with` block only."""
+    return torch._dynamo.config.patch(**changes)
+
+
+def is_dynamo_error(err: BaseException) -> bool:
+    """Whether dynamo itself raised `err` (a capture failure, not the user's code)."""
+    return type(err).__module__.startswith("torch._dynamo")
+
+
+def functorch_config() -> Any:
+    """torch._functorch.config (activation_memory_budget: the peer memopt is measured
+    against, inside its own `config.patch`)."""
+    import torch._functorch.config as config  # noqa: PLC0415
+
+    return config
+
+
+def rnn_kernels() -> Any:
+    """torch._VF: the fused RNN kernels nn.LSTM / nn.GRU / nn.RNN's forward calls."""
+    from torch import _VF  # noqa: PLC0415
+
+    return _VF
+
+
+def dynamo_error_lines(err: BaseException) -> tuple[str, str]:
+    """(the first line of dynamo's error, the innermost user-code frame it points at: ""
+    when it names none). Dynamo's message format is not an API: read here only."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    frames = []
+    if "from user code:" in text:
+        frames = [ln.strip() for ln in text.split("from user code:", 1)[1].splitlines()
+                  if ln.strip().startswith("File ")]
+    return first, frames[-1] if frames else ""

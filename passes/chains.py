@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ._torch_compat import autograd_inside_op, real_tensors, storage_key
+from ._torch_compat import autograd_inside_op, detect_fake_mode, real_tensors, storage_key
 from .allocation import can_track, maybe_allocation_peak
 from .runtime import runtime
 from memopt.allocator.chain import Policy, chunk_sizes, solve, strategy_text, useful_m
@@ -158,7 +158,6 @@ def _inputs(node: fx.Node, chunk: int, spec):
 
 
 def _fake_mode(node: fx.Node):
-    from torch._guards import detect_fake_mode  # noqa: PLC0415
 
     return detect_fake_mode([fake_value(node.args[_FWD_XS])])
 

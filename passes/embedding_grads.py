@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ._torch_compat import detect_fake_mode
 from .meta import fake_value
 
 aten = torch.ops.aten
 
 
 def _fake_mode(node: fx.Node):
-    from torch._guards import detect_fake_mode  # noqa: PLC0415
 
     return detect_fake_mode([fake_value(node)])
 

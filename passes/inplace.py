@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ._torch_compat import storage_key
+from ._torch_compat import OpOverload, storage_key
 
 from .meta import set_inplace_source, tensor_value
 
@@ -83,7 +83,7 @@ ROW_SAFE = frozenset({
 
 def _is_functional(op: object) -> bool:
     """A single-result aten op that neither mutates, returns a view, nor draws random numbers."""
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+    if not isinstance(op, OpOverload) or op.namespace != "aten":
         return False
     schema = op._schema
     return not (
@@ -94,7 +94,7 @@ def _is_functional(op: object) -> bool:
     )
 
 
-def _out_overload(op: object) -> tuple[torch._ops.OpOverload, str] | None:
+def _out_overload(op: object) -> tuple[OpOverload, str] | None:
     """The `out=` overload of a pointwise or ROW_SAFE functional op, and its out name."""
     if not _is_functional(op) or not (torch.Tag.pointwise in op.tags or op in ROW_SAFE):
         return None
@@ -110,7 +110,7 @@ def _out_overload(op: object) -> tuple[torch._ops.OpOverload, str] | None:
     return None
 
 
-def _inplace_overload(op: object) -> torch._ops.OpOverload | None:
+def _inplace_overload(op: object) -> OpOverload | None:
     """The in-place overload `aten.<name>_.<overload>` of a functional aten op."""
     if not _is_functional(op):
         return None
@@ -147,7 +147,7 @@ def _opaque_output(node: fx.Node) -> bool:
     state the op keeps for its backward, so it is never written in place."""
     parent = node.args[0] if node.target is operator.getitem and node.args else node
     op = getattr(parent, "target", None)
-    return isinstance(op, torch._ops.OpOverload) and op.namespace == "memopt" \
+    return isinstance(op, OpOverload) and op.namespace == "memopt" \
         and op._opname not in _FRESH_OUTPUTS
 
 

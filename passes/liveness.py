@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ._torch_compat import is_tangent, storage_key
+from ._torch_compat import OpOverload, is_tangent, storage_key
 
 from .meta import (fake_value, held_bytes, inplace_source, recomputed_from, value_tensors,
                    workspace_bytes)
@@ -87,7 +87,7 @@ def timeline_kinds(schedule: StepSchedule, fw: fx.GraphModule, bw: fx.GraphModul
         workspace = s.name.endswith(".workspace")
         name, index = _output_of(s.name.removesuffix(".workspace"))
         node = nodes.get(name)
-        opaque = node is not None and isinstance(node.target, torch._ops.OpOverload) \
+        opaque = node is not None and isinstance(node.target, OpOverload) \
             and node.target.namespace == "memopt"
         kinds.append(timeline_kind(
             s.kind, workspace=workspace,

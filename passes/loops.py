@@ -66,6 +66,7 @@ from torch import fx, nn
 
 from memopt.allocator.loops import MIN_STEPS, Loop, Op, Ref, Slot, find_loops
 
+from ._torch_compat import OpOverload, OpOverloadPacket
 from .runtime import runtime
 
 from .meta import NN_MODULE_STACK, _clean_path
@@ -284,8 +285,8 @@ def _writes(node: fx.Node) -> bool:
         return True  # torch's naming: relu_, add_, _foreach_mul_
     if node.op == "call_method":
         return False
-    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        overloads = ([node.target] if isinstance(node.target, torch._ops.OpOverload)
+    if isinstance(node.target, (OpOverload, OpOverloadPacket)):
+        overloads = ([node.target] if isinstance(node.target, OpOverload)
                      else [getattr(node.target, o) for o in node.target.overloads()])
         if any(o._schema.is_mutable for o in overloads):
             return True
@@ -322,7 +323,7 @@ def _refusal(plain: _Plain, loop: Loop) -> str | None:
     for k, node in enumerate(first):
         if _writes(node) and not _rebinds_state(plain, loop, k):
             return f"{node.name} ({_target_name(node)}) writes into a tensor"
-        if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
+        if isinstance(node.target, (OpOverload, OpOverloadPacket)) \
                 and node.target.namespace == "memopt":
             return f"{node.name} is a recurrent chain already"
     for k, j in enumerate(loop.ops[-1]):

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from ._torch_compat import OpOverload
+
 #: Name of the input node an in-place rewrite writes into (str). Set by passes.inplace.
 INPLACE_OF = "memopt.inplace_of"
 
@@ -163,7 +165,7 @@ def op_name(node: fx.Node) -> str:
     if node.target is operator.getitem:
         parent, index = node.args[0], node.args[1]
         return f"{op_name(parent)}[{index}]" if isinstance(parent, fx.Node) else "getitem"
-    if isinstance(node.target, torch._ops.OpOverload):
+    if isinstance(node.target, OpOverload):
         namespace, _, name = node.target._schema.name.rpartition("::")
         return f"{namespace or 'aten'}.{name}"
     return str(getattr(node.target, "__name__", node.target))

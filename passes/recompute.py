@@ -33,13 +33,12 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from memopt.allocator.mirror import placement_order
 
-from ._torch_compat import storage_key
+from ._torch_compat import OpOverload, pytree, storage_key
 
 from .meta import KEPT_ARGS, fake_value, mark_mirror, recomputed_from, tensor_value
 from .partition import forward_region
@@ -56,7 +55,7 @@ def _pure(node: fx.Node, mutable_inputs: frozenset[str]) -> bool:
     read of an input the step may mutate (a buffer: its new value is written back
     after the forward, so a backward recomputation would read the wrong one)."""
     op = node.target
-    if isinstance(op, torch._ops.OpOverload) and (
+    if isinstance(op, OpOverload) and (
         op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags
         or op.namespace == "memopt"  # a recurrent chain: state behind its handle
     ):

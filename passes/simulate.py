@@ -53,7 +53,7 @@ from torch import fx
 
 from memopt.allocator.mirror import placement_order
 
-from ._torch_compat import is_sym_node, is_tangent, storage_key
+from ._torch_compat import OpOverload, is_sym_node, is_tangent, storage_key
 
 from .liveness import kept_by_caller, timeline_kind
 from .inplace import (_inplace_overload, _is_whole_dense, _opaque_output, _out_overload,
@@ -205,7 +205,7 @@ class StepModel:
         single = tensor_value(node)
         kind = {"placeholder": "tangent" if is_tangent(node) else "primal",
                 "call_function": "call", "get_attr": "get_attr"}.get(node.op, node.op)
-        mutable = isinstance(node.target, torch._ops.OpOverload) and \
+        mutable = isinstance(node.target, OpOverload) and \
             node.target._schema.is_mutable
         tag = node.meta.get("partitioner_tag")
         proto = _Proto(
@@ -218,7 +218,7 @@ class StepModel:
                 mutable and tag not in ("is_backward", "must_be_in_backward")),
             in_backward=tag == "must_be_in_backward" or (mutable and tag == "is_backward"),
             opaque_output=_opaque_output(node),
-            opaque=isinstance(node.target, torch._ops.OpOverload)
+            opaque=isinstance(node.target, OpOverload)
             and node.target.namespace == "memopt",
             flops=arithmetic(node) if node.op == "call_function" else 0, node=node)
         if node.op != "call_function" or single is None:

@@ -26,9 +26,9 @@ import operator
 from collections.abc import Callable
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
 
+from ._torch_compat import pytree
 from .meta import NN_MODULE_STACK, fake_value, mark_mirror
 
 _aten = torch.ops.aten

@@ -72,7 +72,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._torch_compat import real_tensors, storage_key
+from ._torch_compat import OpOverload, real_tensors, storage_key
 from .allocation import allocation_peak, can_track
 from memopt.allocator.units import format_bytes
 
@@ -191,7 +191,7 @@ def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache = CACHE) -> 
 
 
 def _eligible(node: fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return False
     if node.target.namespace == "memopt" or node.target.is_view or WORKSPACE_BYTES in node.meta:
         return False
@@ -310,7 +310,7 @@ def workspace_summary(graphs: Iterable[fx.GraphModule]) -> dict[str, int]:
     for gm in graphs:
         for node in gm.graph.nodes:
             nbytes = node.meta.get(WORKSPACE_BYTES, 0)
-            if nbytes and isinstance(node.target, torch._ops.OpOverload):
+            if nbytes and isinstance(node.target, OpOverload):
                 name = str(node.target)
                 largest[name] = max(largest.get(name, 0), nbytes)
     return largest

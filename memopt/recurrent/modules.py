@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from memopt.passes._torch_compat import rnn_kernels
 from memopt.passes.runtime import RUNTIMES
 from memopt.errors import CaptureError
 
@@ -63,7 +64,7 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
     runs on a PackedSequence: the same arithmetic), the ended sequences' state carried
     unchanged and their outputs zero: in time order one call (the active counts only
     fall); reversed, one call per run of steps with the same count (they rise)."""
-    from torch import _VF  # noqa: PLC0415 (semi-private; what nn.LSTM.forward calls)
+    _VF = rnn_kernels()  # what nn.LSTM.forward calls
 
     batch_first = rnn.batch_first and not packed
     lstm = isinstance(rnn, nn.LSTM)
