@@ -291,7 +291,7 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             the detection of cell loops (`for t in ...: h = self.cell(xs[t], h)`, the
             same parameters every step), which otherwise run as recurrent chains like
             `memopt.recurrent.Recurrent` (Gruslys et al. 2016, Sec. 3.1; see
-            memopt.passes.loops for what is detected and what is left unrolled);
+            memopt.passes.cell_loops for what is detected and what is left unrolled);
             `progress=False` hides the progress bar a plan longer than 2 s shows on a
             terminal; `solver="milp"` also solves the exact recomputation MILP
             (Checkmate-style, HiGHS: `pip install "memopt[solver]"`; memopt.oracle) and

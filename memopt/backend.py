@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from memopt.passes.heads import Attach, chunk_heads
-from memopt.passes.loops import chain_loops
+from memopt.passes.lm_heads import Attach, chunk_heads
+from memopt.passes.cell_loops import chain_loops
 
 # The runtimes of memopt's own operators, which the passes reach through
 # memopt.passes.runtime: loaded before any graph is planned.
@@ -52,7 +52,7 @@ def _autocast_on() -> bool:
 
 
 def _chain_loops(gm: fx.GraphModule) -> None:
-    """Run the user's unrolled cell loops as recurrent chains (memopt.passes.loops), in
+    """Run the user's unrolled cell loops as recurrent chains (memopt.passes.cell_loops), in
     graphs that record gradients outside autocast (a chain step would run outside it)."""
     if not torch.is_grad_enabled():
         log.debug("memopt loops: an inference graph: loops left unrolled")
@@ -67,7 +67,7 @@ def _chain_loops(gm: fx.GraphModule) -> None:
 
 
 def _chunk_heads(gm: fx.GraphModule) -> list[Attach]:
-    """Run language-model heads chunk by chunk over the tokens (memopt.passes.heads), in
+    """Run language-model heads chunk by chunk over the tokens (memopt.passes.lm_heads), in
     graphs that record gradients outside autocast (the op would run outside it). Returns
     where the graph now returns logits without a gradient (memopt.compiled_graph.attach_logits)."""
     if not torch.is_grad_enabled() or _autocast_on():

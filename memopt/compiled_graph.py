@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified, pytree,
                                          loss_decompositions, make_boxed, storage_key)
-from memopt.passes.heads import Attach
+from memopt.passes.lm_heads import Attach
 
 from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
@@ -136,7 +136,7 @@ class CompiledGraph:
             checked._boxed_call = True  # type: ignore[attr-defined]
             return checked
 
-        # Planning runs chain steps on real tensors (passes.chains measures what they
+        # Planning runs chain steps on real tensors (passes.chain_policy measures what they
         # save): the user's RNG state must not move, or dropout would draw other masks.
         with torch.random.fork_rng(devices=_cuda_devices()):
             compiled = aot_module_simplified(
@@ -255,7 +255,7 @@ def _cuda_devices() -> list[int]:
 
 def attach_logits(compiled: Callable, attaches: list[Attach]) -> Callable:
     """`compiled` returning what dynamo expects: the graph's extra outputs (each head's
-    projection input, memopt.passes.heads) stripped, and each head's logits given their
+    projection input, memopt.passes.lm_heads) stripped, and each head's logits given their
     gradient through the projection (memopt.lm_head.attach_logits)."""
     from .lm_head import attach_logits as attach  # noqa: PLC0415
 

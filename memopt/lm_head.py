@@ -5,7 +5,7 @@ The last projection of a language model and its loss,
 ``F.cross_entropy(linear(h, W, b).view(-1, V), target)``, hold what no recomputation of
 the body removes: eager saves the (tokens, vocabulary) log-probabilities for backward and
 its backward makes two more tensors of that size (their gradient, and the logits'). With
-a vocabulary of 50k they are most of a small model's step. memopt.passes.heads finds the
+a vocabulary of 50k they are most of a small model's step. memopt.passes.lm_heads finds the
 pattern in dynamo's graph and puts these ops in its place; the planner then chooses
 ``chunk``, the rows (tokens) computed at once, by rewriting the ops' first argument:
 
@@ -225,5 +225,5 @@ def attach_logits(logits: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None
     loss reads them."""
     return _AttachLogits.apply(logits, h, weight, bias)
 
-# passes.heads reaches this runtime through the registry (imports run one way)
+# passes.lm_heads reaches this runtime through the registry (imports run one way)
 RUNTIMES.heads = sys.modules[__name__]

@@ -14,11 +14,11 @@ not pages touched: what a CUDA allocator charges and what a memopt budget counts
 The garbage collector runs first (``collect=True``, the default): tensors kept only by
 reference cycles that the collector would free in the middle of the block would lower
 what is live below what was live at its start, and the peak with it. The planner's own
-measurements of one op or one chunk (passes.workspace, passes.chains) pass
+measurements of one op or one chunk (passes.workspace, passes.chain_policy) pass
 ``collect=False``: they run many times, on fresh tensors, where the collector's time would
 show.
 
-Used by memopt.measure (a whole training step) and by passes.chains (one chunk of a
+Used by memopt.measure (a whole training step) and by passes.chain_policy (one chunk of a
 recurrent chain, measured while planning).
 """
 

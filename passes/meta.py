@@ -25,16 +25,16 @@ MIRROR_LEVEL = "memopt.mirror_level"
 
 #: Bytes an opaque op keeps behind one of its outputs ({output index: bytes}), beyond
 #: the tensor itself: a recurrent chain's stored states behind its handle. Set by
-#: passes.chains; liveness charges them to that output's storage.
+#: passes.chain_policy; liveness charges them to that output's storage.
 HELD_BYTES = "memopt.held_bytes"
 #: Bytes an opaque op allocates and frees while it runs (int): a chain's recomputation
-#: slots in backward. Set by passes.chains; liveness adds them at the op's step.
+#: slots in backward. Set by passes.chain_policy; liveness adds them at the op's step.
 WORKSPACE_BYTES = "memopt.workspace_bytes"
 #: Positions of an opaque op's arguments whose storage the op holds until its backward
 #: (tuple[int, ...]): a chain's inputs, read by the core chunk's graph and by stored
 #: internal states. Recomputing such a value in backward frees nothing, so
 #: passes.recompute does not mirror it (nor the views it is read through). Set by
-#: passes.chains.
+#: passes.chain_policy.
 KEPT_ARGS = "memopt.kept_args"
 
 #: Name of the parameter primal whose existing `.grad` a backward node adds a gradient

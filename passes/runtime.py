@@ -1,8 +1,8 @@
 """The runtimes of memopt's own operators, as the passes that insert and price them see them.
 
-passes.loops and passes.chains rewrite graphs into calls of ``memopt::chain_fwd`` /
-``chain_bwd`` and price them; passes.reversible prices ``memopt::reversible_fwd`` /
-``reversible_bwd``; passes.heads inserts and prices ``memopt::head_fwd`` / ``head_bwd``.
+passes.cell_loops and passes.chain_policy rewrite graphs into calls of ``memopt::chain_fwd`` /
+``chain_bwd`` and price them; passes.reversible_stacks prices ``memopt::reversible_fwd`` /
+``reversible_bwd``; passes.lm_heads inserts and prices ``memopt::head_fwd`` / ``head_bwd``.
 The operators, and the Python that runs inside them, belong to
 memopt's runtime above the passes (memopt.recurrent.ops, memopt.recurrent.modules,
 memopt.nn.ops), which register themselves here when they are imported, so that imports

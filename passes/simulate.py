@@ -13,7 +13,7 @@ Requires: the joint GraphModule as the pipeline plans it (after
 passes.partition.read_concat_views), the buffers the step may mutate, and the step
 context (memopt.planner.StepContext: existing gradients, what the rest of the step
 holds). Recurrent chains' and reversible stacks' held and workspace bytes are read from
-their nodes' meta at each simulation, so passes.chains may reconfigure them in between.
+their nodes' meta at each simulation, so passes.chain_policy may reconfigure them in between.
 
 Ensures: `StepModel(...).simulate(mirror, twice, inplace, kinds)` returns the storages'
 (bytes, first step, last step) that memopt.planner's exact build of the same mirror
@@ -638,7 +638,7 @@ class _Candidate:
                     if key not in nbytes:
                         nbytes[key] = size
                 if p.opaque:
-                    for index, held in held_bytes(p.node).items():  # set by passes.chains
+                    for index, held in held_bytes(p.node).items():  # set by passes.chain_policy
                         if index < len(own):
                             nbytes[find(own[index])] = held
                             chain_keys.add(find(own[index]))

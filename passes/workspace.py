@@ -22,7 +22,7 @@ Ensures: every measured node whose kernel allocated more than it returned carrie
 once during the call minus those still live after it (its new outputs): with the
 op's outputs charged at its step as well, liveness then sees the op's real peak.
 Nodes that already carry the key (memopt's own chain and reversible ops, priced by
-passes.chains and passes.reversible) are left as they are. The graphs are not
+passes.chain_policy and passes.reversible_stacks) are left as they are. The graphs are not
 otherwise changed, and the caller's RNG state is not moved.
 
 Which ops: every aten op that returns a tensor, except views (``OpOverload.is_view``:

@@ -1,4 +1,4 @@
-"""How memopt.compile chooses a recurrent chain's chunks (passes/chains.py): the chunk
+"""How memopt.compile chooses a recurrent chain's chunks (passes/chain_policy.py): the chunk
 lengths, the exact count of recomputed time steps, and the bisection over chunk length
 (Gruslys et al. 2016, Sec. 3.1: the last chunk is the core and is never recomputed)."""
 
@@ -12,8 +12,8 @@ from torch import nn
 
 import memopt
 from memopt.allocation import allocation_peak
-from memopt.allocator.chain import chunk_sizes, parse_strategy, solve, strategy_text
-from memopt.passes.chains import (ChainSite, ChunkCosts, Linear, _stored_bytes, configure,
+from memopt.allocator.gruslys import chunk_sizes, parse_strategy, solve, strategy_text
+from memopt.passes.chain_policy import (ChainSite, ChunkCosts, Linear, _stored_bytes, configure,
                                   longest_fitting_chunk, msm_units)
 from memopt.recurrent import ops
 from models import allocated_step

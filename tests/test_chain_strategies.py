@@ -1,5 +1,5 @@
 """BPTT-ISM and BPTT-MSM (Gruslys et al. 2016, Sec. 3.2-3.4) inside memopt.compile: the
-planner prices them beside HSM (passes/chains.py), and a chain run under either gives
+planner prices them beside HSM (passes/chain_policy.py), and a chain run under either gives
 eager's loss and gradients, within the budget, as predicted.
 
 A strategy is forced by narrowing the planner's grid (chain_pass.configurations) to it;
@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-from memopt.allocator.chain import solve
-from memopt.passes import chains as chain_pass
+from memopt.allocator.gruslys import solve
+from memopt.passes import chain_policy as chain_pass
 from models import allocated_step
 from test_chain_policy import _Regression, regression_at
 from test_loops import GRUCellLoop, LSTMCellLoop

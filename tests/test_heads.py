@@ -1,4 +1,4 @@
-"""The language-model head chunked along the tokens (memopt.lm_head, passes/heads.py):
+"""The language-model head chunked along the tokens (memopt.lm_head, passes/lm_heads.py):
 the ops against autograd through F.cross_entropy, the pattern found in dynamo's graph
 (and what is left as it is), eager's loss and gradients under budgets that chunk it, and
 the measured step within the budget and the plan."""

@@ -1,5 +1,5 @@
 """A user's unrolled cell loop, found in the captured graph and run as a recurrent chain
-(memopt.allocator.loops finds the pattern, memopt.passes.loops rewrites the graph).
+(memopt.allocator.repeats finds the pattern, memopt.passes.cell_loops rewrites the graph).
 
 Tier 1: the pattern finder on plain data (no torch). Tier 3: memopt.compile on
 unmarked loops of nn.LSTMCell, nn.GRUCell and a cell written in forward, against eager:
@@ -25,7 +25,7 @@ from torch import nn
 
 import memopt
 from memopt.allocation import allocation_peak
-from memopt.allocator.loops import Op, find_loops
+from memopt.allocator.repeats import Op, find_loops
 from memopt.recurrent import ops as chain_ops
 from models import CASES
 
@@ -154,7 +154,7 @@ def test_the_loop_is_found_wherever_it_sits(steps, prefix, suffix):
 
 def test_the_finder_never_imports_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from memopt.allocator.loops import Op, find_loops\n"
+            "from memopt.allocator.repeats import Op, find_loops\n"
             "ops = [Op('z')] + [Op('f', (('op', i), ('in', 'W'))) for i in range(6)]\n"
             "print(find_loops(ops + [Op('out', (('op', 6),))]).loops[0].steps)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""Tests for memopt.allocator.chain (Gruslys et al. 2016, Sec. 3.1-3.5, eq. 2-10, Fig. 3).
+"""Tests for memopt.allocator.gruslys (Gruslys et al. 2016, Sec. 3.1-3.5, eq. 2-10, Fig. 3).
 
 Everything here is written from the paper, apart from the solver:
 
@@ -35,8 +35,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memopt.allocator import chain
-from memopt.allocator.chain import Action, solve
+from memopt.allocator import gruslys
+from memopt.allocator.gruslys import Action, solve
 
 REPO = Path(__file__).resolve().parents[1]
 INF = math.inf
@@ -564,14 +564,14 @@ def test_random_policies_replay_and_are_optimal(t, m, strategy, alpha, beta_gap)
 
 # The fast paths against the full scan ---------------------------------------------------
 #
-# chain._Table(..., reference=True) fills every entry by the full scan over y, the
+# gruslys._Table(..., reference=True) fills every entry by the full scan over y, the
 # recursion exactly as written; the default table takes the convex merge or the Monge
 # envelope over the earlier column's hull, with a certificate, falling back to the scan.
 
 
 def _tables(strategy: str, alpha: int, beta: int, t: int, m: int):
-    fast = chain._Table(strategy, alpha, beta)
-    ref = chain._Table(strategy, alpha, beta, reference=True)
+    fast = gruslys._Table(strategy, alpha, beta)
+    ref = gruslys._Table(strategy, alpha, beta, reference=True)
     fast.ensure(t, m)
     ref.ensure(t, m)
     return fast, ref
@@ -633,7 +633,7 @@ def _exact_hull(g: list[int]) -> list[Fraction]:
 @settings(max_examples=60, deadline=None)
 @given(g=st.lists(st.integers(-40, 40), min_size=1, max_size=24))
 def test_scaled_hull_is_floor_of_exact_hull(g):
-    hull = chain._Hull(g)
+    hull = gruslys._Hull(g)
     exact = _exact_hull(g)
     assert hull.scale > (len(g) - 1) ** 2
     assert hull.scaled == [math.floor(h * hull.scale) for h in exact]
@@ -642,7 +642,7 @@ def test_scaled_hull_is_floor_of_exact_hull(g):
 
 
 def _branch_rows(f_col, g, *, shift, y_lo, k_lo, reference):
-    br = chain._Branch(f_col, g, g_convex=False, g_hull=lambda: chain._Hull(g), shift=shift,
+    br = gruslys._Branch(f_col, g, g_convex=False, g_hull=lambda: gruslys._Hull(g), shift=shift,
                        y_lo=y_lo, k_lo=k_lo, sign=1, reference=reference)
     return [br.at(t, False) for t in range(1, len(g))]
 
@@ -670,7 +670,7 @@ def test_branch_envelope_exact_on_any_columns(cols, kind):
     for t, (c, y) in enumerate(got, start=1):
         vals = {yy: yy + f_col[yy - shift] + g[t - yy] for yy in range(y_lo, t - k_lo + 1)}
         if not vals:
-            assert c == chain.INF, (t, c)
+            assert c == gruslys.INF, (t, c)
             continue
         assert c == min(vals.values()) == vals[y], (t, c, y, vals)
 
@@ -679,13 +679,13 @@ def test_branch_falls_back_where_the_hull_is_loose(monkeypatch):
     """A column 2 above its hull at k = 2: a row whose relaxed argmin lands there is
     scanned, and the answers stay exact."""
     g = [0, 1, 5, 3, 4, 5, 6, 7]
-    hull = chain._Hull(g)
+    hull = gruslys._Hull(g)
     assert not hull.tight and not hull.within_one(2)
     f_col = [0, 3, 1, 0, 2, 9, 1, 4]
     want = _branch_rows(f_col, g, shift=0, y_lo=1, k_lo=1, reference=True)
     scanned = []
-    scan = chain._Branch._scan
-    monkeypatch.setattr(chain._Branch, "_scan",
+    scan = gruslys._Branch._scan
+    monkeypatch.setattr(gruslys._Branch, "_scan",
                         lambda br, t, y_hi: scanned.append(t) or scan(br, t, y_hi))
     got = _branch_rows(f_col, g, shift=0, y_lo=1, k_lo=1, reference=False)
     assert scanned, "no row fell back to the scan"
@@ -704,7 +704,7 @@ def test_hsm_at_scale():
 @pytest.mark.slow   # 6-10 s on 2 cores: MSM's table for t = 10^4, m = 300, cold
 @pytest.mark.parametrize("alpha,beta", [(5, 4), (2, 1)])
 def test_msm_at_scale(alpha, beta):
-    chain._TABLES.pop(("msm", alpha, beta), None)
+    gruslys._TABLES.pop(("msm", alpha, beta), None)
     p = solve(10_000, 300, "msm", alpha=alpha, beta=beta)
     check_policy(p)
     assert 10_000 <= p.cost <= binomial_hsm(10_000, 300)
@@ -757,14 +757,13 @@ def test_invalid_arguments(args, kwargs):
 
 
 def test_reexported_as_memopt_recurrent():
-    import memopt.allocator.chain as chain
     import memopt.recurrent as recurrent
 
-    assert recurrent.solve is chain.solve
+    assert recurrent.solve is gruslys.solve
 
 
 def test_chain_imports_without_torch():
-    path = REPO / "allocator" / "chain.py"
+    path = REPO / "allocator" / "gruslys.py"
     code = (
         "import sys, importlib.util; sys.modules['torch'] = None; "
         f"spec = importlib.util.spec_from_file_location('chain_probe', {str(path)!r}); "
@@ -784,8 +783,8 @@ def test_allocator_chain_package_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None; "
         f"sys.path.insert(0, {str(REPO)!r}); "
-        "import allocator.chain; "
-        "assert allocator.chain.solve(4, 4, 'hsm').cost == 7; "
+        "import allocator.gruslys; "
+        "assert allocator.gruslys.solve(4, 4, 'hsm').cost == 7; "
         "assert sys.modules['torch'] is None"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -9,7 +9,6 @@ milliseconds with two spinning OpenMP threads and microseconds with one."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from benchmarks import recurrent, reversible
 from benchmarks.reversible import HEADER, Config, run_reversible

@@ -14,7 +14,7 @@ the hidden states instead of storing them.
 - ``dropout``: the masks between layers, rebuilt from per-layer seeds (App. E).
 - ``ops``: the two custom operators the modules run through (memopt::reversible_fwd /
   reversible_bwd), opaque to dynamo, so memopt.compile plans them as reversible stacks
-  (passes.reversible): no hidden-state slots, the buffers counted at their bound.
+  (passes.reversible_stacks): no hidden-state slots, the buffers counted at their bound.
 - ``modules``: RevGRU, RevLSTM with nn.GRU / nn.LSTM's interface.
 """
 

@@ -8,7 +8,7 @@ per-step Python loop, its fixed-point integers or its buffer lists: the buffer's
 depends on the forget values, which a trace cannot branch on. What the forward keeps
 for the backward (the information buffers and the final fixed-point state) lives in a
 side table keyed by the handle, so memopt's liveness analysis charges it to the
-handle's storage (``passes.reversible``) and frees it after the backward op. A handle
+handle's storage (``passes.reversible_stacks``) and frees it after the backward op. A handle
 that is never backpropagated releases its entry when it is garbage collected.
 
 The ops compute with the parameters they are given, not with a module's: a registered
@@ -287,6 +287,6 @@ def stored_state_bytes(spec: StackSpec, steps: int, batch: int, element_size: in
 
 
 
-# passes.chains / passes.reversible reach this runtime through the registry (imports run
+# passes.chain_policy / passes.reversible_stacks reach this runtime through the registry (imports run
 # one way: memopt -> passes -> allocator)
 RUNTIMES.reversible = sys.modules[__name__]

@@ -1,9 +1,9 @@
 """Recurrent chains as an op family (planner.families): each chain's Gruslys policy.
 
-A chain (passes.chains: an `nn.LSTM`/`nn.GRU`/`nn.RNN` split into chunks, or a user's
+A chain (passes.chain_policy: an `nn.LSTM`/`nn.GRU`/`nn.RNN` split into chunks, or a user's
 cell loop found in the graph) runs under a (chunk length, strategy, m) policy of
 Gruslys et al. 2016: BPTT-HSM, ISM or MSM (Sec. 3.1-3.4), priced by the exact liveness
-of the step and by each chunk's measured call time (passes.chains.ChunkCosts).
+of the step and by each chunk's measured call time (passes.chain_policy.ChunkCosts).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 
 from torch import fx
 
-from memopt.passes import chains as chain_pass
+from memopt.passes import chain_policy as chain_pass
 
 from ..budget import format_bytes
 from ..memory_plan import ChainRecord

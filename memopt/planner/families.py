@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 from torch import fx
 
-from memopt.passes import heads as head_pass
-from memopt.passes import reversible as reversible_pass
+from memopt.passes import lm_heads as head_pass
+from memopt.passes import reversible_stacks as reversible_pass
 
 from ..budget import format_bytes
 from ..memory_plan import HeadRecord, ReversibleRecord
@@ -171,7 +171,7 @@ def relax(found: Sites, peak: Callable[[], int], target: int) -> None:
 
 
 class HeadFamily:
-    """Language-model heads run chunk by chunk over the tokens (passes.heads)."""
+    """Language-model heads run chunk by chunk over the tokens (passes.lm_heads)."""
 
     find_stage = "language-model heads"
     choose_stage = "language-model head chunks"
@@ -250,7 +250,7 @@ class HeadFamily:
 
 
 class ReversibleFamily:
-    """Reversible RNN stacks (MacKay et al. 2018; passes.reversible): nothing to choose,
+    """Reversible RNN stacks (MacKay et al. 2018; passes.reversible_stacks): nothing to choose,
     the information buffers' bound and the final state are charged as they are."""
 
     find_stage = "reversible stacks"

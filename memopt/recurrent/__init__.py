@@ -11,7 +11,7 @@ steps; the planner picks each chain's chunk length and policy (BPTT-HSM, ISM or 
 and its m) under the one budget.
 """
 
-from memopt.allocator.chain import STRATEGIES, Action, Policy, cost, solve
+from memopt.allocator.gruslys import STRATEGIES, Action, Policy, cost, solve
 
 from .executor import ChainStats, run_chain
 from .modules import ChainedRNN, Recurrent

@@ -15,7 +15,7 @@ state before each step's first run is kept and restored around every rerun, and
 the caller's RNG state is left as it was. A step that draws nothing leaves the state
 as it found it, so the next step's state equals it and is kept as the same tensors:
 a chain of steps without random ops holds one RNG state (5056 bytes on CPU), not one
-a step (passes.chains.ChunkCosts.rng_bytes counts them).
+a step (passes.chain_policy.ChunkCosts.rng_bytes counts them).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from memopt.passes._torch_compat import autograd_inside_op
-from memopt.allocator.chain import Policy
+from memopt.allocator.gruslys import Policy
 
 Tensors = tuple[torch.Tensor, ...]
 Step = Callable[[Tensors, Tensors, torch.Tensor], tuple[torch.Tensor, Tensors]]

@@ -17,7 +17,7 @@
   ``state = cell(xs[i], state)`` for every i and returns the stacked outputs (the
   first state tensor of each step) and the final state, as one chain.
 - ``loop_step`` makes a chain step of a per-time-step cell function; ``Recurrent`` and
-  the unmarked cell loops memopt finds in a captured graph (memopt.passes.loops) use it.
+  the unmarked cell loops memopt finds in a captured graph (memopt.passes.cell_loops) use it.
 
 Outside memopt.compile both run eagerly as a single chunk (plain BPTT).
 """
@@ -154,7 +154,7 @@ def loop_step(cell_step: Callable[[Tensors, Tensors, Tensor], tuple[Tensor, Tens
     run at every time step of a chunk (``x_chunk`` along ``time_dim``), the ``y_t``
     stacked along ``time_dim``. A chunk of the loop is one step of Gruslys et al. 2016's
     chain (Sec. 3.1). Used by ``Recurrent`` and by the loops memopt finds in a captured
-    graph (memopt.passes.loops)."""
+    graph (memopt.passes.cell_loops)."""
 
     def step(params: Tensors, state: Tensors, x: Tensor) -> tuple[Tensor, Tensors]:
         ys = []
@@ -425,4 +425,4 @@ def substitute_rnns(model: nn.Module) -> tuple[nn.Module, list[tuple[nn.Module, 
     return rebuild(model, ""), pairs
 
 
-RUNTIMES.loop_step = loop_step  # for passes.loops (memopt.passes.runtime)
+RUNTIMES.loop_step = loop_step  # for passes.cell_loops (memopt.passes.runtime)

@@ -7,7 +7,7 @@ between them (hidden states, kept step graphs) lives in a side table keyed by th
 handle, so the planner can change the policy after capture by rewriting the
 node's arguments (chunk, m and strategy: ``"hsm"``, ``"ism"`` or
 ``"msm:ALPHA:BETA"``, see ``_policy``), and memopt's liveness analysis charges the
-stored bytes to the handle's storage (``passes.chains``). A handle that is never
+stored bytes to the handle's storage (``passes.chain_policy``). A handle that is never
 backpropagated (no backward call) releases its entry when it is garbage collected.
 
 A chain's step function is registered once per module (``register``); the ops
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from memopt.passes.runtime import RUNTIMES
 from memopt.passes._torch_compat import real_tensors, storage_key
-from memopt.allocator.chain import chunk_sizes, parse_strategy, solve, useful_m
+from memopt.allocator.gruslys import chunk_sizes, parse_strategy, solve, useful_m
 
 from .executor import ChainRun, ChainStats, Step
 
@@ -81,7 +81,7 @@ def spec_of(chain: int) -> ChainSpec:
 
 def _policy(t: int, m: int, strategy: str):
     """The policy the ops run: ``strategy`` is ``"hsm"``, ``"ism"`` or ``"msm:ALPHA:BETA"``
-    (memopt.allocator.chain.strategy_text), m capped where more stops helping."""
+    (memopt.allocator.gruslys.strategy_text), m capped where more stops helping."""
     name, alpha, beta = parse_strategy(strategy)
     return solve(t, useful_m(t, m, name, alpha), name, alpha, beta)
 
@@ -260,6 +260,6 @@ def _backward(ctx, grads):
 chain_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# passes.chains / passes.reversible reach this runtime through the registry (imports run
+# passes.chain_policy / passes.reversible_stacks reach this runtime through the registry (imports run
 # one way: memopt -> passes -> allocator)
 RUNTIMES.chains = sys.modules[__name__]

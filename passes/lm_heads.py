@@ -5,7 +5,7 @@ In a language model the last projection and its loss hold what no recomputation 
 body removes: ``F.cross_entropy(F.linear(h, W, b).view(-1, V), target)`` keeps the
 (tokens, V) log-probabilities for backward, whose backward then makes their gradient
 and the logits' gradient, each as large. ``chunk_heads`` (run on dynamo's torch-level
-graph, before AOTAutograd traces it, like passes.loops) puts memopt's ``head_fwd`` op
+graph, before AOTAutograd traces it, like passes.cell_loops) puts memopt's ``head_fwd`` op
 (memopt.lm_head) in the pattern's place; AOTAutograd then traces its ``head_bwd`` into
 the backward. The planner (memopt.planner) chooses each head's chunk, the tokens
 computed at once, after capture, by rewriting the ops' first argument (``apply``):

@@ -3,7 +3,7 @@
 A reversible stack is a ``memopt::reversible_fwd`` node (a memopt.nn.RevGRU or RevLSTM,
 MacKay et al. 2018) and the ``memopt::reversible_bwd`` node(s) reading its handle. Its
 backward reconstructs every hidden state from the final one, so it needs no
-hidden-state slots at all: nothing to choose, unlike a Gruslys chain (passes.chains).
+hidden-state slots at all: nothing to choose, unlike a Gruslys chain (passes.chain_policy).
 What it holds between its forward and backward ops is the information buffers (Alg. 1)
 and the final fixed-point state, and the planner counts exactly that, at its bound
 (memopt.nn.ops.held_bytes): the buffers' size depends on the forget values the model
@@ -41,7 +41,7 @@ from .allocation import can_track, maybe_allocation_peak
 from .runtime import runtime
 from memopt.allocator.units import format_bytes
 
-from .chains import Linear
+from .chain_policy import Linear
 from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers, user_module
 
 log = logging.getLogger("memopt")

@@ -21,7 +21,7 @@ the fitting policy of least estimated time: each chunk's forward runs (Gruslys e
 at the per-call and per-step costs measured on a real chunk (ChunkCosts).
 
 Requires: FakeTensors on the joint graph. Ensures: ``apply`` rewrites the two
-ops' policy arguments (chunk, m, strategy: memopt.allocator.chain.strategy_text) and
+ops' policy arguments (chunk, m, strategy: memopt.allocator.gruslys.strategy_text) and
 records the bytes (passes.meta.HELD_BYTES on the forward op's handle, WORKSPACE_BYTES
 on the backward op) that liveness charges.
 
@@ -72,7 +72,7 @@ from torch import fx
 from ._torch_compat import autograd_inside_op, detect_fake_mode, real_tensors, storage_key
 from .allocation import can_track, maybe_allocation_peak
 from .runtime import runtime
-from memopt.allocator.chain import Policy, chunk_sizes, solve, strategy_text, useful_m
+from memopt.allocator.gruslys import Policy, chunk_sizes, solve, strategy_text, useful_m
 
 from .meta import HELD_BYTES, KEPT_ARGS, WORKSPACE_BYTES, fake_value, handle_readers
 

@@ -2,9 +2,9 @@
 (Gruslys et al. 2016, Sec. 3.1).
 
 Dynamo unrolls ``for t in range(T): h, c = self.cell(xs[t], (h, c))`` into T copies
-of the cell's ops. This pass finds such runs (memopt.allocator.loops, on plain data)
+of the cell's ops. This pass finds such runs (memopt.allocator.repeats, on plain data)
 and replaces each by one ``memopt::chain_fwd`` call, the op ``Recurrent`` and
-``ChainedRNN`` emit (memopt.recurrent.ops), so the planner (passes.chains) chooses its
+``ChainedRNN`` emit (memopt.recurrent.ops), so the planner (passes.chain_policy) chooses its
 chunk length and its BPTT-HSM, ISM or MSM policy under the budget like a marked loop's.
 
 Requires: the torch-level FX graph dynamo hands a torch.compile backend (FakeTensors
@@ -44,7 +44,7 @@ Algorithm:
     Step 1: refuse a graph that switches grad mode or autocast.
     Step 2: the plain op list: indexing ops on a tensor (``xs[t]``, ``select``,
         ``unbind(...)[t]``) become references, every other node an Op.
-    Step 3: find the loops (allocator.loops.find_loops).
+    Step 3: find the loops (allocator.repeats.find_loops).
     Step 4: check each loop for what the chain cannot replay.
     Step 5: build the cell and register its ChainSpec.
     Step 6: rewrite: the chain op after the loop's last op, the stacked output and
@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from memopt.allocator.loops import MIN_STEPS, Loop, Op, Ref, Slot, find_loops
+from memopt.allocator.repeats import MIN_STEPS, Loop, Op, Ref, Slot, find_loops
 
 from ._torch_compat import OpOverload, OpOverloadPacket
 from .runtime import runtime
@@ -163,7 +163,7 @@ class _Plain:
     by_name: dict[str, fx.Node]
 
     def node(self, ref: Ref) -> fx.Node:
-        """The node a reference (see allocator.loops) names."""
+        """The node a reference (see allocator.repeats) names."""
         return self.nodes[ref[1]] if ref[0] == "op" else self.by_name[ref[-1]]
 
 

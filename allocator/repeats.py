@@ -1,5 +1,5 @@
 """Find unrolled loops in a list of operations: the pattern finder behind memopt's
-detection of a user's cell loop (memopt.passes.loops), on plain data.
+detection of a user's cell loop (memopt.passes.cell_loops), on plain data.
 
 Tracing ``for t in range(T): h = cell(xs[t], h)`` unrolls it: the captured graph
 holds T consecutive copies of the cell's operations. Gruslys et al. 2016 (Sec. 3.1)
