@@ -94,7 +94,7 @@ def _is_functional(op: object) -> bool:
     )
 
 
-def _out_overload(op: object) -> tuple[OpOverload, str] | None:
+def out_overload(op: object) -> tuple[OpOverload, str] | None:
     """The `out=` overload of a pointwise or ROW_SAFE functional op, and its out name."""
     if not _is_functional(op) or not (torch.Tag.pointwise in op.tags or op in ROW_SAFE):
         return None
@@ -110,7 +110,7 @@ def _out_overload(op: object) -> tuple[OpOverload, str] | None:
     return None
 
 
-def _inplace_overload(op: object) -> OpOverload | None:
+def inplace_overload(op: object) -> OpOverload | None:
     """The in-place overload `aten.<name>_.<overload>` of a functional aten op."""
     if not _is_functional(op):
         return None
@@ -129,7 +129,7 @@ def _inplace_overload(op: object) -> OpOverload | None:
     return candidate
 
 
-def _is_whole_dense(t: torch.Tensor) -> bool:
+def is_whole_dense(t: torch.Tensor) -> bool:
     return (
         t.storage_offset() == 0
         and t.is_contiguous()
@@ -142,7 +142,7 @@ def _is_whole_dense(t: torch.Tensor) -> bool:
 _FRESH_OUTPUTS = frozenset({"head_fwd", "head_bwd"})
 
 
-def _opaque_output(node: fx.Node) -> bool:
+def opaque_output(node: fx.Node) -> bool:
     """An output of one of memopt's own opaque ops (a recurrent chain): it may alias
     state the op keeps for its backward, so it is never written in place."""
     parent = node.args[0] if node.target is operator.getitem and node.args else node
@@ -182,7 +182,7 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
         for arg in node.all_input_nodes:
             if arg in key_of:
                 last_read[key_of[arg]] = max(last_read.get(key_of[arg], -1), order[node])
-        if node.op == "placeholder" or node.name in protected or _opaque_output(node):
+        if node.op == "placeholder" or node.name in protected or opaque_output(node):
             if node in key_of:
                 pinned.add(key_of[node])
         if node.op == "output":
@@ -213,7 +213,7 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
             or out.dtype != inp.dtype
             or out.device != inp.device
             or out.stride() != inp.stride()
-            or not _is_whole_dense(inp)
+            or not is_whole_dense(inp)
         )
 
     rewrites: list[InplaceRewrite] = []
@@ -223,11 +223,11 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
         # Step 2: a variant and an argument it may overwrite.
         functional = node.target
         src, kwargs = None, None
-        inplace = _inplace_overload(functional)
+        inplace = inplace_overload(functional)
         if inplace is not None and node.args and isinstance(node.args[0], fx.Node) \
                 and may_overwrite(node, node.args[0]):
             src, target = node.args[0], inplace
-        elif (found := _out_overload(functional)) is not None:
+        elif (found := out_overload(functional)) is not None:
             target, out_name = found
             src = next((a for a in node.args if isinstance(a, fx.Node)
                         and may_overwrite(node, a)), None)

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from memopt.allocator.lifetimes import RESIDENT_KINDS, Holds, StepShape, held_outside
+
 from ._torch_compat import OpOverload, is_tangent, storage_key
 
 from .meta import (fake_value, held_bytes, inplace_source, recomputed_from, value_tensors,
@@ -49,8 +51,7 @@ TIMELINE_KINDS = {"parameter": "parameters", "buffer": "parameters", "input": "i
                   "activation": "temporaries", "saved": "saved", "output": "temporaries",
                   "tangent": "temporaries", "backward": "temporaries",
                   "outside": "other_graphs"}
-#: Storage kinds resident for the whole step (not part of the step's arena).
-RESIDENT_KINDS = ("parameter", "buffer", "input", "existing_grad")
+
 
 
 def kept_by_caller(value: object) -> bool:
@@ -263,9 +264,7 @@ def analyze_liveness(
         if prefix == "fw":
             num_forward = len(steps)
 
-    # Step 3: lifetimes the runtime imposes.
-    end_of_step = len(steps) - 1
-    held: set[object] = set(resident_kind)
+    # Step 3: lifetimes the runtime imposes (allocator.lifetimes: the simulator's too).
     fw_out = next(iter(fw.graph.find_nodes(op="output")))
     user_outputs: set[object] = set()
     kept_outputs: set[object] = set()  # what the caller holds until the step ends
@@ -274,54 +273,28 @@ def analyze_liveness(
             user_outputs.update(keys_of("fw", arg))
             if not outputs_dropped or kept_by_caller(fake_value(arg)):
                 kept_outputs.update(keys_of("fw", arg))
-    held |= kept_outputs
     gradients: set[object] = set()
     if bw is not None:
         bw_out = next(iter(bw.graph.find_nodes(op="output")))
         for arg in bw_out.all_input_nodes:
             gradients.update(keys_of("bw", arg))
-        held |= gradients
-    saved_keys = {stores.find(k) for name in saved for k in node_keys.get(("fw", name), [])}
-
+    holds = Holds(resident=resident_kind, kept=kept_outputs, outputs=user_outputs,
+                  gradients=gradients, tangents=tangent_keys,
+                  saved={stores.find(k) for name in saved for k in node_keys.get(("fw", name), [])})
+    shape = StepShape(num_forward=num_forward, num_steps=len(steps))
     lives: list[StorageLife] = []
     for key, start in first.items():
-        end = (end_of_step if key in held else
-               max(last[key], num_forward - 1) if key in user_outputs else last[key])
-        if key in resident_kind:
-            kind = resident_kind[key]
-        elif key in tangent_keys:
-            kind = "tangent"
-        elif key in gradients and start >= num_forward:
-            kind = "gradient"
-        elif start >= num_forward:
-            kind = "backward"
-        elif key in user_outputs:
-            kind = "output"
-        elif key in saved_keys:
-            kind = "saved"
-        else:
-            kind = "activation"
         names = tuple(members.get(key, ()))
         lives.append(StorageLife(
             name=names[0] if names else "?", nodes=names, nbytes=stores.nbytes[key],
-            start=-1 if key in resident_kind else start, end=max(end, start), kind=kind,
-        ))
-    for primal, nbytes in (existing_grads or {}).items():
-        lives.append(StorageLife(name=f"grad.{primal}", nodes=(), nbytes=nbytes, start=-1,
-                                 end=end_of_step, kind="existing_grad"))
-    after_backward = outside_bytes[2] if len(outside_bytes) > 2 else 0
-    for name, nbytes, start, end in (("outside.forward", outside_bytes[0], 0, num_forward - 1),
-                                     ("outside.backward", outside_bytes[1], num_forward,
-                                      end_of_step),
-                                     ("outside.after_backward", after_backward,
-                                      max(num_forward, end_of_step), end_of_step)):
-        if nbytes and start <= end:
-            lives.append(StorageLife(name=name, nodes=(), nbytes=nbytes, start=start, end=end,
-                                     kind="outside"))
-    if outside_grad_bytes and bw is not None and num_forward < len(steps):
-        lives.append(StorageLife(name="bw.aliased_output_grads", nodes=(),
-                                 nbytes=outside_grad_bytes, start=num_forward,
-                                 end=num_forward, kind="tangent"))
+            start=-1 if key in resident_kind else start,
+            end=holds.end(key, start, last[key], shape), kind=holds.kind_of(key, start, shape)))
+    lives += [StorageLife(name=h.name, nodes=(), nbytes=h.nbytes, start=h.start, end=h.end,
+                          kind=h.kind)
+              for h in held_outside(shape, existing_grads=existing_grads,
+                                    outside_bytes=outside_bytes,
+                                    outside_grad_bytes=outside_grad_bytes,
+                                    has_backward=bw is not None)]
     lives.sort(key=lambda s: (s.start, s.name))
     return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives))
 

@@ -87,6 +87,12 @@ def workspace_bytes(node: fx.Node) -> int:
     return node.meta.get(WORKSPACE_BYTES, 0)
 
 
+def preset_workspace_bytes(node: fx.Node) -> int | None:
+    """The workspace a pass set on `node` (memopt's own ops: passes.chain_policy), or None
+    where none was set and passes.workspace measures it."""
+    return node.meta.get(WORKSPACE_BYTES)
+
+
 def accumulates_into(node: fx.Node) -> str | None:
     """The parameter primal whose `.grad` this node adds a gradient into, if any."""
     return node.meta.get(ACCUMULATES)

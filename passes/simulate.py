@@ -51,14 +51,15 @@ from typing import Any
 import torch
 from torch import fx
 
+from memopt.allocator.lifetimes import Holds, StepShape, held_outside
 from memopt.allocator.mirror import placement_order
 
 from ._torch_compat import OpOverload, is_sym_node, is_tangent, storage_key
 
 from .liveness import kept_by_caller, timeline_kind
-from .inplace import (_inplace_overload, _is_whole_dense, _opaque_output, _out_overload,
+from .inplace import (inplace_overload, is_whole_dense, opaque_output, out_overload,
                       merge_storage)
-from .meta import fake_value, held_bytes, tensor_value, value_tensors
+from .meta import fake_value, held_bytes, preset_workspace_bytes, tensor_value, value_tensors
 from .partition import forward_region
 from .recompute import arithmetic, mirrorable, recompute_sources
 from .twins import emit_twin, is_twinned
@@ -217,7 +218,7 @@ class StepModel:
             in_forward=tag == "must_be_in_forward" or (
                 mutable and tag not in ("is_backward", "must_be_in_backward")),
             in_backward=tag == "must_be_in_backward" or (mutable and tag == "is_backward"),
-            opaque_output=_opaque_output(node),
+            opaque_output=opaque_output(node),
             opaque=isinstance(node.target, OpOverload)
             and node.target.namespace == "memopt",
             flops=arithmetic(node) if node.op == "call_function" else 0, node=node)
@@ -226,10 +227,10 @@ class StepModel:
         # passes.inplace Step 2, the checks that do not depend on liveness
         proto.arg_ok = tuple(isinstance(a, fx.Node) and _static_overwrite(node, a)
                              for a in node.args)
-        target = _inplace_overload(node.target)
+        target = inplace_overload(node.target)
         if target is not None and node.args and isinstance(node.args[0], fx.Node):
             proto.inplace_target = target
-        proto.out_variant = _out_overload(node.target)
+        proto.out_variant = out_overload(node.target)
         return proto
 
     def _twin(self, item: int, level: str) -> tuple[list[tuple[_Proto, tuple]], int]:
@@ -300,7 +301,7 @@ def _static_overwrite(node: fx.Node, src: fx.Node) -> bool:
                 or sum(a is src for a in node.args) != 1
                 or out.shape != inp.shape or out.dtype != inp.dtype
                 or out.device != inp.device or out.stride() != inp.stride()
-                or not _is_whole_dense(inp))
+                or not is_whole_dense(inp))
 
 
 class _Candidate:
@@ -545,7 +546,7 @@ class _Candidate:
         todo: list[tuple[int, _Proto, Any, Call]] = []
         for i in nodes:
             p = self.P[i]
-            preset = p.node.meta.get("memopt.workspace_bytes")
+            preset = preset_workspace_bytes(p.node)
             if preset is not None:
                 found[i] = preset
                 continue
@@ -670,51 +671,37 @@ class _Candidate:
             if not backward:
                 num_forward = steps
 
-        # Step 3: lifetimes the runtime imposes
-        end_of_step = steps - 1
-        user_outputs = {find(k) for i in fw.outputs[:m.num_fwd_outputs] if i is not None
-                        for k in keys_fw.get(i, ())}
-        gradients = {find(k) for i in bw.outputs if i is not None for k in keys_bw.get(i, ())}
+        # Step 3: lifetimes the runtime imposes (allocator.lifetimes: liveness's too)
+        shape = StepShape(num_forward=num_forward, num_steps=steps)
         kept = {find(k) for i in m.kept_outputs for k in keys_fw.get(i, ())}
-        held = resident | kept | gradients
-
-        def end(key: int) -> int:  # a dropped output lives to the forward's end at least
-            return (end_of_step if key in held else
-                    max(last[key], num_forward - 1) if key in user_outputs else last[key])
-
-        lifetimes = {key: (nbytes[key], s, max(end(key), s)) for key, s in first.items()}
+        holds = Holds(
+            resident=resident_kind, kept=kept,
+            outputs={find(k) for i in fw.outputs[:m.num_fwd_outputs] if i is not None
+                     for k in keys_fw.get(i, ())},
+            gradients={find(k) for i in bw.outputs if i is not None
+                       for k in keys_bw.get(i, ())},
+            tangents={find(k) for i in m.tangents for k in keys_bw.get(i, ())},
+            saved={find(k) for i in saved_values for k in keys_fw.get(i, ())})
+        lifetimes = {key: (nbytes[key], s, holds.end(key, s, last[key], shape))
+                     for key, s in first.items()}
         intervals = list(lifetimes.values())
-        saved = {find(k) for i in saved_values for k in keys_fw.get(i, ())}
-        tangents = {find(k) for i in m.tangents for k in keys_bw.get(i, ())}
         saved_bytes = sum(nbytes[key] for key, s in first.items()
-                          if key in saved and s < num_forward and not (
-                              key in resident or key in tangents or key in user_outputs))
+                          if key in holds.saved and s < num_forward and not (
+                              key in resident or key in holds.tangents
+                              or key in holds.outputs))
         # (bytes, first, last, timeline kind) of what has no storage of its own
-        forward_bytes, backward_bytes, *after = m.outside
-        after_backward = after[0] if after else 0
         extras = [(size, step, step, timeline_kind("activation", workspace=True, chain=opaque))
                   for size, step, opaque in workspaces]
-        extras += [(size, -1, end_of_step, timeline_kind("existing_grad"))
-                   for size in (m.existing_grads or {}).values()]
-        if forward_bytes and num_forward - 1 >= 0:
-            extras.append((forward_bytes, 0, num_forward - 1, timeline_kind("outside")))
-        if backward_bytes and num_forward <= end_of_step:
-            extras.append((backward_bytes, num_forward, end_of_step, timeline_kind("outside")))
-        if after_backward and num_forward <= end_of_step:
-            extras.append((after_backward, end_of_step, end_of_step, timeline_kind("outside")))
-        if m.outside_grad_bytes and num_forward < steps:
-            extras.append((m.outside_grad_bytes, num_forward, num_forward,
-                           timeline_kind("tangent")))
+        extras += [(h.nbytes, h.start, h.end, timeline_kind(h.kind)) for h in held_outside(
+            shape, existing_grads=m.existing_grads, outside_bytes=m.outside,
+            outside_grad_bytes=m.outside_grad_bytes, has_backward=True)]
         intervals += [extra[:3] for extra in extras]
         kinds: tuple[str, ...] = ()
         if with_kinds:  # passes.liveness Step 3's kinds, in that order
-            kinds = tuple(timeline_kind(
-                resident_kind[key] if key in resident else "tangent" if key in tangents
-                else "gradient" if key in gradients and s >= num_forward
-                else "backward" if s >= num_forward else "output" if key in user_outputs
-                else "saved" if key in saved else "activation",
-                recomputed=key in recomputed_keys, chain=key in chain_keys)
-                for key, s in first.items()) + tuple(extra[3] for extra in extras)
+            kinds = tuple(timeline_kind(holds.kind_of(key, s, shape),
+                                        recomputed=key in recomputed_keys,
+                                        chain=key in chain_keys)
+                          for key, s in first.items()) + tuple(extra[3] for extra in extras)
         flops = sum(self._flops(i) for i in bw.body if i in self.recomputed)
         # what memopt.oracle reads back: each storage's lifetime, each node's storages
         self.lifetimes, self.unkeyed = lifetimes, intervals[len(lifetimes):]

@@ -12,7 +12,7 @@ from torch import nn
 
 import memopt
 from memopt.backend import MemoptBackend
-from memopt.passes.inplace import _inplace_overload
+from memopt.passes.inplace import inplace_overload
 
 
 def _plan(model: nn.Module, *inputs: torch.Tensor, **options) -> memopt.MemoryPlan:
@@ -34,12 +34,12 @@ def _storage_of(plan: memopt.MemoryPlan, qualified: str):
 
 def test_inplace_overload_lookup():
     aten = torch.ops.aten
-    assert _inplace_overload(aten.relu.default) is aten.relu_.default
-    assert _inplace_overload(aten.add.Tensor) is aten.add_.Tensor
-    assert _inplace_overload(aten.t.default) is None            # a view
-    assert _inplace_overload(aten.relu_.default) is None        # already in place
-    assert _inplace_overload(aten.native_dropout.default) is None  # random
-    assert _inplace_overload(aten.mm.default) is None           # no in-place variant
+    assert inplace_overload(aten.relu.default) is aten.relu_.default
+    assert inplace_overload(aten.add.Tensor) is aten.add_.Tensor
+    assert inplace_overload(aten.t.default) is None            # a view
+    assert inplace_overload(aten.relu_.default) is None        # already in place
+    assert inplace_overload(aten.native_dropout.default) is None  # random
+    assert inplace_overload(aten.mm.default) is None           # no in-place variant
 
 
 def test_relu_after_linear_is_rewritten_in_place():
@@ -148,15 +148,15 @@ def test_baseline_counts_the_peak_of_eager_like_execution():
 
 
 def test_out_variant_lookup():
-    from memopt.passes.inplace import _out_overload
+    from memopt.passes.inplace import out_overload
 
     aten = torch.ops.aten
-    assert _out_overload(aten.gelu_backward.default)[0] is aten.gelu_backward.grad_input
-    assert _out_overload(aten.mul.Tensor) == (aten.mul.out, "out")
-    assert _out_overload(aten._log_softmax_backward_data.default)[0] is \
+    assert out_overload(aten.gelu_backward.default)[0] is aten.gelu_backward.grad_input
+    assert out_overload(aten.mul.Tensor) == (aten.mul.out, "out")
+    assert out_overload(aten._log_softmax_backward_data.default)[0] is \
         aten._log_softmax_backward_data.out
-    assert _out_overload(aten.mm.default) is None          # not pointwise: no aliasing out
-    assert _out_overload(aten.native_dropout.default) is None
+    assert out_overload(aten.mm.default) is None          # not pointwise: no aliasing out
+    assert out_overload(aten.native_dropout.default) is None
 
 
 def test_backward_reuses_the_dying_gradient():
@@ -172,7 +172,7 @@ def test_backward_reuses_the_dying_gradient():
 def test_row_safe_kernels_may_write_into_their_inputs():
     # The ROW_SAFE rule rests on the kernels reducing a row before writing it:
     # check bit-exactness of out= aliasing each input, against the functional op.
-    from memopt.passes.inplace import ROW_SAFE, _out_overload
+    from memopt.passes.inplace import ROW_SAFE, out_overload
 
     x = torch.randn(64, 1000)
     for op in ROW_SAFE:
@@ -182,7 +182,7 @@ def test_row_safe_kernels_may_write_into_their_inputs():
         for alias in ("grad", "output"):
             g, o = grad.clone(), output.clone()
             out = g if alias == "grad" else o
-            out_op, out_name = _out_overload(op)
+            out_op, out_name = out_overload(op)
             out_op(g, o, 1, torch.float32, **{out_name: out})
             assert torch.equal(out, expected), (op, alias)
 
