@@ -17,7 +17,7 @@ GraphModule (the cell), run at every time step of a chunk; the per-step values
 stacked after the loop are the chain's output, the last step's carried state its
 final state. A chain takes one per-step tensor ``xs`` and returns one: a loop that
 reads several per-step inputs (``cell(xs[t] + emb[t], h)``, targets ``ys[t]`` of a
-per-step loss) or stacks several per-step values is packed (``_Packing``): each input's
+per-step loss) or stacks several per-step values is packed (``Packing``): each input's
 T steps are flattened into a (T, n_i) block and the blocks concatenated into one
 (T, N) ``xs`` in graph nodes before the chain (so the planner sees the packed copy's
 bytes like any tensor's); floating inputs are cast to the widest floating dtype among
@@ -67,6 +67,8 @@ from torch import fx, nn
 from memopt.allocator.repeats import MIN_STEPS, Loop, Op, Ref, Slot, find_loops
 
 from ._torch_compat import OpOverload, OpOverloadPacket
+from .loop_packing import (Packing, example_value, is_packed, pack_inputs, packing_of,
+                           time_dim_of, unpack_outputs)
 from .runtime import runtime
 
 from .meta import NN_MODULE_STACK, _clean_path
@@ -74,7 +76,6 @@ from .meta import NN_MODULE_STACK, _clean_path
 log = logging.getLogger("memopt")
 
 #: The key dynamo writes each node's FakeTensor value under.
-EXAMPLE_VALUE = "example_value"
 
 _INPLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.imatmul, operator.itruediv,
@@ -157,7 +158,7 @@ def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
 
 
 @dataclass(frozen=True)
-class _Plain:
+class PlainGraph:
     ops: list[Op]
     nodes: list[fx.Node]            # nodes[j]: the node of op j
     by_name: dict[str, fx.Node]
@@ -167,7 +168,7 @@ class _Plain:
         return self.nodes[ref[1]] if ref[0] == "op" else self.by_name[ref[-1]]
 
 
-def _plain(gm: fx.GraphModule) -> _Plain:
+def _plain(gm: fx.GraphModule) -> PlainGraph:
     refs: dict[fx.Node, Ref] = {}
     ops: list[Op] = []
     nodes: list[fx.Node] = []
@@ -183,7 +184,7 @@ def _plain(gm: fx.GraphModule) -> _Plain:
         refs[node] = ("op", len(ops))
         ops.append(Op(_key(node, refs), args, _stack_dim(node), node.name))
         nodes.append(node)
-    return _Plain(ops, nodes, {n.name: n for n in gm.graph.nodes})
+    return PlainGraph(ops, nodes, {n.name: n for n in gm.graph.nodes})
 
 
 def _inputs(node: fx.Node) -> list[fx.Node]:
@@ -201,7 +202,7 @@ def _key(node: fx.Node, refs: dict[fx.Node, Ref]) -> tuple:
         ref = refs[n]
         if ref[0] == "at":
             return f"at:{ref[2]}"
-        return f"param:{ref[1]}" if isinstance(_example(n), nn.Parameter) else "#"
+        return f"param:{ref[1]}" if isinstance(example_value(n), nn.Parameter) else "#"
 
     target: Any = node.target if node.op == "call_function" else str(node.target)
     try:
@@ -209,10 +210,6 @@ def _key(node: fx.Node, refs: dict[fx.Node, Ref]) -> tuple:
     except TypeError:
         target = repr(target)
     return node.op, target, repr(fx.node.map_arg((node.args, node.kwargs), mark))
-
-
-def _example(node: Any) -> Any:
-    return node.meta.get(EXAMPLE_VALUE) if isinstance(node, fx.Node) else None
 
 
 def _is_unbind(node: Any) -> bool:
@@ -223,7 +220,7 @@ def _is_unbind(node: Any) -> bool:
 
 def _at(base: Any, dim: Any, i: Any) -> tuple[fx.Node, int, int] | None:
     """(base, dim, i) normalized to non-negative, if ``base`` is a tensor that has them."""
-    value = _example(base)
+    value = example_value(base)
     if not (isinstance(value, torch.Tensor) and type(dim) is int and type(i) is int
             and -value.dim() <= dim < value.dim()):
         return None
@@ -253,7 +250,7 @@ def _index(node: fx.Node) -> tuple[fx.Node, int, int] | None:
 def _stack_dim(node: fx.Node) -> int | None:
     if node.op != "call_function" or node.target is not torch.stack:
         return None
-    out = _example(node)
+    out = example_value(node)
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if not isinstance(out, torch.Tensor) or type(dim) is not int:
         return None
@@ -301,7 +298,7 @@ def _writes(node: fx.Node) -> bool:
     return False
 
 
-def _rebinds_state(plain: _Plain, loop: Loop, k: int) -> bool:
+def _rebinds_state(plain: PlainGraph, loop: Loop, k: int) -> bool:
     """Offset k is ``acc op= value`` on a carried accumulator that nothing else reads
     (``loss += F.cross_entropy(...)``): running it out of place computes the same values.
     The accumulator must be this offset's own value of the previous step, read only
@@ -311,14 +308,14 @@ def _rebinds_state(plain: _Plain, loop: Loop, k: int) -> bool:
     if node.target not in _OUT_OF_PLACE or loop.slots[k][:1] != (("state", k),):
         return False
     init = loop.init[loop.state.index(k)]
-    if init[0] != "op" or getattr(_example(plain.nodes[init[1]]), "_base", None) is not None:
+    if init[0] != "op" or getattr(example_value(plain.nodes[init[1]]), "_base", None) is not None:
         return False
     written = [plain.nodes[init[1]]] + [plain.nodes[rep[k]] for rep in loop.ops[:-1]]
     readers = [plain.nodes[rep[k]] for rep in loop.ops]
     return all(set(w.users) == {r} for w, r in zip(written, readers) if r is not None)
 
 
-def _refusal(plain: _Plain, loop: Loop) -> str | None:
+def _refusal(plain: PlainGraph, loop: Loop) -> str | None:
     first = [plain.nodes[j] for j in loop.ops[0]]
     for k, node in enumerate(first):
         if _writes(node) and not _rebinds_state(plain, loop, k):
@@ -331,32 +328,32 @@ def _refusal(plain: _Plain, loop: Loop) -> str | None:
             return (f"the last step omits the random op {first[k].name}, which the chain "
                     "would run, drawing numbers the unrolled graph does not")
     outside = [plain.node(ref) for ref in _outside_refs(loop)]
-    if not all(isinstance(_example(n), torch.Tensor) for n in outside):
+    if not all(isinstance(example_value(n), torch.Tensor) for n in outside):
         return "the cell reads a value from before the loop that is not a tensor"
-    if not any(isinstance(_example(n), nn.Parameter) for n in outside):
+    if not any(isinstance(example_value(n), nn.Parameter) for n in outside):
         return "the cell reads no parameter"
     for o, ref in zip(loop.state, loop.init):
-        init, value = _example(plain.node(ref)), _example(first[o])
+        init, value = example_value(plain.node(ref)), example_value(first[o])
         if not (isinstance(init, torch.Tensor) and isinstance(value, torch.Tensor)
                 and (init.shape, init.dtype, init.device)
                 == (value.shape, value.dtype, value.device)):
             return (f"the carried value {first[o].name} is not a tensor of its initial "
                     "value's shape, dtype and device")
-    device = _example(first[loop.state[0]]).device
-    if not any(_example(first[o]).is_floating_point() for o in loop.state):
+    device = example_value(first[loop.state[0]]).device
+    if not any(example_value(first[o]).is_floating_point() for o in loop.state):
         return "no carried value is a floating-point tensor"
     for o, _ in loop.outputs:
-        y = _example(first[o])
+        y = example_value(first[o])
         if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.device == device):
             return "a stacked per-step value is not a floating-point tensor on the state's device"
-        if not _packed(loop) and _time_dim(loop) > y.dim():
+        if not is_packed(loop) and time_dim_of(loop) > y.dim():
             return "the per-step input's time dim is beyond the stacked value's dims"
     for base, dim, i0 in loop.step_inputs:
-        xs = _example(plain.node(base))
+        xs = example_value(plain.node(base))
         if i0 + loop.steps > xs.shape[dim] or xs.device != device:
             return "a per-step input does not cover every step on the state's device"
-    if _packed(loop):
-        packing = _packing(plain, loop)
+    if is_packed(loop):
+        packing = packing_of(plain, loop)
         if isinstance(packing, str):
             return packing
     return None
@@ -379,107 +376,7 @@ def _outside_refs(loop: Loop) -> list[Ref]:
     return list(refs)
 
 
-def _packed(loop: Loop) -> bool:
-    """The loop's per-step inputs or stacked values are packed into one (``_Packing``)."""
-    return len(loop.step_inputs) > 1 or len(loop.outputs) > 1
-
-
-def _time_dim(loop: Loop) -> int:
-    """The chain's time dim: 0 when packed, else the per-step input's, else the stacked
-    output's."""
-    if _packed(loop):
-        return 0
-    if loop.step_input is not None:
-        return loop.step_input[1]
-    return loop.stack_dim if loop.stack_dim is not None else 0
-
-
-#: Integers of up to this many bits are exactly representable in the floating dtype.
-_EXACT_INT_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One per-step input inside the packed ``xs``: its step's shape and dtype, and how
-    it is stored in the packed dtype: "same", "cast" (exact widening) or "bits"
-    (bit-cast: ``ratio`` packed elements per element)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    how: str
-    width: int        # packed elements a step
-
-
-@dataclass(frozen=True)
-class _Packing:
-    """How a loop's per-step inputs share one (T, N) ``xs`` and its stacked values one
-    (T, M) output (see the module docstring)."""
-
-    dtype: torch.dtype                          # the packed xs's
-    inputs: tuple[_Piece, ...]                  # in loop.step_inputs order
-    outputs: tuple[tuple[int, ...], ...]        # each stacked value's step shape
-    out_dtype: torch.dtype | None
-
-    def split_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """One step's row (N,) -> the step's inputs, as the unrolled graph read them."""
-        pieces, at = [], 0
-        for piece in self.inputs:
-            part = x.narrow(0, at, piece.width)
-            at += piece.width
-            if piece.how == "bits":  # a fresh copy: view(dtype) needs an aligned storage
-                part = part.clone().view(piece.dtype)
-            elif piece.how == "cast":
-                part = part.to(piece.dtype)
-            pieces.append(part.reshape(piece.shape))
-        return pieces
-
-    def join_outputs(self, ys: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """One step's stacked values -> the chain output's row (M,)."""
-        return torch.cat([y.reshape(-1) for y in ys])
-
-
-def _packing(plain: _Plain, loop: Loop) -> _Packing | str:
-    """The packing of ``loop``'s per-step inputs and stacked values, or why there is none."""
-    inputs = [_example(plain.node(base)) for base, _, _ in loop.step_inputs]
-    first = [plain.nodes[j] for j in loop.ops[0]]
-    floats = [x.dtype for x in inputs if x.is_floating_point()]
-    if not floats:  # integer inputs only: the carried state's floating dtype
-        floats = [next(_example(first[o]).dtype for o in loop.state
-                       if _example(first[o]).is_floating_point())]
-    dtype = max(floats, key=lambda d: torch.empty((), dtype=d).element_size())
-    size = torch.empty((), dtype=dtype).element_size()
-    pieces = []
-    for x, (_, dim, _) in zip(inputs, loop.step_inputs):
-        shape = tuple(x.shape[:dim]) + tuple(x.shape[dim + 1:])
-        numel = 1
-        for n in shape:
-            numel *= n
-        itemsize = x.element_size()
-        int_bits = 1 if x.dtype == torch.bool else 8 * itemsize
-        if x.dtype == dtype:
-            how, width = "same", numel
-        elif x.is_floating_point() and itemsize < size:
-            how, width = "cast", numel  # widening: exact, and differentiable
-        elif (not x.is_floating_point() and not x.is_complex()
-              and int_bits <= _EXACT_INT_BITS.get(dtype, 0)):
-            how, width = "cast", numel  # every integer of the dtype is a float of P
-        elif not x.is_floating_point() and not x.is_complex() and itemsize % size == 0:
-            how, width = "bits", numel * (itemsize // size)
-        else:
-            return (f"a per-step input of dtype {x.dtype} cannot be packed exactly with "
-                    f"the others ({dtype})")
-        pieces.append(_Piece(shape, x.dtype, how, width))
-    outs = [_example(first[o]) for o, _ in loop.outputs]
-    if len({y.dtype for y in outs}) > 1:
-        return "the stacked per-step values differ in dtype (they are packed into one output)"
-    return _Packing(dtype, tuple(pieces), tuple(tuple(y.shape) for y in outs),
-                    outs[0].dtype if outs else None)
-
-
-# -- Step 5: the cell and its step function ---------------------------------------------
-
-
-def _cell(gm: fx.GraphModule, plain: _Plain, loop: Loop, params: list[Ref]) -> fx.GraphModule:
+def _cell(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref]) -> fx.GraphModule:
     """One step's ops as a GraphModule: (*params, *state, *xs) -> (ys, new state), one x
     per per-step input (none without), one y per stacked value."""
     graph = fx.Graph()
@@ -531,34 +428,34 @@ def _describe(nodes: list[fx.Node]) -> tuple[str, str]:
     return "loop", "detected loop"
 
 
-def _spec(gm: fx.GraphModule, plain: _Plain, loop: Loop, params: list[Ref]) -> tuple[int, Any]:
+def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref]) -> tuple[int, Any]:
     """Register the loop's ChainSpec: the cell run at every time step of a chunk, the
     stacked values its output (an empty one when nothing is stacked)."""
     ops, loop_step = runtime("chains"), runtime("loop_step")
 
     cell = _cell(gm, plain, loop, params)
-    time_dim = _time_dim(loop)
+    time_dim = time_dim_of(loop)
     first = [plain.nodes[j] for j in loop.ops[0]]
-    packing = _packing(plain, loop) if _packed(loop) else None
+    packing = packing_of(plain, loop) if is_packed(loop) else None
     y_shape, y_dtype = (0,) * max(1, time_dim), None
-    if isinstance(packing, _Packing) and packing.outputs:
+    if isinstance(packing, Packing) and packing.outputs:
         y_shape = (sum(math.prod(shape) for shape in packing.outputs),)
         y_dtype = packing.out_dtype
     elif loop.outputs:
-        y = _example(first[loop.outputs[0][0]])
+        y = example_value(first[loop.outputs[0][0]])
         y_shape, y_dtype = tuple(y.shape), y.dtype
-    carried = next(q for q, o in enumerate(loop.state) if _example(first[o]).is_floating_point())
+    carried = next(q for q, o in enumerate(loop.state) if example_value(first[o]).is_floating_point())
     n_inputs = len(loop.step_inputs)
 
     def cell_step(p: tuple, state: tuple, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        if isinstance(packing, _Packing):
+        if isinstance(packing, Packing):
             xs = packing.split_inputs(x)
         else:
             xs = [x][:n_inputs]
         ys, new = cell(*p, *state, *xs)
         if not ys:  # nothing stacked: an empty output, still part of the step's graph
             out = new[carried].reshape(-1)[:0].clone().reshape(y_shape)
-        elif isinstance(packing, _Packing):
+        elif isinstance(packing, Packing):
             out = packing.join_outputs(ys)
         else:
             out = ys[0]
@@ -578,27 +475,27 @@ def _spec(gm: fx.GraphModule, plain: _Plain, loop: Loop, params: list[Ref]) -> t
 # -- Step 6: the rewrite -----------------------------------------------------------------
 
 
-def _rewrite(gm: fx.GraphModule, plain: _Plain, loop: Loop, keep: bool) -> ChainedLoop:
+def _rewrite(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, keep: bool) -> ChainedLoop:
     params = _outside_refs(loop)
     chain_id, spec = _spec(gm, plain, loop, params)
     graph = gm.graph
     run = [plain.nodes[j] for rep in loop.ops for j in rep if j is not None]
     init = [plain.node(ref) for ref in loop.init]
-    time_dim = _time_dim(loop)
-    packing = _packing(plain, loop) if _packed(loop) else None
+    time_dim = time_dim_of(loop)
+    packing = packing_of(plain, loop) if is_packed(loop) else None
     with graph.inserting_before(plain.nodes[loop.end - 1].next):
-        if isinstance(packing, _Packing) and loop.step_inputs:
-            xs = _pack_inputs(graph, plain, loop, packing)
+        if isinstance(packing, Packing) and loop.step_inputs:
+            xs = pack_inputs(graph, plain, loop, packing)
         elif loop.step_input is not None:
             base, dim, i0 = loop.step_input
             xs = plain.node(base)
-            if i0 != 0 or _example(xs).shape[dim] != loop.steps:
+            if i0 != 0 or example_value(xs).shape[dim] != loop.steps:
                 xs = graph.call_function(torch.narrow, (xs, dim, i0, loop.steps))
         else:  # no per-step input: an empty tensor gives the chain its length
             shape = [0] * (time_dim + 2)
             shape[time_dim] = loop.steps
             xs = graph.call_function(torch.empty, (shape,),
-                                     {"device": _example(init[0]).device})
+                                     {"device": example_value(init[0]).device})
         chain = graph.call_function(torch.ops.memopt.chain_fwd, (
             chain_id, loop.steps, 1, "hsm", keep, init, xs, [plain.node(r) for r in params]))
         if "stack_trace" in run[0].meta:
@@ -606,8 +503,8 @@ def _rewrite(gm: fx.GraphModule, plain: _Plain, loop: Loop, keep: bool) -> Chain
         y = graph.call_function(operator.getitem, (chain, 0))
         finals = [graph.call_function(operator.getitem, (chain, 1 + q))
                   for q in range(len(loop.state))]
-        if isinstance(packing, _Packing):
-            ys = _unpack_outputs(graph, y, loop, packing)
+        if isinstance(packing, Packing):
+            ys = unpack_outputs(graph, y, loop, packing)
         else:
             ys = [y]
         for k, (_, stack_dim) in enumerate(loop.outputs):
@@ -630,32 +527,3 @@ def _rewrite(gm: fx.GraphModule, plain: _Plain, loop: Loop, keep: bool) -> Chain
             graph.erase_node(node)
     return ChainedLoop(name=spec.name, module_type=spec.module_type, steps=loop.steps,
                        ops_per_step=loop.length, chain=chain_id)
-
-
-def _pack_inputs(graph: fx.Graph, plain: _Plain, loop: Loop, packing: _Packing) -> fx.Node:
-    """Nodes building the packed (T, N) xs from the per-step inputs (``_Packing``)."""
-    blocks = []
-    for (base, dim, i0), piece in zip(loop.step_inputs, packing.inputs):
-        x = plain.node(base)
-        if i0 != 0 or _example(x).shape[dim] != loop.steps:
-            x = graph.call_function(torch.narrow, (x, dim, i0, loop.steps))
-        if dim != 0:
-            x = graph.call_function(torch.movedim, (x, dim, 0))
-        x = graph.call_method("reshape", (x, loop.steps, -1))
-        if piece.how == "bits":
-            x = graph.call_method("view", (graph.call_method("contiguous", (x,)),
-                                           packing.dtype))
-        elif piece.how == "cast":
-            x = graph.call_method("to", (x, packing.dtype))
-        blocks.append(x)
-    return graph.call_function(torch.cat, (blocks, 1))
-
-
-def _unpack_outputs(graph: fx.Graph, y: fx.Node, loop: Loop, packing: _Packing
-                    ) -> list[fx.Node]:
-    """Nodes splitting the chain's (T, M) output into the stacked values, time first."""
-    widths = [math.prod(shape) for shape in packing.outputs]
-    parts = graph.call_function(torch.split, (y, widths, 1))
-    return [graph.call_method("reshape", (graph.call_function(operator.getitem, (parts, k)),
-                                          loop.steps, *shape))
-            for k, shape in enumerate(packing.outputs)]

@@ -104,18 +104,19 @@ def test_fuzzed_models_simulate_as_they_build(spec) -> None:
 
 
 def test_a_disagreement_is_caught() -> None:
-    """The check can fail: a simulator that drops a step's workspace disagrees."""
-    from memopt.passes import simulate
+    """The check can fail: a simulator that counts one FLOP more per recomputed node
+    disagrees."""
+    from memopt.passes.simulate_steps import Candidate
 
     torch.manual_seed(0)
     case = CASES["conv_bn"]
-    original = simulate._Candidate._flops
+    original = Candidate._flops
     try:
-        simulate._Candidate._flops = lambda self, i: original(self, i) + 1
+        Candidate._flops = lambda self, i: original(self, i) + 1
         with verifying(), pytest.raises(memopt.PassError, match="disagrees"):
             memopt.plan(case.make_model(), *case.make_inputs(), budget=0.5)
     finally:
-        simulate._Candidate._flops = original
+        Candidate._flops = original
 
 
 def test_planning_scores_candidates_without_building_them() -> None:
