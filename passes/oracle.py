@@ -25,13 +25,14 @@ import itertools
 
 from memopt.allocator.milp import RecomputeProblem
 
-from .simulate import StepModel, _Candidate
+from .simulate import StepModel
+from .simulate_steps import Candidate
 
 
 def recompute_problem(model: StepModel) -> tuple[RecomputeProblem, list[int]]:
     """The step's RecomputeProblem, and the StepModel node index of each unit."""
     # Step 1: the plan that recomputes nothing, as the simulator schedules it
-    run = _Candidate(model)
+    run = Candidate(model)
     run.add_mirror_nodes(frozenset(), frozenset())
     fw, bw, saved = run.partition()
     run.liveness(fw, bw, saved)
