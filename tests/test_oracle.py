@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -94,13 +95,22 @@ def test_the_default_search_is_within_5_percent_of_the_optimum(model: str) -> No
 
     oracle = Oracle(*_flat(MODELS[model]()))
     lowest, base = oracle.memopt_minimum(), oracle.baseline_bytes
+    unproved = []
     for fraction in FRACTIONS[1:]:
         budget = int(lowest + fraction * (base - lowest))
         mine, best = oracle.memopt(budget), oracle.optimum(budget, time_limit=60)
         assert mine.fits and best.fits
-        if best.optimal:
-            assert mine.recompute_flops <= 1.05 * best.recompute_flops, (
-                fraction, mine.recompute_flops, best.recompute_flops)
+        if not best.optimal:  # HiGHS ran out of time: no optimum to compare with
+            unproved.append(fraction)
+            continue
+        assert mine.recompute_flops <= 1.05 * best.recompute_flops, (
+            fraction, mine.recompute_flops, best.recompute_flops)
+    # a solver that proves nothing must not pass this test: every row unproved fails it,
+    # and each unproved row is reported
+    assert len(unproved) < len(FRACTIONS) - 1, f"no row proved optimal: {unproved}"
+    if unproved:
+        warnings.warn(f"{model}: the optimum is unproved at fractions {unproved} "
+                      f"(HiGHS's time limit): the 5% claim is unchecked there", stacklevel=1)
 
 
 def _flat(built: tuple) -> tuple:
