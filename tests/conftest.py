@@ -4,7 +4,7 @@ Dynamo caches compiled code per Python code object and stops recompiling a code
 object after `recompile_limit` entries; the corpus compiles many instances of the
 same model classes, so every test starts from a clean dynamo cache and a fixed seed.
 
-The guard (issue 13): a test that changes process-wide state and leaves it changed
+The guard: a test that changes process-wide state and leaves it changed
 makes every later test run under conditions its author never saw, and the failure
 shows up far from its cause (a `monkeypatch.setattr` on `torch._dynamo.config` once
 broke 115 later tests under a newer pytest). So each test is compared before and after

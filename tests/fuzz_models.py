@@ -1,4 +1,4 @@
-"""Random training models for the fuzzer (issue 13, item 4: "the corpus as a fuzzer").
+"""Random training models for the fuzzer (the corpus as a fuzzer).
 
 The hand-written corpus (models.py) covers each op family memopt handles once; this
 module draws many small models that mix them. A model is first a *description*: a

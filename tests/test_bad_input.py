@@ -1,4 +1,4 @@
-"""Bad input (issue 13, item 5): each case either runs as eager does or raises a typed
+"""Bad input: each case either runs as eager does or raises a typed
 memopt error, and an error leaves the user's model as it was (parameters, buffers,
 `.grad`, requires_grad and train/eval flags).
 

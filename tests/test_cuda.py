@@ -1,4 +1,4 @@
-"""memopt on a CUDA device (issue 16, item 4): ``python -m pytest -q -m cuda``.
+"""memopt on a CUDA device: ``python -m pytest -q -m cuda``.
 
 Every test here is marked ``cuda`` and skips when ``torch.cuda.is_available()`` is
 false, so the default suite reports them as skipped on a CPU machine (CI's) and
@@ -469,7 +469,7 @@ def test_chunked_head_on_cuda(returns_logits: bool) -> None:
 
 
 # --------------------------------------------------------------------------
-# Issue 17 on CUDA: bidirectional and autocast chains, reversible dropout, the chain
+# On CUDA: bidirectional and autocast chains, reversible dropout, the chain
 # relaxed near the minimum, outputs dropped before backward
 # --------------------------------------------------------------------------
 

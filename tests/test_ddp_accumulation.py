@@ -1,4 +1,4 @@
-"""DistributedDataParallel around a memopt module on 2 gloo ranks (issues 13 and 16).
+"""DistributedDataParallel around a memopt module on 2 gloo ranks.
 
 `DDP(memopt.compile(model))` (the other order, `memopt.compile(DDP(model))`, is refused
 with an InputError naming this one). The budget is per rank, and it counts DDP's gradient
@@ -92,7 +92,7 @@ def _run_scenario(rank: int, name: str) -> dict:
     baseline = memopt.plan(model, _batch(0, 0, rank), existing_grads=True).baseline_peak_bytes
     budget = int(0.8 * (baseline + buckets))  # fits only if the buckets are counted
     refused = None
-    try:  # the other wrapping order is refused, naming this one (issue 14, item 5)
+    try:  # the other wrapping order is refused, naming this one
         memopt.compile(DDP(model))
     except memopt.InputError as err:
         refused = type(err).__name__

@@ -1,4 +1,4 @@
-"""FSDP2 (`fully_shard`) with memopt on 2 gloo ranks (issue 16, item 2).
+"""FSDP2 (`fully_shard`) with memopt on 2 gloo ranks.
 
 `fully_shard(memopt.compile(model))` trains: FSDP2 all-gathers the parameters before
 memopt's compiled step and reduce-scatters its gradients after. The parameters after two

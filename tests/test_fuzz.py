@@ -1,4 +1,4 @@
-"""The corpus as a fuzzer (issue 13, item 4): random models against eager and the budget.
+"""The corpus as a fuzzer: random models against eager and the budget.
 
 hypothesis draws model descriptions (fuzz_models.model_specs: Linear, Conv2d, train-mode
 BatchNorm, LayerNorm, Dropout, residual branches, repeated blocks, views, transposes,

@@ -1,4 +1,4 @@
-"""Graph breaks planned under one budget (issue 14, item 1; memopt.steps, memopt.backend).
+"""Graph breaks planned under one budget (memopt.steps, memopt.backend).
 
 dynamo splits a forward with a `.item()` branch or a hook that reads a value into
 several graphs; memopt plans each with what the other graphs hold around it, plans them

@@ -1,4 +1,4 @@
-"""The compiled module keeps the model's interface (issue 14, items 2, 3 and 5).
+"""The compiled module keeps the model's interface.
 
 `inspect.signature(compiled.forward)` is the model's (the HF Trainer filters dataset
 columns by it); attributes and methods reach the model (`config`, `generate`,

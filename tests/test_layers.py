@@ -1,4 +1,4 @@
-"""Imports run one way: memopt -> passes -> allocator (issue 15, item 4; STYLE.md, sec. 1).
+"""Imports run one way: memopt -> passes -> allocator (STYLE.md, sec. 1).
 
 Read from the source with `ast` (nothing is imported): no module of `allocator/` imports
 torch, memopt or the passes; no module of `passes/` imports memopt's own modules (only

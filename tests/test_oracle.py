@@ -1,4 +1,4 @@
-"""The exact recomputation oracle (memopt.oracle, allocator/milp.py; issue 15 item 3).
+"""The exact recomputation oracle (memopt.oracle, allocator/milp.py).
 
 The MILP must give the optimum of memopt's plan space as the step simulator scores it:
 on chains small enough to enumerate every subset of recomputed values, its FLOPs at

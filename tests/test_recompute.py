@@ -230,7 +230,7 @@ ORDER_SENSITIVE = pytest.mark.xfail(
 @pytest.mark.parametrize("name, budget", [
     ("resnet", 0.9), pytest.param("transformer", 0.97, marks=ORDER_SENSITIVE)])
 def test_the_peak_path_recomputes_less_than_alg3_near_the_peak(name: str, budget: float) -> None:
-    """planner.chen.peak_path (issue 15): near the unconstrained peak Alg. 3's segments
+    """planner.chen.peak_path: near the unconstrained peak Alg. 3's segments
     recompute whole blocks; dropping only the values that set the peak fits the same
     budget with less recomputation (2.5x less on the residual CNN, 5.5x on the block),
     and the plan keeps eager's gradients."""

@@ -1,4 +1,4 @@
-"""memopt.compile with reversible RNNs (MacKay et al. 2018, issue 5 part 4): the stacks
+"""memopt.compile with reversible RNNs (MacKay et al. 2018): the stacks
 run as two opaque ops, the plan shows them as reversible (no hidden-state slots, the
 buffers at their bound), gradients equal eager's, and the allocated bytes stay within
 the prediction and the budget."""

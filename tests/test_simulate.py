@@ -1,4 +1,4 @@
-"""The step simulator equals the exact build (passes.simulate; issue 15).
+"""The step simulator equals the exact build (passes.simulate).
 
 The planner scores every candidate of its search with `StepModel.simulate`, arrays
 built once from the joint graph, instead of building each candidate's graphs; the

@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer trains a memopt module (issue 14, item 4).
+"""The Hugging Face Trainer trains a memopt module.
 
 `Trainer(model=memopt.compile(model, budget=...))` keeps the dataset's columns (the
 compiled forward has the model's signature) and trains; `MemoptTrainer` (with

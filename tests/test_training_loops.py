@@ -1,4 +1,4 @@
-"""Budgets hold in the training loops people write (issue 13, item 0).
+"""Budgets hold in the training loops people write.
 
 Each pattern runs the same loop on a compiled model and on an eager copy, checks that
 the gradients and the updated parameters equal eager's, and measures the allocated

@@ -1,4 +1,4 @@
-"""Kernel workspaces in the plan (issue 13, item 0b; passes/workspace.py).
+"""Kernel workspaces in the plan (passes/workspace.py).
 
 What a kernel allocates for itself beyond its outputs is measured once per op and shape
 on a real call while planning, and liveness charges it at that op. These tests check

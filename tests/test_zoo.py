@@ -1,4 +1,4 @@
-"""Third-party models train under memopt (issue 14, item 6).
+"""Third-party models train under memopt.
 
 Every family of the zoo (benchmarks/zoo.py: an encoder, two decoders, an
 encoder-decoder, a vision transformer, three CNNs, a model whose loss logs through
