@@ -22,7 +22,7 @@ from torch import nn
 import memopt
 from memopt.budget import Budget
 from models import CASES, CORPUS, Case, ItemBranch
-from test_corpus import FP32, check_matches_eager, default_loss
+from support import FP32, assert_snapshot_equal, check_matches_eager, default_loss, snapshot
 
 RESIDENT = ("parameter", "buffer", "input")
 KINDS = {"parameter", "buffer", "input", "activation", "saved", "output", "tangent",
@@ -35,25 +35,6 @@ def build(case_name: str) -> tuple[nn.Module, tuple]:
     model = case.make_model()
     torch.manual_seed(1)
     return model, case.make_inputs()
-
-
-def snapshot(model: nn.Module) -> dict[str, object]:
-    """Copies of every parameter, buffer and gradient (None kept as None)."""
-    state = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
-    state |= {f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()}
-    state |= {f"grad:{n}": None if p.grad is None else p.grad.clone()
-              for n, p in model.named_parameters()}
-    return state
-
-
-def assert_snapshot_equal(before: dict[str, object], after: dict[str, object]) -> None:
-    assert before.keys() == after.keys()
-    for key, old in before.items():
-        new = after[key]
-        if old is None:
-            assert new is None, f"{key} was None and is now set"
-        else:
-            assert new is not None and torch.equal(new, old), f"{key} changed"
 
 
 # --------------------------------------------------------------------------
@@ -569,7 +550,6 @@ def test_inplace_option_off() -> None:
     case = CASES["mlp"]
     check_matches_eager(case.make_model, case.make_inputs,
                         compile_fn=lambda m: memopt.compile(m, inplace=False))
-
 
 
 def test_invariant_checker_catches_broken_plans() -> None:

@@ -21,7 +21,7 @@ from torch import nn
 import memopt
 from memopt.budget import Budget
 from models import MLP, ConvBN
-from test_api import assert_snapshot_equal, snapshot
+from support import assert_snapshot_equal, snapshot
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import memopt
 from memopt.allocation import allocation_peak
@@ -17,6 +16,7 @@ from memopt.passes.chain_policy import (ChainSite, ChunkCosts, Linear, _stored_b
                                   longest_fitting_chunk, msm_units)
 from memopt.recurrent import ops
 from models import allocated_step
+from support import regression_at, TinyLM
 
 
 def _site(steps: int, hidden_bytes: int = 1000) -> ChainSite:
@@ -149,25 +149,13 @@ def test_longest_fitting_chunk_bisects_held_bytes():
     assert longest_fitting_chunk(site, internal, lambda c: c.chunk <= 7, 7, 8) is None
 
 
-class _LM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(50, 16)
-        self.rnn = nn.LSTM(16, 32, num_layers=2)
-        self.head = nn.Linear(32, 50)
-
-    def forward(self, tokens, targets):
-        y, _ = self.rnn(self.embed(tokens))
-        return nn.functional.cross_entropy(self.head(y).flatten(0, 1), targets.flatten())
-
-
 @pytest.mark.parametrize("fraction", [0.9, 0.75])
 def test_uneven_chunks_keep_eager_gradients(fraction):
     """A prime sequence length (no chunk divides it) under binding budgets: the plan's
     chunks, the remainder first, give eager's loss and gradients, and the plan's count
     of recomputed steps is the executor's."""
     torch.manual_seed(0)
-    model = _LM()
+    model = TinyLM(50, 16, body="lstm", hidden=32)
     tokens, targets = torch.randint(0, 50, (97, 16)), torch.randint(0, 50, (97, 16))
     loss = model(tokens, targets)
     ref = torch.autograd.grad(loss, list(model.parameters()))
@@ -191,7 +179,7 @@ def test_near_the_minimum_the_chain_takes_the_room_the_mirror_set_leaves():
     that still fits (planner.families.relax): fewer recomputed steps, the budget still met by
     the plan and by the measured step, eager's gradients."""
     torch.manual_seed(0)
-    model = _LM()
+    model = TinyLM(50, 16, body="lstm", hidden=32)
     tokens, targets = torch.randint(0, 50, (97, 16)), torch.randint(0, 50, (97, 16))
     loss = model(tokens, targets)
     ref = torch.autograd.grad(loss, list(model.parameters()))
@@ -213,31 +201,6 @@ def test_near_the_minimum_the_chain_takes_the_room_the_mirror_set_leaves():
         compiled(tokens, targets).backward()
     measured = seen.peak + resident
     assert measured <= budget, (measured, compiled.memopt_plan.predicted_peak_bytes, budget)
-
-
-class _Regression(nn.Module):
-    """An LSTM and the MSE of its outputs, the loss inside forward (planned with it)."""
-
-    def __init__(self, steps: int) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(32, 64)
-        self.register_buffer("target", torch.randn(steps, 16, 64), persistent=False)
-
-    def forward(self, xs):
-        return nn.functional.mse_loss(self.rnn(xs)[0], self.target)
-
-
-def regression_at(fraction: float):
-    """_Regression over 120 steps, its inputs, resident bytes, and a budget of the fixed
-    bytes plus ``fraction`` of eager's measured activation bytes."""
-    torch.manual_seed(0)
-    model = _Regression(120)
-    xs = torch.randn(120, 16, 32)
-    resident = sum(t.untyped_storage().nbytes()
-                   for t in (*model.parameters(), *model.buffers(), xs))
-    fixed = resident + sum(p.numel() * 4 for p in model.parameters())
-    eager = allocated_step(model, xs, resident)
-    return model, xs, resident, fixed + int(fraction * (eager - fixed))
 
 
 @pytest.mark.parametrize("fraction", [0.6, 0.35])

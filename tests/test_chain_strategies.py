@@ -14,9 +14,7 @@ import torch
 from memopt.allocator.gruslys import solve
 from memopt.passes import chain_policy as chain_pass
 from models import allocated_step
-from test_chain_policy import _Regression, regression_at
-from test_loops import GRUCellLoop, LSTMCellLoop
-from test_recurrent import LanguageModel
+from support import ChainRegression, GRUCellLoop, LanguageModel, LSTMCellLoop, regression_at
 from torch import nn
 
 import memopt
@@ -123,7 +121,7 @@ def test_planner_takes_internal_states_where_they_are_faster(monkeypatch):
     10% of the prediction, with eager's gradients."""
     _steps_dominate(monkeypatch)
     torch.manual_seed(0)
-    model = _Regression(120)
+    model = ChainRegression(120)
     xs = torch.randn(120, 16, 32)
     resident = sum(t.untyped_storage().nbytes()
                    for t in (*model.parameters(), *model.buffers(), xs))

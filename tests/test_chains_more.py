@@ -13,6 +13,7 @@ import memopt
 from memopt.allocation import allocation_peak
 from memopt.recurrent import ops, solve
 from memopt.recurrent.modules import ChainedRNN, _packed_layout
+from support import AutocastRegression, BiRegression, relative_error
 
 
 def _hidden(h) -> tuple[torch.Tensor, ...]:
@@ -115,19 +116,6 @@ def test_bidirectional_unbatched_input():
     y2, h2 = ChainedRNN(rnn)(x)
     torch.testing.assert_close(y2, y)
     torch.testing.assert_close(h2, h)
-
-
-class BiRegression(nn.Module):
-    """A two-layer bidirectional LSTM and a loss on its outputs and final states."""
-
-    def __init__(self, steps: int, dropout: float) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(32, 64, num_layers=2, bidirectional=True, dropout=dropout)
-        self.register_buffer("target", torch.randn(steps, 16, 128), persistent=False)
-
-    def forward(self, xs):
-        y, (h, c) = self.rnn(xs)
-        return nn.functional.mse_loss(y, self.target) + h.square().mean() + c.square().mean()
 
 
 def _train_step(model: nn.Module, xs: torch.Tensor, *args, measure: bool = True
@@ -321,28 +309,9 @@ def test_compile_packed_sequences_under_a_budget(one_thread):
 # -- autocast -----------------------------------------------------------------------
 
 
-class AutocastRegression(nn.Module):
-    """An RNN under the caller's autocast, its outputs and final state in the loss."""
-
-    def __init__(self, rnn: nn.RNNBase) -> None:
-        super().__init__()
-        self.rnn = rnn
-        self.head = nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), 8)
-
-    def forward(self, xs):
-        y, h = self.rnn(xs)
-        h = h[0] if isinstance(h, tuple) else h
-        return self.head(y).float().square().mean() + h.float().square().mean()
-
-
 def _autocast_step(model: nn.Module, xs: torch.Tensor, measure: bool = False):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return _train_step(model, xs, measure=measure)
-
-
-def _relative(got, ref) -> float:
-    return max(((a.float() - b.float()).norm() / b.float().norm()).item()
-               for a, b in zip(got, ref))
 
 
 @pytest.mark.parametrize("kind", ["lstm2", "bilstm"])
@@ -360,11 +329,11 @@ def test_compile_chain_under_autocast(kind, one_thread):
     xs = torch.randn(64, 8, 16, requires_grad=True)
     ref_loss, ref, _ = _autocast_step(model, xs)
     _, fp32, _ = _train_step(model, xs, measure=False)
-    assert _relative(fp32, ref) > 3e-3  # what running the chain in fp32 would give
+    assert relative_error(fp32, ref) > 3e-3  # what running the chain in fp32 would give
     free = memopt.compile(model)
     loss, got, _ = _autocast_step(free, xs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
-    assert _relative(got, ref) <= (1e-6 if kind == "lstm2" else 2.5e-3)
+    assert relative_error(got, ref) <= (1e-6 if kind == "lstm2" else 2.5e-3)
     resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), xs))
     budget = int(0.8 * free.memopt_plan.predicted_peak_bytes)
     tight = memopt.compile(model, budget=budget)
@@ -373,7 +342,7 @@ def test_compile_chain_under_autocast(kind, one_thread):
     plan = tight.memopt_plan
     assert all(c.t > 1 and c.recompute_steps > 0 for c in plan.chains), plan.chains
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
-    assert _relative(got, ref) <= 1e-2
+    assert relative_error(got, ref) <= 1e-2
     assert measured + resident <= budget, (measured + resident, budget)
     assert not ops._STASH
 

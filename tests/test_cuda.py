@@ -44,7 +44,8 @@ from typing import Any
 import pytest
 import torch
 from models import CORPUS, Case, TransformerBlock
-from test_corpus import leaves
+from support import (AutocastRegression, BiRegression, ReversibleRegression, TinyLM, V, leaves,
+                     relative_error)
 from torch import nn
 
 import memopt
@@ -434,10 +435,9 @@ def test_chunked_head_on_cuda(returns_logits: bool) -> None:
     """The language-model head in chunks on CUDA (memopt.lm_head): eager's loss and
     gradients at memopt's minimum budget, a loss on the returned logits too, measured
     within the budget."""
-    from test_heads import _LM, V  # noqa: PLC0415
 
     torch.manual_seed(0)
-    model = _LM(returns_logits=returns_logits).to(DEVICE)
+    model = TinyLM(V, dropout=0.0, returns_logits=returns_logits).to(DEVICE)
     eager = copy.deepcopy(model)
     tokens = torch.randint(0, V, (8, 96), device=DEVICE)
     targets = torch.randint(0, V, (8, 96), device=DEVICE)
@@ -490,7 +490,6 @@ def test_bidirectional_chains_on_cuda_under_a_budget() -> None:
     """A 2-layer bidirectional LSTM (no dropout: with it, cuDNN draws inside its call
     and the stack stays one chunk) as four chains split under a budget: eager's loss
     and gradients, measured within the budget."""
-    from test_chains_more import BiRegression  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = BiRegression(128, 0.0).to(DEVICE)
@@ -517,7 +516,6 @@ def test_bidirectional_chains_on_cuda_under_a_budget() -> None:
 def test_chain_under_bf16_autocast_on_cuda() -> None:
     """Under torch.autocast("cuda", bfloat16) a split chain computes in bf16 as eager
     does: eager's loss to bf16 rounding, gradients within bf16 rounding."""
-    from test_chains_more import AutocastRegression, _relative  # noqa: PLC0415
 
     torch.manual_seed(0)
     model = AutocastRegression(nn.LSTM(16, 32, num_layers=2)).to(DEVICE)
@@ -539,17 +537,16 @@ def test_chain_under_bf16_autocast_on_cuda() -> None:
     loss, got = _grads_of(tight, under_autocast(tight), xs)
     assert all(c.t > 1 for c in tight.memopt_plan.chains), tight.memopt_plan.chains
     _close(loss, ref_loss, "loss", {"rtol": 1e-2, "atol": 1e-3})
-    assert _relative(got, ref) <= 1e-2
+    assert relative_error(got, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_reversible_dropout_on_cuda(kind: str) -> None:
     """Dropout between reversible layers on CUDA's generator: compiled equals eager
     from the same seed (the masks rebuilt in backward from the saved seeds)."""
-    from test_reversible_compile import _Regression  # noqa: PLC0415
 
     torch.manual_seed(0)
-    model = _Regression(kind, steps=15, dropout=0.4).to(DEVICE)
+    model = ReversibleRegression(kind, steps=15, dropout=0.4).to(DEVICE)
     xs = torch.randn(8, 15, 12, device=DEVICE, requires_grad=True)
     compiled = memopt.compile(model)
     for _ in range(2):  # the first step plans
@@ -564,10 +561,9 @@ def test_chain_relaxed_near_the_minimum_on_cuda() -> None:
     """5% above memopt's minimum, the cuDNN chain takes the fastest policy that fits
     the Chen planner's mirror set: fewer recomputed steps than the lowest-peak one,
     eager's gradients, measured within the budget."""
-    from test_chain_policy import _LM  # noqa: PLC0415
 
     torch.manual_seed(0)
-    model = _LM().to(DEVICE)
+    model = TinyLM(50, 16, body="lstm", hidden=32).to(DEVICE)
     tokens = torch.randint(0, 50, (97, 16), device=DEVICE)
     targets = torch.randint(0, 50, (97, 16), device=DEVICE)
     eager = copy.deepcopy(model)
@@ -593,10 +589,9 @@ def test_dropped_outputs_on_cuda() -> None:
     the budget and the plan; one that keeps them is warned about."""
     import warnings  # noqa: PLC0415
 
-    from test_drop_outputs import _LM  # noqa: PLC0415
 
     torch.manual_seed(0)
-    model = _LM().to(DEVICE)
+    model = TinyLM(2000, 32, hidden=32, returns_logits=True).to(DEVICE)
     tokens = torch.randint(0, 2000, (8, 64), device=DEVICE)
     targets = torch.randint(0, 2000, (8, 64), device=DEVICE)
     with pytest.raises(memopt.BudgetError) as err:

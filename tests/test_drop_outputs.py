@@ -10,30 +10,15 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 import memopt
 from memopt.allocation import allocation_peak
-
-
-class _LM(nn.Module):
-    """A language model returning its loss and its logits, as HF models do."""
-
-    def __init__(self, vocab: int = 2000, width: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.body = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, tokens, targets):
-        logits = self.head(self.body(self.embed(tokens)))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+from support import TinyLM
 
 
 def _setup():
     torch.manual_seed(0)
-    model = _LM()
+    model = TinyLM(2000, 32, hidden=32, returns_logits=True)
     tokens, targets = torch.randint(0, 2000, (8, 64)), torch.randint(0, 2000, (8, 64))
     resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), tokens, targets))
     return model, tokens, targets, resident
@@ -103,7 +88,7 @@ def test_an_output_backward_reads_is_not_counted_as_held():
 
 def test_drop_outputs_must_be_a_flag():
     with pytest.raises(ValueError, match="drop_outputs must be True or False"):
-        memopt.compile(_LM(), drop_outputs="yes")
+        memopt.compile(TinyLM(2000, 32, hidden=32, returns_logits=True), drop_outputs="yes")
 
 
 def test_dropped_outputs_simulate_as_they_build():

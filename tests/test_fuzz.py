@@ -66,7 +66,7 @@ from torch import nn
 import memopt
 from fuzz_models import ModelSpec, build_model, make_inputs, model_specs, output_shapes
 from memopt.allocation import allocation_peak
-from test_corpus import (
+from support import (
     FP32,
     assert_buffers_equal,
     assert_close,

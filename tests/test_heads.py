@@ -10,14 +10,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import memopt
 import memopt.lm_head  # noqa: F401  (registers the ops)
 from memopt.allocation import allocation_peak
 from memopt.errors import BudgetError
+from support import TinyLM, V
 
-V = 700
 
 
 def _reference(h, w, b, target, ignore_index, reduction, upcast, grad_logits=None):
@@ -73,33 +72,6 @@ def test_ops_upcast_from_bfloat16():
         torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=2e-3)
 
 
-class _LM(nn.Module):
-    """Embedding, a small body, a head to V words and its loss, in the forms real
-    language models write it."""
-
-    def __init__(self, *, form: str = "cross_entropy", returns_logits: bool = False,
-                 reduction: str = "mean", bias: bool = True, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, 32)
-        self.body = nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Dropout(dropout),
-                                  nn.Linear(96, 32))
-        self.head = nn.Linear(32, V, bias=bias)
-        self.form, self.returns_logits, self.reduction = form, returns_logits, reduction
-
-    def forward(self, tokens, targets):
-        logits = self.head(self.body(self.emb(tokens)))
-        flat = logits.float().view(-1, V)
-        if self.form == "nll_loss":
-            loss = F.nll_loss(F.log_softmax(flat, dim=-1), targets.view(-1),
-                              reduction=self.reduction)
-        elif self.form == "label_smoothing":
-            loss = F.cross_entropy(flat, targets.view(-1), label_smoothing=0.1)
-        else:
-            loss = F.cross_entropy(flat, targets.view(-1), ignore_index=-100,
-                                   reduction=self.reduction)
-        return (loss, logits) if self.returns_logits else loss
-
-
 def _inputs():
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, V, (8, 96), generator=g)
@@ -127,7 +99,7 @@ def test_compiled_head_keeps_eager_gradients(kwargs, budget):
     """Under a budget the head runs in chunks (plan.heads); with none it is left as it
     is. Loss and every gradient equal eager's, over two steps."""
     torch.manual_seed(0)
-    model = _LM(**kwargs)
+    model = TinyLM(V, **{"dropout": 0.0, **kwargs})
     eager = copy.deepcopy(model)
     compiled = memopt.compile(copy.deepcopy(model), budget=budget)
     tokens, targets = _inputs()
@@ -151,7 +123,7 @@ def test_patterns_left_as_they_are_still_train():
     """Label smoothing is not chunked (one debug line says why); the model still trains
     with eager's gradients under the budget."""
     torch.manual_seed(0)
-    model = _LM(form="label_smoothing")
+    model = TinyLM(V, dropout=0.0, form="label_smoothing")
     eager = copy.deepcopy(model)
     compiled = memopt.compile(copy.deepcopy(model), budget=0.7)
     tokens, targets = _inputs()
@@ -176,7 +148,7 @@ def test_chunked_head_lowers_the_minimum_and_the_measured_step(returns_logits):
     the plan, and well below the minimum with the head left whole (the head's logits,
     log-probabilities and their gradients were most of it)."""
     torch.manual_seed(0)
-    model = _LM(returns_logits=returns_logits)
+    model = TinyLM(V, dropout=0.0, returns_logits=returns_logits)
     tokens, targets = _inputs()
     resident = sum(t.untyped_storage().nbytes()
                    for t in (*model.parameters(), tokens, targets))

@@ -28,6 +28,7 @@ from memopt.allocation import allocation_peak
 from memopt.allocator.repeats import Op, find_loops
 from memopt.recurrent import ops as chain_ops
 from models import CASES
+from support import N_H, N_IN, GRUCellLoop, LSTMCellLoop
 
 # -- Tier 1: the finder on plain data ---------------------------------------------------
 
@@ -163,38 +164,7 @@ def test_the_finder_never_imports_torch():
 
 # -- Tier 3: memopt.compile on unmarked loops ---------------------------------------------
 
-T, BATCH, N_IN, N_H = 48, 16, 8, 32
-
-
-class LSTMCellLoop(nn.Module):
-    """The issue's example: an nn.LSTMCell called in a Python loop."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cell = nn.LSTMCell(N_IN, N_H)
-        self.head = nn.Linear(N_H, 4)
-
-    def forward(self, xs):
-        h = c = xs.new_zeros(xs.shape[1], N_H)
-        outs = []
-        for t in range(xs.shape[0]):
-            h, c = self.cell(xs[t], (h, c))
-            outs.append(h)
-        return self.head(torch.stack(outs)).square().mean() + c.mean()
-
-
-class GRUCellLoop(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.cell = nn.GRUCell(N_IN, N_H)
-
-    def forward(self, xs):
-        h = torch.zeros(xs.shape[1], N_H)
-        outs = []
-        for x in xs.unbind(0):
-            h = self.cell(x, h)
-            outs.append(h)
-        return torch.stack(outs).square().mean() + h.mean()
+T, BATCH = 48, 16
 
 
 class TanhLoop(nn.Module):

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 from models import CASES
-from test_corpus import check_matches_eager
+from support import check_matches_eager
 
 import memopt
 from benchmarks.workloads import mlp

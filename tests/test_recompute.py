@@ -15,7 +15,7 @@ from torch import nn
 
 import memopt
 from models import CASES, CORPUS
-from test_corpus import check_matches_eager
+from support import check_matches_eager
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=repr)

@@ -17,6 +17,7 @@ import memopt
 from memopt.recurrent import ChainStats, run_chain, solve
 from memopt.recurrent import ops
 from memopt.recurrent.modules import ChainedRNN, Recurrent
+from support import LanguageModel
 
 T = 11
 
@@ -170,18 +171,6 @@ def test_unused_chain_state_is_released():
     del out
     gc.collect()
     assert not ops._STASH
-
-
-class LanguageModel(nn.Module):
-    def __init__(self, rnn: nn.Module, vocab: int = 50) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, 16)
-        self.rnn = rnn
-        self.head = nn.Linear(rnn.hidden_size, vocab)
-
-    def forward(self, tokens, targets):
-        y, _ = self.rnn(self.embed(tokens))
-        return nn.functional.cross_entropy(self.head(y).flatten(0, 1), targets.flatten())
 
 
 def _grads(model, *args):

@@ -17,24 +17,9 @@ import memopt.nn
 from memopt.nn import ops
 from memopt.nn.fixed_point import R_Z
 from models import allocated_step
+from support import REVERSIBLE
+from support import ReversibleRegression
 
-MODULES = {"gru": memopt.nn.RevGRU, "lstm": memopt.nn.RevLSTM}
-
-
-class _Regression(nn.Module):
-    """A reversible stack, a head and the MSE loss inside forward (planned with it)."""
-
-    def __init__(self, kind: str, steps: int, batch: int = 8, cap: int | None = 3,
-                 dropout: float = 0.0) -> None:
-        super().__init__()
-        self.rnn = MODULES[kind](12, 32, num_layers=2, batch_first=True, max_forget_bits=cap,
-                                 dropout=dropout)
-        self.head = nn.Linear(32, 5)
-        self.register_buffer("target", torch.randn(batch, steps, 5), persistent=False)
-
-    def forward(self, xs):
-        out, _ = self.rnn(xs)
-        return nn.functional.mse_loss(self.head(out), self.target)
 
 
 def _forget_everything(rnn) -> None:
@@ -49,14 +34,14 @@ def _forget_everything(rnn) -> None:
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.4])
-@pytest.mark.parametrize("kind", MODULES)
+@pytest.mark.parametrize("kind", REVERSIBLE)
 def test_compiled_gradients_equal_eager(kind, dropout):
     """Eager's loss and gradients; with dropout between the layers, from the same RNG
     state (the same seeds, so the same masks), and the step leaves the caller's RNG
     state where eager's step does (two steps: the first one plans); in eval mode,
     eager's undropped loss."""
     torch.manual_seed(0)
-    model = _Regression(kind, steps=15, dropout=dropout)
+    model = ReversibleRegression(kind, steps=15, dropout=dropout)
     xs = torch.randn(8, 15, 12, requires_grad=True)
     compiled = memopt.compile(model)
     for _ in range(2):
@@ -79,10 +64,10 @@ def test_compiled_gradients_equal_eager(kind, dropout):
             assert torch.equal(compiled(xs), undropped)
 
 
-@pytest.mark.parametrize("kind", MODULES)
+@pytest.mark.parametrize("kind", REVERSIBLE)
 def test_plan_shows_a_reversible_stack(kind):
     torch.manual_seed(0)
-    model = _Regression(kind, steps=40, batch=4)
+    model = ReversibleRegression(kind, steps=40, batch=4)
     xs = torch.randn(4, 40, 12)
     plan = memopt.plan(model, xs)
     (rev,) = plan.reversible
@@ -132,7 +117,7 @@ def test_measured_allocations_within_prediction_and_budget(kind, dropout):
     10% of it when the buffers reach their bound; a budget above memopt's minimum is
     honored. With dropout the masks are rebuilt a step at a time, not held."""
     torch.manual_seed(0)
-    model = _Regression(kind, steps=120, batch=16, dropout=dropout)
+    model = ReversibleRegression(kind, steps=120, batch=16, dropout=dropout)
     _forget_everything(model.rnn)
     xs = torch.randn(16, 120, 12)
     resident = sum(t.untyped_storage().nbytes()
@@ -196,7 +181,7 @@ class _Autocast(nn.Module):
 
     def __init__(self, kind: str) -> None:
         super().__init__()
-        self.lin, self.rnn, self.head = nn.Linear(6, 6), MODULES[kind](6, 8), nn.Linear(8, 2)
+        self.lin, self.rnn, self.head = nn.Linear(6, 6), REVERSIBLE[kind](6, 8), nn.Linear(8, 2)
 
     def forward(self, xs):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -204,7 +189,7 @@ class _Autocast(nn.Module):
             return self.head(out).float().square().mean()
 
 
-@pytest.mark.parametrize("kind", MODULES)
+@pytest.mark.parametrize("kind", REVERSIBLE)
 def test_autocast_runs_the_stack_in_its_parameters_dtype(kind):
     """Under autocast the input is cast to the parameters' dtype and the ops turn
     autocast off, so the backward's gates equal the forward's (else the reversal check
