@@ -570,7 +570,7 @@ def _allocated_peak(module: Callable[..., Any], wl: Workload, modules: Sequence[
                     grads: str = "none") -> int:
     """The most bytes the CPU allocator had handed out at once during one step, over
     what was allocated when it started (a step under the profiler, from a clean start)."""
-    from .allocation import allocation_peak  # noqa: PLC0415
+    from ..allocation import allocation_peak  # noqa: PLC0415
 
     _prepare_grads(modules, wl, grads)
     gc.collect()
@@ -613,7 +613,7 @@ def _measure_in_child(
     timeout: float,
     grads: str = "none",
 ) -> Measurement:
-    repo_root = str(Path(__file__).resolve().parent.parent)
+    repo_root = str(Path(__file__).resolve().parents[2])
     cwd = os.getcwd()
     cmd = [
         sys.executable, "-m", "memopt.measure",
@@ -806,11 +806,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     sys.stdout.flush()
     return 0
-
-
-if __name__ == "__main__":
-    # Run the imported module's main, not this __main__ copy, so that
-    # workloads importing memopt.measure.Workload see the same classes.
-    from memopt.measure import main as _main
-
-    raise SystemExit(_main())
