@@ -287,9 +287,9 @@ def test_measurement_json_round_trip() -> None:
 
 def test_timed_steps_leave_the_measuring_allocator():
     """The CPU child measures RSS with every page-sized buffer mmap'd; its timed steps
-    run under glibc's steady state instead (memopt.measure._steady_allocator), and only
+    run under glibc's steady state instead (memopt.measure.child.steady_allocator), and only
     in that child: a process not started so is left as it is."""
-    code = "from memopt.measure import _steady_allocator; print(_steady_allocator())"
+    code = "from memopt.measure.child import steady_allocator; print(steady_allocator())"
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.strip()
