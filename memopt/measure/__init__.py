@@ -126,8 +126,8 @@ from .records import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRADS", "MALLOC_MMAP_THRESHOLD", "Measurement", "Workload", "default_loss",
-           "load_workload", "main", "measure_step", "parse_budget"]
+__all__ = ["GRADS", "MALLOC_MMAP_THRESHOLD", "Measurement", "Workload", "budget_from_arg",
+           "default_loss", "load_workload", "main", "measure_step"]
 
 _MODES = ("eager", "memopt")
 
@@ -139,11 +139,12 @@ def _check_mode(mode: str) -> None:
                      f"{PEER_PREFIXES}; got {mode!r}")
 
 
-def parse_budget(text: str | None) -> int | float | str | None:
-    """Turn a command-line budget back into a value.
+def budget_from_arg(text: str | None) -> int | float | str | None:
+    """Turn a command-line budget back into the value ``memopt.compile`` takes.
 
     Digit strings become ints, float literals ("0.5", "1e9") become floats,
-    anything else ("4GB") stays a string for ``memopt.compile`` to parse.
+    anything else ("4GB") stays a string for ``memopt.compile`` to parse
+    (with ``memopt.parse_budget``).
     """
     if text is None:
         return None
@@ -177,7 +178,7 @@ def measure_step(
         mode: ``"eager"`` runs the model as is; ``"memopt"`` runs
             ``memopt.compile(model, budget=budget, **options)``.
         budget: passed to ``memopt.compile``. In a child process it travels
-            as ``str(budget)`` and is parsed back by :func:`parse_budget`.
+            as ``str(budget)`` and is parsed back by :func:`budget_from_arg`.
         device: ``"cpu"`` or ``"cuda[:N]"``.
         warmup: steps before the measured one (at least 1 unless eager).
         timed_steps: extra steps after the measured one; ``step_seconds`` is
@@ -260,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = measure_in_process(
         ns.workload,
         mode=ns.mode,
-        budget=parse_budget(ns.budget),
+        budget=budget_from_arg(ns.budget),
         device=ns.device,
         warmup=ns.warmup,
         timed_steps=ns.timed_steps,
