@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memopt
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 
 
 class _LM(nn.Module):

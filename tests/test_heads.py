@@ -14,8 +14,8 @@ from torch import nn
 
 import memopt
 import memopt.lm_head  # noqa: F401  (registers the ops)
-from memopt.allocation import allocation_peak
 from memopt.errors import BudgetError
+from memopt.measure import allocation_peak
 
 V = 700
 

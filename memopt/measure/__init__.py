@@ -97,11 +97,15 @@ This module is the public API: ``measure_step``, its command line (``main``,
 * ``memopt.measure.child``: the fresh CPU process and what it reads from the OS;
 * ``memopt.measure.peers``: what memopt is compared with (checkpoint_sequential,
   HF gradient checkpointing, inductor with an activation memory budget).
+
+``allocation_peak``, ``AllocationTracker``, ``AllocationPeak`` and ``can_track`` (bytes
+handed out while a block runs) are memopt.passes.allocated's, loaded on first use.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import math
@@ -109,7 +113,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .child import MALLOC_MMAP_THRESHOLD, measure_in_child
 from .inprocess import measure_in_process
@@ -124,12 +128,27 @@ from .records import (
     load_workload,
 )
 
+if TYPE_CHECKING:
+    from ..passes.allocated import AllocationPeak, AllocationTracker, allocation_peak, can_track
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRADS", "MALLOC_MMAP_THRESHOLD", "Measurement", "Workload", "budget_from_arg",
+__all__ = ["GRADS", "MALLOC_MMAP_THRESHOLD", "AllocationPeak", "AllocationTracker",
+           "Measurement", "Workload", "allocation_peak", "budget_from_arg", "can_track",
            "default_loss", "load_workload", "main", "measure_step"]
 
 _MODES = ("eager", "memopt")
+
+#: Names of memopt.passes.allocated, loaded on first use (module ``__getattr__``).
+_ALLOCATED = ("AllocationPeak", "AllocationTracker", "allocation_peak", "can_track")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ALLOCATED:
+        value = getattr(importlib.import_module("..passes.allocated", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check_mode(mode: str) -> None:

@@ -123,7 +123,7 @@ def allocated_step_peak(module: Callable[..., Any], wl: Workload, modules: Seque
                         grads: str = "none") -> int:
     """The most bytes the CPU allocator had handed out at once during one step, over
     what was allocated when it started (a step under the profiler, from a clean start)."""
-    from ..allocation import allocation_peak  # noqa: PLC0415
+    from ..passes.allocated import allocation_peak  # noqa: PLC0415
 
     prepare_grads(modules, wl, grads)
     gc.collect()
