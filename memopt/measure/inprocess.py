@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from .child import read_status_kib, reset_hwm, steady_allocator, trim_heap
 from .peers import is_peer, wrap_peer
@@ -44,6 +43,8 @@ __all__ = ["allocated_step_peak", "measure_in_process", "module_for_mode", "prep
 
 
 def _tensors_of(wl: Workload, modules: Sequence[Any]) -> list[torch.Tensor]:
+    from ..passes._torch_compat import pytree  # noqa: PLC0415 (loads AOTAutograd: not at start)
+
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
     for module in modules:

@@ -54,9 +54,9 @@ class InductorWithBudget(torch.nn.Module):
         self.compiled = torch.compile(model)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        import torch._functorch.config as functorch_config  # noqa: PLC0415
+        from ..passes._torch_compat import functorch_config  # noqa: PLC0415
 
-        with functorch_config.patch(activation_memory_budget=self.budget):
+        with functorch_config().patch(activation_memory_budget=self.budget):
             return self.compiled(*args, **kwargs)
 
 

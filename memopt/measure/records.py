@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 __all__ = ["GRADS", "Measurement", "Workload", "check_device", "check_workload_name",
            "default_loss", "load_workload"]
@@ -89,6 +88,8 @@ def default_loss(output: Any) -> torch.Tensor:
     the sum of every floating-point tensor leaf of the output (flattened with
     ``torch.utils._pytree``; mappings are flattened by value).
     """
+    from ..passes._torch_compat import pytree  # noqa: PLC0415 (loads AOTAutograd: not at start)
+
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
