@@ -178,7 +178,7 @@ def minimum_budget(spec: str, device: str, timeout: float = 1800) -> Minimum:
 def _print_minimum(spec: str, device: str) -> int:
     """The child of :func:`minimum_budget`: print one JSON line."""
     import memopt
-    from memopt.measure import _jsonable
+    from memopt.measure.inprocess import scalar_fields
 
     from benchmarks import recurrent_workloads
 
@@ -192,8 +192,8 @@ def _print_minimum(spec: str, device: str) -> int:
         plan = memopt.plan(wl.model, *wl.args, example_kwargs=wl.kwargs,
                            budget=err.minimum_bytes)
         answer["predicted"] = plan.predicted_peak_bytes
-        answer["chains"] = [_jsonable(c) for c in getattr(plan, "chains", ())]
-        answer["heads"] = [_jsonable(h) for h in getattr(plan, "heads", ())]
+        answer["chains"] = [scalar_fields(c) for c in getattr(plan, "chains", ())]
+        answer["heads"] = [scalar_fields(h) for h in getattr(plan, "heads", ())]
     except Exception as err:  # report any failure as data; the parent prints it
         answer["error"] = f"{type(err).__name__}: {err}"[:2000]
     print(json.dumps(answer))

@@ -16,7 +16,7 @@ paper's ``max_forget_bits=3`` (Sec. 5.3; Table 1-2 use 2, 3, 5 and none); a row 
 no cap says so.
 
 What is counted (allocated bytes: on CPU the profiler's allocation events summed in
-time order, ``memopt.allocation.allocation_peak``; what a GPU allocator would charge):
+time order, ``memopt.measure.allocation_peak``; what a GPU allocator would charge):
 
 - held: bytes allocated during the forward and still live after it, less the tensors
   the forward returns (the output sequence and the final state, which every variant
@@ -71,8 +71,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from memopt.allocation import allocation_peak
 from memopt.budget import format_bytes
+from memopt.measure import allocation_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 Forward = Callable[[Tensor], tuple[Tensor, Any]]  # rnn(x) -> (output, h_n)

@@ -299,9 +299,9 @@ def allocated_peak(module: Callable[..., Any], case: ZooCase) -> int:
     from it) on the case's inputs: the most bytes PyTorch's allocator handed out at once
     during forward, loss and backward, plus ``resident_bytes(case)``. Gradients are set
     to None first (as after ``zero_grad(set_to_none=True)``); CPU only, in-process
-    (memopt.allocation). Run one warm-up step first for a compiled module: its first
+    (memopt.measure.allocation_peak). Run one warm-up step first for a compiled module: its first
     call compiles and plans."""
-    from memopt.allocation import allocation_peak  # noqa: PLC0415
+    from memopt.measure import allocation_peak  # noqa: PLC0415
 
     for p in case.model.parameters():
         p.grad = None

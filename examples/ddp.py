@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memopt
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 
 BUDGET = "2.5MB"  # per rank: parameters, gradients, DDP's buckets, activations
 MICRO, STEPS, BATCH = 2, 3, 256

@@ -28,7 +28,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa:
 
 from memopt.budget import format_bytes  # noqa: E402
 from memopt.integrations.hf import MemoptTrainer, PeakMemoryCallback  # noqa: E402
-from memopt.measure import parse_budget  # noqa: E402
+from memopt.measure import budget_from_arg  # noqa: E402
 from wikitext import load_corpus  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
             logging_steps=max(1, args.steps // 6), report_to=[], save_strategy="no",
             disable_tqdm=True, seed=0)
         trainer = MemoptTrainer(model=model, args=training, train_dataset=Chunks(ids, args.seq),
-                                memopt_budget=parse_budget(args.budget), callbacks=[peaks])
+                                memopt_budget=budget_from_arg(args.budget), callbacks=[peaks])
         result = trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         print(f"loss: {' -> '.join(f'{x:.3f}' for x in losses)}")

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import memopt  # noqa: E402
-from memopt.measure import parse_budget  # noqa: E402
+from memopt.measure import budget_from_arg  # noqa: E402
 from wikitext import DATA, batchify, load_corpus  # noqa: E402
 
 
@@ -111,7 +111,7 @@ def main() -> None:
     model = RNNModel(len(words), args.emsize, args.nhid, args.nlayers, args.dropout, args.tied)
     model.train()
     reference = copy.deepcopy(model)  # eager PyTorch, to check memopt's gradients against
-    budget = parse_budget(args.budget)
+    budget = budget_from_arg(args.budget)
     compiled = model if args.eager else memopt.compile(model, budget=budget)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     print(f"vocabulary {len(words)}, {ids.numel()} tokens; model {args.emsize}/{args.nhid} x "

@@ -70,7 +70,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import autograd_inside_op, detect_fake_mode, real_tensors, storage_key
-from .allocation import can_track, maybe_allocation_peak
+from .allocated import can_track, maybe_allocation_peak
 from .runtime import runtime
 from memopt.allocator.gruslys import Policy, chunk_sizes, solve, strategy_text, useful_m
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ._torch_compat import real_tensors
-from .allocation import can_track, maybe_allocation_peak
+from .allocated import can_track, maybe_allocation_peak
 from .meta import HELD_BYTES, NN_MODULE_STACK, WORKSPACE_BYTES, _clean_path, fake_value, \
     handle_readers
 from .runtime import runtime

@@ -37,7 +37,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import real_tensors
-from .allocation import can_track, maybe_allocation_peak
+from .allocated import can_track, maybe_allocation_peak
 from .runtime import runtime
 from memopt.allocator.units import format_bytes
 

@@ -44,7 +44,7 @@ Algorithm:
     Step 2: for each key not yet measured: real zero-filled storages of the
         FakeTensors' storage sizes (storages shared as in the graph), the op's
         tensors as strided views of them, and one call of the op under allocation
-        tracking (memopt.allocation), with gradients off and autocast off; on CUDA
+        tracking (passes.allocated), with gradients off and autocast off; on CUDA
         one untimed call first, so that cuDNN's algorithm search (benchmark mode)
         and cuBLAS's handle workspace, allocated once per process, are not taken for
         a per-call workspace. An op that fails on zeros (none known) is charged 0.
@@ -73,7 +73,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import OpOverload, real_tensors, storage_key
-from .allocation import allocation_peak, can_track
+from .allocated import allocation_peak, can_track
 from memopt.allocator.units import format_bytes
 
 from .meta import WORKSPACE_BYTES, fake_value, value_tensors

@@ -263,10 +263,10 @@ CASES: dict[str, Case] = {case.name: case for case in CORPUS}
 
 
 def allocated_step(model: nn.Module, xs: torch.Tensor, resident: int) -> int:
-    """One training step's allocated peak on CPU (memopt.allocation: what a budget
+    """One training step's allocated peak on CPU (memopt.measure.allocation_peak: what a budget
     counts), ``resident`` bytes (parameters, buffers, inputs) included; ``model(xs)``
     is the loss."""
-    from memopt.allocation import allocation_peak  # noqa: PLC0415
+    from memopt.measure import allocation_peak  # noqa: PLC0415
 
     for p in model.parameters():
         p.grad = None

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memopt
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 from memopt.allocator.gruslys import chunk_sizes, parse_strategy, solve, strategy_text
 from memopt.passes.chain_policy import (ChainSite, ChunkCosts, Linear, _stored_bytes, configure,
                                   longest_fitting_chunk, msm_units)

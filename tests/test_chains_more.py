@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import memopt
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 from memopt.recurrent import ops, solve
 from memopt.recurrent.modules import ChainedRNN, _packed_layout
 from support import AutocastRegression, BiRegression, relative_error
@@ -122,9 +122,9 @@ def _train_step(model: nn.Module, xs: torch.Tensor, *args, measure: bool = True
                 ) -> tuple[torch.Tensor, list, int]:
     """One training step as a user runs it (``.grad`` set to None, ``backward()``), the
     inputs requiring gradients: its loss, the gradients of the inputs and the parameters,
-    and with ``measure`` its allocated peak (memopt.allocation: what a budget counts; the
-    parameters, buffers and inputs, resident before it, are not in it; not while memopt
-    compiles, whose planning tracks allocations itself)."""
+    and with ``measure`` its allocated peak (memopt.measure.allocation_peak: what a budget
+    counts; the parameters, buffers and inputs, resident before it, are not in it; not while
+    memopt compiles, whose planning tracks allocations itself)."""
     params = list(model.parameters())
     xs.grad = None
     for p in params:

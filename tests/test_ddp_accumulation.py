@@ -20,9 +20,9 @@ One spawn of 2 ranks runs two scenarios (each spawn costs seconds of start-up on
 
 For each: the gradients after the last all-reduce and the parameters after two optimizer
 steps equal single-process eager's on the whole batch; each measured step's allocated
-peak (memopt.allocation, plus what was resident at its start: parameters, input, `.grad`
-and DDP's buckets) is within the rank's budget and within 10% of its plan; the plan's
-bucket bytes equal the parameters' bytes and what DDP's reducer holds.
+peak (memopt.measure.allocation_peak, plus what was resident at its start: parameters,
+input, `.grad` and DDP's buckets) is within the rank's budget and within 10% of its plan;
+the plan's bucket bytes equal the parameters' bytes and what DDP's reducer holds.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _run_scenario(rank: int, name: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
     import memopt  # noqa: PLC0415
-    from memopt.allocation import allocation_peak  # noqa: PLC0415
+    from memopt.measure import allocation_peak  # noqa: PLC0415
 
     use_no_sync, bucket_view, set_to_none, measure = SCENARIOS[name]
     model = _model()

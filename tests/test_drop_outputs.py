@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import memopt
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 from support import TinyLM
 
 

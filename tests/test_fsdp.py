@@ -72,7 +72,7 @@ def _results(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
     import memopt  # noqa: PLC0415
-    from memopt.allocation import allocation_peak  # noqa: PLC0415
+    from memopt.measure import allocation_peak  # noqa: PLC0415
     from memopt.planner import verifying  # noqa: PLC0415
 
     mesh = init_device_mesh("cpu", (WORLD,))

@@ -18,7 +18,7 @@ eager copy and on a float64 eager copy, from the same state, inputs and dropout 
       Where PyTorch's own traced graph (aot_eager) differs from eager too, memopt must
       equal that instead (torch_traces_differently: an in-place dropout on a
       non-contiguous view draws its mask in another element order once traced);
-  (b) step 2's allocated peak (memopt.allocation.allocation_peak around forward, loss and
+  (b) step 2's allocated peak (memopt.measure.allocation_peak around forward, loss and
       backward, the output held through backward, gradients set to None first, plus the
       resident parameters, buffers and inputs) is at most the plan's `budget_bytes`.
       Step 1 plans. The loss is test_corpus.default_loss, outside the module: what it
@@ -65,7 +65,7 @@ from torch import nn
 
 import memopt
 from fuzz_models import ModelSpec, build_model, make_inputs, model_specs, output_shapes
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 from support import (
     FP32,
     assert_buffers_equal,

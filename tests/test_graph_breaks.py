@@ -21,7 +21,7 @@ from torch import nn
 
 import memopt
 from benchmarks.zoo import ZOO, resident_bytes
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 from memopt.memory_plan import StepPlan
 
 WIDTH = 128

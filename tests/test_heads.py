@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import memopt
 import memopt.lm_head  # noqa: F401  (registers the ops)
-from memopt.allocation import allocation_peak
 from memopt.errors import BudgetError
+from memopt.measure import allocation_peak
 from support import TinyLM, V
 
 

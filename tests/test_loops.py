@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memopt
-from memopt.allocation import allocation_peak
 from memopt.allocator.repeats import Op, find_loops
+from memopt.measure import allocation_peak
 from memopt.recurrent import ops as chain_ops
 from models import CASES
 from support import N_H, N_IN, GRUCellLoop, LSTMCellLoop

@@ -23,9 +23,9 @@ from memopt.measure import (
     MALLOC_MMAP_THRESHOLD,
     Measurement,
     Workload,
+    budget_from_arg,
     default_loss,
     measure_step,
-    parse_budget,
 )
 
 HERE = str(Path(__file__).resolve().parent)
@@ -253,11 +253,11 @@ def test_memopt_mode_reads_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     assert m.resident_bytes == _resident(mlp8("cpu"))
 
 
-def test_parse_budget() -> None:
-    assert parse_budget(None) is None
-    assert parse_budget("1000000") == 1_000_000 and isinstance(parse_budget("7"), int)
-    assert parse_budget("0.5") == 0.5 and parse_budget("1e9") == 1e9
-    assert parse_budget("4GB") == "4GB" and parse_budget("nan") == "nan"
+def test_budget_from_arg() -> None:
+    assert budget_from_arg(None) is None
+    assert budget_from_arg("1000000") == 1_000_000 and isinstance(budget_from_arg("7"), int)
+    assert budget_from_arg("0.5") == 0.5 and budget_from_arg("1e9") == 1e9
+    assert budget_from_arg("4GB") == "4GB" and budget_from_arg("nan") == "nan"
 
 
 def test_default_loss() -> None:
@@ -287,9 +287,9 @@ def test_measurement_json_round_trip() -> None:
 
 def test_timed_steps_leave_the_measuring_allocator():
     """The CPU child measures RSS with every page-sized buffer mmap'd; its timed steps
-    run under glibc's steady state instead (memopt.measure._steady_allocator), and only
+    run under glibc's steady state instead (memopt.measure.child.steady_allocator), and only
     in that child: a process not started so is left as it is."""
-    code = "from memopt.measure import _steady_allocator; print(_steady_allocator())"
+    code = "from memopt.measure.child import steady_allocator; print(steady_allocator())"
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.strip()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from benchmarks import recurrent_workloads as rw
-from memopt.measure import _step, measure_step
+from memopt.measure import measure_step
+from memopt.measure.inprocess import run_step
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -32,8 +33,8 @@ def _tiny(dropout: float, chunk: int | None) -> rw.Workload:
 @pytest.mark.parametrize("chunk", [8, 12, 24, 5])
 def test_chunked_bptt_gives_full_bptt_gradients(chunk: int) -> None:
     full, chunked = _tiny(0.0, None), _tiny(0.0, chunk)
-    _step(full.model, full)        # loss(model(tokens, hidden, targets)).backward()
-    _step(chunked.model, chunked)  # the forum's method
+    run_step(full.model, full)        # loss(model(tokens, hidden, targets)).backward()
+    run_step(chunked.model, chunked)  # the forum's method
     _assert_same(_grads(full.model), _grads(chunked.model))
     assert all(p.grad.abs().sum() > 0 for p in chunked.model.parameters())
 
@@ -53,7 +54,7 @@ def test_chunked_bptt_replays_dropout_masks() -> None:
     (total / targets.numel()).backward()
     after_reference = torch.rand(4)
     torch.manual_seed(7)
-    _step(chunked.model, chunked)
+    run_step(chunked.model, chunked)
     _assert_same(_grads(reference.model), _grads(chunked.model))
     torch.testing.assert_close(torch.rand(4), after_reference)
 
@@ -63,7 +64,7 @@ def test_gruslys_builders() -> None:
     assert isinstance(wl.model.rnn, torch.nn.LSTM) and wl.args[0].shape == (12, 64, 256)
     assert wl.model.target.shape == (12, 64, 256) and "target" not in wl.model.state_dict()
     assert not wl.args[0].requires_grad
-    _step(wl.model, wl)
+    run_step(wl.model, wl)
     assert all(p.grad is not None for p in wl.model.parameters())
     with pytest.raises(AttributeError):
         rw.lstm_T0  # noqa: B018

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from memopt.allocation import allocation_peak, can_track
+from memopt.measure import allocation_peak, can_track
 from memopt.nn import (
     R_H,
     R_Z,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 from models import TransformerBlock
 from benchmarks.zoo import ZOO
 

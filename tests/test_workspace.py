@@ -21,7 +21,7 @@ from torch.nn import functional as F
 import memopt
 from benchmarks.zoo import CONV, ZOO, allocated_peak
 from memopt.passes._torch_compat import aot_module_simplified, make_boxed
-from memopt.allocation import allocation_peak
+from memopt.measure import allocation_peak
 from memopt.passes import workspace
 
 

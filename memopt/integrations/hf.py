@@ -18,10 +18,10 @@ recomputation itself).
 
 `PeakMemoryCallback` measures the allocated peak of the forward and backward of chosen
 steps (from the start of an optimizer step to just before `optimizer.step()`; the
-optimizer's own state is not part of a memopt budget) with `memopt.allocation`, adds the
-resident parameters, buffers and gradients, and logs it beside the plan's prediction and
-the budget. On CPU it records allocations with the profiler, which slows the measured
-steps: keep `every` large.
+optimizer's own state is not part of a memopt budget) with
+`memopt.measure.AllocationTracker`, adds the resident parameters, buffers and gradients, and
+logs it beside the plan's prediction and the budget. On CPU it records allocations with the
+profiler, which slows the measured steps: keep `every` large.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from memopt.allocation import AllocationTracker, can_track
 from memopt.api import CompiledModule
 from memopt.api import compile as memopt_compile
+from memopt.measure import AllocationTracker, can_track
 
 log = logging.getLogger("memopt")
 

@@ -1,4 +1,5 @@
-"""How many bytes PyTorch's allocator hands out while a block of code runs.
+"""Allocated bytes, measured: how many bytes PyTorch's allocator hands out while a
+block of code runs.
 
     with allocation_peak(device) as seen:
         run_something()
@@ -18,8 +19,11 @@ measurements of one op or one chunk (passes.workspace, passes.chain_policy) pass
 ``collect=False``: they run many times, on fresh tensors, where the collector's time would
 show.
 
-Used by memopt.measure (a whole training step) and by passes.chain_policy (one chunk of a
-recurrent chain, measured while planning).
+Used by the planner's own measurements (passes.chain_policy: one chunk of a recurrent chain;
+passes.lm_heads, passes.reversible_stacks, passes.workspace) and by memopt.measure (a whole
+training step), whose ``allocation_peak``, ``AllocationTracker``, ``AllocationPeak`` and
+``can_track`` are these, for tests, benchmarks and users. (Not to be confused with
+memopt.allocator, the static memory-planning solvers, which measure nothing.)
 """
 
 from __future__ import annotations
