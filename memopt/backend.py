@@ -25,6 +25,7 @@ from torch import fx
 
 from memopt.passes.lm_heads import Attach, chunk_heads
 from memopt.passes.cell_loops import chain_loops
+from memopt.passes.workspace import WorkspaceCache
 
 # The runtimes of memopt's own operators, which the passes reach through
 # memopt.passes.runtime: loaded before any graph is planned.
@@ -104,6 +105,9 @@ class MemoptBackend:
         self.loops = loops
         self.existing_grads = existing_grads
         self.plan_log = PlanLog()
+        #: kernel workspaces this module's plans measured (shared with its kept-gradient
+        #: twin, never with another module: passes.workspace)
+        self.workspaces = WorkspaceCache()
         if mirror is not None and mirror != "all":
             mirror = frozenset(mirror)
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \

@@ -105,7 +105,7 @@ class CompiledGraph:
                 grads=self.grads, outside_grad_bytes=self.outside_grads, outside=outside,
                 label="" if self.alone else self.label(),
                 lowest_peak=policy == ReplanPolicy.LOWEST, step_baseline=step_baseline,
-                must_fit=must_fit, whole_step=self.alone)
+                must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces)
             try:
                 fw, bw, plan = plan_joint(request)
             except BudgetError as err:

@@ -17,7 +17,9 @@ reference cycles that the collector would free in the middle of the block would 
 what is live below what was live at its start, and the peak with it. The planner's own
 measurements of one op or one chunk (passes.workspace, passes.chain_policy) pass
 ``collect=False``: they run many times, on fresh tensors, where the collector's time would
-show.
+show; the collector is paused for their block instead, so that no collection inside it
+frees memory that was live before it (which lowers ``end``, and ``peak - end`` then
+passes for the op's workspace).
 
 Used by the planner's own measurements (passes.chain_policy: one chunk of a recurrent chain;
 passes.lm_heads, passes.reversible_stacks, passes.workspace) and by memopt.measure (a whole
@@ -67,6 +69,7 @@ class AllocationTracker:
         self.collect = collect
         self._start = 0
         self._prof = None
+        self._paused_gc = False
 
     def start(self) -> None:
         device = self.device
@@ -79,14 +82,25 @@ class AllocationTracker:
             torch.cuda.synchronize(device)
             self._start = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            return
-        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+        else:
+            from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
-            self._prof.start()
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            with _quiet_stderr():
+                self._prof.start()
+        if not self.collect and gc.isenabled():
+            # The planner's short blocks (one op, one chunk: collect=False) run with the
+            # collector paused: an automatic collection inside the block frees memory
+            # that was live before it, and `peak - end` then counts those frees as the
+            # op's workspace (a 2.5 MB nll_loss_forward "workspace" in one process and
+            # none in another: plans that depended on the tests run before them).
+            gc.disable()
+            self._paused_gc = True
 
     def stop(self) -> AllocationPeak:
+        if self._paused_gc:
+            gc.enable()
+            self._paused_gc = False
         seen = AllocationPeak()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

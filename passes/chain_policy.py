@@ -74,7 +74,7 @@ from .allocated import can_track, maybe_allocation_peak
 from .runtime import runtime
 from memopt.allocator.gruslys import Policy, chunk_sizes, solve, strategy_text, useful_m
 
-from .meta import HELD_BYTES, KEPT_ARGS, WORKSPACE_BYTES, fake_value, handle_readers
+from .meta import KEPT_ARGS, OpBytes, fake_value, handle_readers, record_op_bytes
 
 log = logging.getLogger("memopt")
 
@@ -105,6 +105,9 @@ class ChainSite:
     param_bytes: int           # the step's parameters (their gradients are summed per chunk)
     unsplittable: bool
     x_grad: bool = True        # whether backward computes the inputs' gradient
+    #: where the forward op returns its handle, which holds what the op keeps for backward
+    #: (its last output; -1 for a site made by hand)
+    handle: int = -1
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
         sites.append(ChainSite(
             fwd=node.name, bwds=tuple(n.name for n in bwd_nodes), chain=node.args[_CHAIN],
             name=spec.name, x_grad=any(n.args[_BWD_NEED_X] for n in bwd_nodes),
-            module_type=spec.module_type, steps=steps,
+            module_type=spec.module_type, steps=steps, handle=len(fake_value(node)) - 1,
             hidden_bytes=sum(s.untyped_storage().nbytes() for s in state),
             step_flops=_step_flops(node, spec), unsplittable=spec.unsplittable,
             output_bytes_per_step=fake_value(node)[0].untyped_storage().nbytes() // max(1, steps),
@@ -575,20 +578,28 @@ def longest_fitting_chunk(site: ChainSite, costs: ChunkCosts, fits, lo: int, hi:
     return best
 
 
+def op_bytes(site: ChainSite, config: ChainConfig) -> dict[str, OpBytes]:
+    """What ``config`` makes the site's ops hold and allocate, by node name: the handle
+    (the forward op's last output) holds the stored states."""
+    return {site.fwd: OpBytes(((site.handle, config.held_bytes),),
+                              config.forward_workspace_bytes),
+            **{b: OpBytes((), config.workspace_bytes) for b in site.bwds}}
+
+
 def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) -> None:
     """Rewrite the site's ops in ``graphs`` (the joint graph, or a partition's forward
-    and backward) to run ``config``, and record its bytes for liveness."""
+    and backward) to run ``config``, and record its bytes for liveness (op_bytes)."""
     _, fwd_op, bwd_op = _ops()
+    nbytes = op_bytes(site, config)
     for gm in graphs:
         for node in gm.graph.nodes:
             if node.target is fwd_op and node.name == site.fwd:
                 _set_policy_args(node, config)
-                node.meta[HELD_BYTES] = {len(fake_value(node)) - 1: config.held_bytes}
-                node.meta[WORKSPACE_BYTES] = config.forward_workspace_bytes
+                record_op_bytes(node, nbytes[node.name])
                 node.meta[KEPT_ARGS] = (_FWD_XS,)  # the core's graph reads its chunk of xs
             elif node.target is bwd_op and node.name in site.bwds:
                 _set_policy_args(node, config)
-                node.meta[WORKSPACE_BYTES] = config.workspace_bytes
+                record_op_bytes(node, nbytes[node.name])
 
 
 def _set_policy_args(node: fx.Node, config: ChainConfig) -> None:

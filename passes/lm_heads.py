@@ -45,7 +45,7 @@ from torch import fx
 
 from ._torch_compat import real_tensors
 from .allocated import can_track, maybe_allocation_peak
-from .meta import HELD_BYTES, NN_MODULE_STACK, WORKSPACE_BYTES, _clean_path, fake_value, \
+from .meta import NN_MODULE_STACK, OpBytes, _clean_path, fake_value, record_op_bytes, \
     handle_readers
 from .runtime import runtime
 
@@ -300,6 +300,9 @@ class HeadSite:
     vocab: int
     hidden: int                 # d, the projection's input features
     log_prob_bytes: int         # the (tokens, V) float log-probabilities one chunk keeps
+    #: where the forward op returns its handle, which holds what the op keeps for backward
+    #: (its last output; -1 for a site made by hand)
+    handle: int = -1
 
     @property
     def matmul_flops(self) -> int:
@@ -325,7 +328,8 @@ def find_heads(joint: fx.GraphModule) -> list[HeadSite]:
         sites.append(HeadSite(fwd=node.name, bwds=tuple(n.name for n in bwds),
                               name=paths[-1] if paths and paths[-1] else "head", rows=rows,
                               vocab=vocab, hidden=int(h.shape[1]),
-                              log_prob_bytes=rows * vocab * size))
+                              log_prob_bytes=rows * vocab * size,
+                              handle=len(fake_value(node)) - 1))
     return sites
 
 
@@ -447,15 +451,20 @@ def configurations(site: HeadSite, costs: HeadCosts) -> list[HeadConfig]:
     return configs
 
 
+def op_bytes(site: HeadSite, config: HeadConfig) -> dict[str, OpBytes]:
+    """What ``config`` makes the site's ops hold and allocate, by node name."""
+    return {site.fwd: OpBytes(((site.handle, config.held_bytes),),
+                              config.forward_workspace_bytes),
+            **{b: OpBytes((), config.workspace_bytes) for b in site.bwds}}
+
+
 def apply(graphs: list[fx.GraphModule], site: HeadSite, config: HeadConfig) -> None:
     """Rewrite the site's ops in ``graphs`` to run ``config``, and record its bytes."""
     fwd_op, bwd_op = _ops()
+    nbytes = op_bytes(site, config)
     for gm in graphs:
         for node in gm.graph.nodes:
-            if node.target is fwd_op and node.name == site.fwd:
+            if (node.target is fwd_op and node.name == site.fwd) or (
+                    node.target is bwd_op and node.name in site.bwds):
                 node.args = (config.chunk, *node.args[1:])
-                node.meta[HELD_BYTES] = {len(fake_value(node)) - 1: config.held_bytes}
-                node.meta[WORKSPACE_BYTES] = config.forward_workspace_bytes
-            elif node.target is bwd_op and node.name in site.bwds:
-                node.args = (config.chunk, *node.args[1:])
-                node.meta[WORKSPACE_BYTES] = config.workspace_bytes
+                record_op_bytes(node, nbytes[node.name])

@@ -7,6 +7,7 @@ under one of these keys, as an immutable value (STYLE.md, section 3).
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 import re
 from typing import Any
 
@@ -81,6 +82,24 @@ def handle_readers(nodes: list[fx.Node], fwd: fx.Node, bwd_op: Any, handle_arg: 
 
 def held_bytes(node: fx.Node) -> dict[int, int]:
     return node.meta.get(HELD_BYTES, {})
+
+
+@dataclass(frozen=True)
+class OpBytes:
+    """What one of memopt's own ops holds behind its outputs (`held`: (output index,
+    bytes) pairs) and allocates while it runs (`workspace`), as its configuration sets
+    it (passes.chain_policy, passes.lm_heads, passes.reversible_stacks). The step
+    simulator takes these as an argument; the exact build reads them from node.meta,
+    where `record_op_bytes` writes them."""
+
+    held: tuple[tuple[int, int], ...] = ()
+    workspace: int = 0
+
+
+def record_op_bytes(node: fx.Node, nbytes: OpBytes) -> None:
+    if nbytes.held:
+        node.meta[HELD_BYTES] = dict(nbytes.held)
+    node.meta[WORKSPACE_BYTES] = nbytes.workspace
 
 
 def workspace_bytes(node: fx.Node) -> int:

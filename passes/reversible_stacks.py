@@ -42,7 +42,7 @@ from .runtime import runtime
 from memopt.allocator.units import format_bytes
 
 from .chain_policy import Linear
-from .meta import HELD_BYTES, WORKSPACE_BYTES, fake_value, handle_readers, user_module
+from .meta import OpBytes, fake_value, handle_readers, record_op_bytes, user_module
 
 log = logging.getLogger("memopt")
 
@@ -74,6 +74,9 @@ class ReversibleSite:
     forward_workspace_bytes: int = 0
     workspace_bytes: int = 0
     dropout: float = 0.0        # between layers, when this graph draws seeds (training)
+    #: where the forward op returns its handle, which holds what the op keeps for backward
+    #: (its last output; -1 for a site made by hand)
+    handle: int = -1
 
 
 def present(joint: fx.GraphModule) -> bool:
@@ -104,7 +107,8 @@ def find_reversible(joint: fx.GraphModule) -> list[ReversibleSite]:
             buffer_bound_bytes=ops.buffer_bound_bytes(spec, steps, batch),
             held_bytes=ops.held_bytes(spec, steps, batch),
             forward_workspace_bytes=forward(steps), workspace_bytes=backward(steps),
-            dropout=spec.dropout if _seeds(node) is not None else 0.0))
+            dropout=spec.dropout if _seeds(node) is not None else 0.0,
+            handle=len(fake_value(node)) - 1))
         site = sites[-1]
         log.info("memopt reversible %s (%s): T=%d, no hidden-state slots (BPTT would store "
                  "%s), holds %s (buffers at most %s)", site.name, site.module_type, steps,
@@ -113,17 +117,22 @@ def find_reversible(joint: fx.GraphModule) -> list[ReversibleSite]:
     return sites
 
 
+def op_bytes(site: ReversibleSite) -> dict[str, OpBytes]:
+    """What the site's ops hold and allocate, by node name."""
+    return {site.fwd: OpBytes(((site.handle, site.held_bytes),), site.forward_workspace_bytes),
+            **{b: OpBytes((), site.workspace_bytes) for b in site.bwds}}
+
+
 def apply(graphs: list[fx.GraphModule], site: ReversibleSite) -> None:
     """Record the site's bytes for liveness in ``graphs`` (the joint graph, or a
     partition's forward and backward: node names are kept)."""
     _, fwd_op, bwd_op = _ops()
+    nbytes = op_bytes(site)
     for gm in graphs:
         for node in gm.graph.nodes:
-            if node.target is fwd_op and node.name == site.fwd:
-                node.meta[HELD_BYTES] = {len(fake_value(node)) - 1: site.held_bytes}
-                node.meta[WORKSPACE_BYTES] = site.forward_workspace_bytes
-            elif node.target is bwd_op and node.name in site.bwds:
-                node.meta[WORKSPACE_BYTES] = site.workspace_bytes
+            if (node.target is fwd_op and node.name == site.fwd) or (
+                    node.target is bwd_op and node.name in site.bwds):
+                record_op_bytes(node, nbytes[node.name])
 
 
 #: Sequence lengths the workspaces are measured at (fewer when T is shorter).

@@ -12,10 +12,13 @@ per candidate, and gives the same schedule of storages, hence the same peak.
 Requires: the joint GraphModule as the pipeline plans it (after
 passes.partition.read_concat_views), the buffers the step may mutate, and the step
 context (memopt.planner.StepContext: existing gradients, what the rest of the step
-holds). Recurrent chains' and reversible stacks' held and workspace bytes are read from
-their nodes' meta at each simulation, so passes.chain_policy may reconfigure them in between.
+holds). What memopt's own ops (recurrent chains, LM heads, reversible stacks) hold and
+allocate is an argument of each simulation (`ops`: their configurations' bytes,
+passes.meta.OpBytes, as the planner's op families give them), so the planner prices
+configurations without touching the graph; without it, they are read from the joint
+graph's node.meta, where the passes that configure them record them.
 
-Ensures: `StepModel(...).simulate(mirror, twice, inplace, kinds)` returns the storages'
+Ensures: `StepModel(...).simulate(mirror, twice, inplace, kinds, ops)` returns the storages'
 (bytes, first step, last step) that memopt.planner's exact build of the same mirror
 counts would give to liveness, the recomputed FLOPs, and the peak. Nothing is
 changed: not the joint graph, not its nodes' meta.
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -57,10 +60,11 @@ from ._torch_compat import OpOverload, is_sym_node, is_tangent, storage_key
 
 from .liveness import kept_by_caller
 from .inplace import inplace_overload, is_whole_dense, opaque_output, out_overload
-from .meta import fake_value, tensor_value, value_tensors
+from .meta import OpBytes, fake_value, tensor_value, value_tensors
 from .partition import forward_region
 from .simulate_steps import Candidate
 from .step_data import Proto, Simulated
+from .workspace import WorkspaceCache
 from .recompute import arithmetic, mirrorable, recompute_sources
 from .twins import emit_twin, is_twinned
 
@@ -72,8 +76,11 @@ class StepModel:
                  existing_grads: dict[str, int] | None = None,
                  accumulate: Callable[..., Any] | None = None, outside_grad_bytes: int = 0,
                  outside: tuple[int, ...] = (0, 0), granularity: int = 1,
-                 impure_random: bool = False, outputs_dropped: bool = False) -> None:
+                 impure_random: bool = False, outputs_dropped: bool = False,
+                 workspaces: WorkspaceCache | None = None) -> None:
         self.num_fwd_outputs = num_fwd_outputs
+        #: the owner's measured workspaces (passes.workspace): read and filled per candidate
+        self.workspaces = workspaces if workspaces is not None else WorkspaceCache()
         self.outputs_dropped = outputs_dropped  # passes.liveness's
         self.primal_kinds = primal_kinds or {}  # parameter / buffer / input, by primal name
         self.existing_grads = existing_grads
@@ -228,12 +235,15 @@ class StepModel:
     # Steps 2-5 ----------------------------------------------------------------------
 
     def simulate(self, mirrored: Iterable[str] = (), twice: Iterable[str] = (),
-                 inplace: bool = True, kinds: bool = False) -> Simulated:
+                 inplace: bool = True, kinds: bool = False,
+                 ops: Mapping[str, OpBytes] | None = None) -> Simulated:
         """The step of mirror counts m(v) = 1 for the nodes named in `mirrored`, 2 for
         those also in `twice` (memopt.planner.Mirror), with or without in-place
         rewrites; with `kinds`, each interval's timeline kind too (Simulated.kinds, for
-        a plan's timeline: the search does without)."""
-        run = Candidate(self)
+        a plan's timeline: the search does without). `ops`: what memopt's own ops (chains,
+        heads, reversible stacks) hold and allocate under their configurations, by node
+        name (passes.meta.OpBytes); None: as recorded in the joint graph's node.meta."""
+        run = Candidate(self, ops)
         run.add_mirror_nodes(frozenset(mirrored), frozenset(twice))     # Step 2
         fw, bw, saved = run.partition()                                 # Step 3
         fw.rewrites = run.reinplace(fw, inplace)                        # Step 4

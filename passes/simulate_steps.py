@@ -9,7 +9,7 @@ the pass it names (see passes.simulate for the whole algorithm and its contract)
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,7 @@ from memopt.allocator.mirror import placement_order
 
 from .inplace import merge_storage
 from .liveness import timeline_kind
-from .meta import held_bytes, preset_workspace_bytes
+from .meta import OpBytes, held_bytes, preset_workspace_bytes
 from .step_data import Proto, Simulated
 from .workspace import Call, node_call, workspace_bytes_of
 
@@ -34,8 +34,11 @@ class Candidate:
     """One candidate's graphs as index lists over the model's nodes and its own mirror
     nodes (ids from len(model.protos) on)."""
 
-    def __init__(self, model: StepModel) -> None:
+    def __init__(self, model: StepModel, ops: Mapping[str, OpBytes] | None = None) -> None:
         self.m = model
+        #: memopt's own ops' bytes as their configurations set them (None: read from the
+        #: joint graph's node.meta, where the passes that configure them record them)
+        self.ops = ops
         # per node id: its proto, its input nodes and its top-level arguments (the
         # model's nodes' first, a backward node's replaced where it reads mirror nodes)
         self.P: list[Proto] = list(model.protos)
@@ -272,7 +275,8 @@ class Candidate:
         todo: list[tuple[int, Proto, Any, Call]] = []
         for i in nodes:
             p = self.P[i]
-            preset = preset_workspace_bytes(p.node)
+            mine = self.ops.get(p.name) if self.ops is not None else None
+            preset = mine.workspace if mine is not None else preset_workspace_bytes(p.node)
             if preset is not None:
                 found[i] = preset
                 continue
@@ -290,7 +294,8 @@ class Candidate:
                 continue
             todo.append((i, p, variant, call))
         if todo:
-            for (i, p, variant, _), nbytes in zip(todo, workspace_bytes_of([t[3] for t in todo])):
+            for (i, p, variant, _), nbytes in zip(todo, workspace_bytes_of([t[3] for t in todo],
+                                                                      self.m.workspaces)):
                 p.workspace[variant] = nbytes
                 found[i] = nbytes
         return {i: b for i, b in found.items() if b}
@@ -365,7 +370,9 @@ class Candidate:
                     if key not in nbytes:
                         nbytes[key] = size
                 if p.opaque:
-                    for index, held in held_bytes(p.node).items():  # set by passes.chain_policy
+                    mine = self.ops.get(p.name) if self.ops is not None else None
+                    held_at = dict(mine.held) if mine is not None else held_bytes(p.node)
+                    for index, held in held_at.items():
                         if index < len(own):
                             nbytes[find(own[index])] = held
                             chain_keys.add(find(own[index]))

@@ -82,8 +82,11 @@ log = logging.getLogger("memopt")
 
 @dataclass
 class WorkspaceCache:
-    """Measured workspace bytes by key (Step 1), shared by every build of a process;
-    ``hits`` / ``misses`` / ``seconds`` count lookups and the time spent measuring."""
+    """Measured workspace bytes by key (Step 1); ``hits`` / ``misses`` / ``seconds``
+    count lookups and the time spent measuring. Its owner is the compiled module
+    (memopt.backend.MemoptBackend: one cache per module and its kept-gradient twin,
+    handed to the planner in its PlanRequest), so what one module measured never
+    decides another's plan, and a test's plan does not depend on the tests before it."""
 
     max_entries: int = 1 << 16
     bytes_of: dict[tuple, int] = field(default_factory=dict)
@@ -97,8 +100,6 @@ class WorkspaceCache:
         self.seconds = 0.0
 
 
-#: The process-wide cache memopt.planner uses.
-CACHE = WorkspaceCache()
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class WorkspaceResult:
     total_bytes: int       # sum of the bytes charged (each node once)
 
 
-def measure_workspaces(graphs: Sequence[fx.GraphModule], cache: WorkspaceCache = CACHE
+def measure_workspaces(graphs: Sequence[fx.GraphModule], cache: WorkspaceCache
                        ) -> WorkspaceResult:
     """Measure (or look up) and record the workspace of every eligible node of
     ``graphs`` (see the module docstring)."""
@@ -161,7 +162,7 @@ def node_call(node: fx.Node, target: Any = None, kwargs: dict | None = None) -> 
     return None if key is None else Call(target, node.args, kwargs, key)
 
 
-def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache = CACHE) -> list[int]:
+def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int]:
     """The workspace bytes of each call: looked up in `cache`, the calls not in it run
     once each first (Step 2); 0 where nothing can be measured (a meta device, a profiler
     already recording)."""

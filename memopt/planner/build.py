@@ -25,7 +25,7 @@ from memopt.passes.meta import mirror_level, op_name, recomputed_from, tensor_va
 from memopt.passes.partition import find_cut, partition
 from memopt.passes.recompute import add_mirror_nodes, node_flops
 from memopt.passes.simulate import Simulated
-from memopt.passes.workspace import measure_workspaces
+from memopt.passes.workspace import WorkspaceCache, measure_workspaces
 
 from ..errors import BudgetError, PassError
 from ..memory_plan import InplaceRecord, RecomputedNode
@@ -92,7 +92,8 @@ def peak_bytes(schedule: StepSchedule, granularity: int) -> int:
 
 
 def build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
-          inplace: bool, step: StepContext, done: list[str]) -> Built:
+          inplace: bool, step: StepContext, workspaces: WorkspaceCache, done: list[str]
+          ) -> Built:
     """Partition (recomputing `mirror`), place recomputation, add gradients into existing
     `.grad` tensors, rewrite in place, analyze.
 
@@ -126,7 +127,7 @@ def build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
                 rewrites += [InplaceRecord(graph=graph_name, **r.__dict__) for r in result.rewrites]
     # Step 3: workspaces
     with stage("kernel workspaces", done):
-        measure_workspaces([fw, bw])
+        measure_workspaces([fw, bw], workspaces)
     # Step 4: liveness
     with stage("liveness", done):
         schedule = step.liveness(fw, bw, saved_names, num_fwd_outputs)

@@ -13,6 +13,7 @@ import logging
 from torch import fx
 
 from memopt.passes import chain_policy as chain_pass
+from memopt.passes.meta import OpBytes
 
 from ..budget import format_bytes
 from ..memory_plan import ChainRecord
@@ -44,6 +45,10 @@ class ChainFamily:
     def apply(self, graphs: list[fx.GraphModule], site: chain_pass.ChainSite,
               config: chain_pass.ChainConfig) -> None:
         chain_pass.apply(graphs, site, config)
+
+    def op_bytes(self, site: chain_pass.ChainSite, config: chain_pass.ChainConfig
+                 ) -> dict[str, OpBytes]:
+        return chain_pass.op_bytes(site, config)
 
     def choose(self, found: Sites, ctx: ChoiceContext) -> list[Choice]:
         """Each recurrent chain's policy (Gruslys et al. 2016: BPTT-HSM, ISM or MSM),

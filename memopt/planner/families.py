@@ -14,9 +14,10 @@ than by recomputing graph values. They share a life:
     apply          rewrite the site's ops and record their bytes for liveness
     record         the plan's record of the choice (memopt.memory_plan)
 
-`Sites` holds what was found and the configuration each site runs now; its `key` is part
-of the simulator's cache key in the planner, so a cached simulation never outlives the
-configurations it was made with.
+`Sites` holds what was found and the configuration each site runs now; what those make
+the ops hold and allocate (`Sites.op_bytes`) is an argument of every simulation and part
+of the planner's cache key, so a cached simulation never outlives the configurations it
+was made with.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import fx
 
 from memopt.passes import lm_heads as head_pass
 from memopt.passes import reversible_stacks as reversible_pass
+from memopt.passes.meta import OpBytes
 
 from ..budget import format_bytes
 from ..memory_plan import HeadRecord, ReversibleRecord
@@ -79,6 +81,7 @@ class OpFamily(Protocol):
     def costs(self, joint: fx.GraphModule, site: Any) -> Any: ...
     def initial(self, site: Any, costs: Any) -> Any: ...
     def apply(self, graphs: list[fx.GraphModule], site: Any, config: Any) -> None: ...
+    def op_bytes(self, site: Any, config: Any) -> dict[str, OpBytes]: ...
     def choose(self, found: Sites, ctx: ChoiceContext) -> list[Choice]: ...
     def faster(self, choice: Choice, costs: Any) -> list[Any]: ...
     def record(self, choice: Choice) -> Any: ...
@@ -111,9 +114,11 @@ class Sites:
             self.costs[site.fwd] = self.family.costs(self.joint, site)
             self.run(site, self.family.initial(site, self.costs[site.fwd]))
 
-    def key(self) -> tuple:
-        """What the joint graph runs at every site, as a hashable value."""
-        return tuple(sorted(self.current.items()))
+    def op_bytes(self) -> dict[str, OpBytes]:
+        """What the family's ops hold and allocate as the joint graph runs them now, by
+        node name: the step simulator's `ops` argument."""
+        return {name: b for site in self.sites
+                for name, b in self.family.op_bytes(site, self.current[site.fwd]).items()}
 
     def records(self) -> tuple:
         return tuple(self.family.record(c) for c in self.choices)
@@ -190,6 +195,10 @@ class HeadFamily:
     def apply(self, graphs: list[fx.GraphModule], site: head_pass.HeadSite,
               config: head_pass.HeadConfig) -> None:
         head_pass.apply(graphs, site, config)
+
+    def op_bytes(self, site: head_pass.HeadSite, config: head_pass.HeadConfig
+                 ) -> dict[str, OpBytes]:
+        return head_pass.op_bytes(site, config)
 
     def choose(self, found: Sites, ctx: ChoiceContext) -> list[Choice]:
         """Each head's chunk, chosen before the chains and the Chen planner see the rest
@@ -270,6 +279,10 @@ class ReversibleFamily:
     def apply(self, graphs: list[fx.GraphModule], site: reversible_pass.ReversibleSite,
               config: None) -> None:
         reversible_pass.apply(graphs, site)
+
+    def op_bytes(self, site: reversible_pass.ReversibleSite, config: None
+                 ) -> dict[str, OpBytes]:
+        return reversible_pass.op_bytes(site)
 
     def choose(self, found: Sites, ctx: ChoiceContext) -> list[Choice]:
         return [Choice(s, None, "reversible: no slots to choose") for s in found.sites]

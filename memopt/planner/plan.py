@@ -97,7 +97,7 @@ class _Planning:
               ) -> Built:
         inplace = self.options.inplace if inplace is None else inplace
         return build(self.joint, self.n, mirror, inplace=inplace, step=self.step,
-                     done=[] if done is None else done)
+                     workspaces=self.request.workspaces, done=[] if done is None else done)
 
     # Step 1
     def prepare(self) -> None:
@@ -126,7 +126,7 @@ class _Planning:
                 accumulate=r.grads.add if r.grads is not None else None,
                 outside_grad_bytes=r.outside_grad_bytes, outside=r.outside.bytes(),
                 granularity=self.gran, impure_random=dce_impure_random(),
-                outputs_dropped=self.step.outputs_dropped)
+                outputs_dropped=self.step.outputs_dropped, workspaces=r.workspaces)
         notify(Observed(model=self.model, joint=self.joint, num_fwd_outputs=self.n,
                         primal_kinds=r.primal_kinds, options=self.options))
         label = f" {r.label}" if r.label else ""
@@ -138,17 +138,22 @@ class _Planning:
     def simulate(self, mirror: Mirror, inplace: bool | None = None, kinds: bool = False
                  ) -> Simulated:
         """The simulated step of `mirror` with every family as it runs now (cached: the
-        families' configurations are part of the key)."""
+        families' bytes are an argument of the simulation and part of the key)."""
         inplace = self.options.inplace if inplace is None else inplace
-        key = (mirror, inplace, tuple(f.key() for f in self.found.values()))
+        ops = self.op_bytes()
+        key = (mirror, inplace, frozenset(ops.items()))
         if key not in self.cache or (kinds and not self.cache[key].kinds):
             result = self.model.simulate(mirror.names, mirror.twice, inplace,
-                                         kinds=kinds or is_verifying())
+                                         kinds=kinds or is_verifying(), ops=ops)
             if is_verifying():
                 verify(result, self.build(mirror, inplace), mirror)
             self.bar.update()
             self.cache[key] = result
         return self.cache[key]
+
+    def op_bytes(self) -> dict:
+        """What memopt's own ops hold and allocate as every family runs now."""
+        return {k: v for f in self.found.values() for k, v in f.op_bytes().items()}
 
     # Step 4
     def resolve_budget(self) -> None:
@@ -200,7 +205,8 @@ class _Planning:
             with stage("faster heads and chains within the mirror set", self.done):
                 def peak() -> int:
                     return self.model.simulate(mirror.names, mirror.twice,
-                                               self.options.inplace).peak_bytes
+                                               self.options.inplace,
+                                               ops=self.op_bytes()).peak_bytes
                 for found in relaxing:
                     relax(found, peak, target)
         return mirror, search

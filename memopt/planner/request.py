@@ -15,6 +15,7 @@ from typing import Any
 from torch import fx
 
 from memopt.passes.liveness import StepSchedule, analyze_liveness
+from memopt.passes.workspace import WorkspaceCache
 
 from ..budget import Budget
 from ..steps import Outside
@@ -128,6 +129,8 @@ class PlanRequest:
     step_baseline: int | None = None
     must_fit: bool = True
     whole_step: bool = False
+    #: the kernel workspaces measured so far by the module this graph belongs to
+    workspaces: WorkspaceCache = field(default_factory=WorkspaceCache)
     step: StepContext = field(init=False)
 
     def __post_init__(self) -> None:
