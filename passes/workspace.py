@@ -44,10 +44,10 @@ Algorithm:
     Step 2: for each key not yet measured: real zero-filled storages of the
         FakeTensors' storage sizes (storages shared as in the graph), the op's
         tensors as strided views of them, and one call of the op under allocation
-        tracking (passes.allocated), with gradients off and autocast off, after one
-        untimed call, so that what a kernel allocates once per process (cuDNN's
-        algorithm search in benchmark mode, cuBLAS's handle workspace, a CPU kernel's
-        first-call buffers) is not taken for a per-call workspace. An op that fails on zeros (none known) is charged 0.
+        tracking (passes.allocated), with gradients off and autocast off; on CUDA
+        one untimed call first, so that cuDNN's algorithm search (benchmark mode)
+        and cuBLAS's handle workspace, allocated once per process, are not taken for
+        a per-call workspace. An op that fails on zeros (none known) is charged 0.
     Step 3: record the bytes on every node of that key.
 
 Where allocations cannot be tracked (a profiler is already recording on CPU) nothing
@@ -255,10 +255,6 @@ def _reads_host_scalars(target: Any) -> bool:
     return "attention" in str(getattr(target, "__name__", target))
 
 
-#: Every op runs once untimed first, on CPU as on CUDA: a kernel's first call in a process
-#: can allocate what later calls reuse, which is no per-call workspace (once each compiled
-#: module measured its own workspaces, memopt.plan's and memopt.compile's plans of the
-#: corpus transformer differed by 5,824 bytes without it, the peak at a backward ``cat``).
 #: Readings per op on CUDA, of which the smallest is charged: a library's one-time
 #: allocations (cuBLAS's per-stream workspace, an algorithm cache) can land on the call
 #: after the untimed one; the first GPU run charged a backward ``bmm`` 92 MiB that the
@@ -295,7 +291,8 @@ def _run(call: Call, device: torch.device) -> int:
     try:
         args, kwargs = real(call.args), real(call.kwargs)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            call.target(*args, **kwargs)  # untimed: one-time allocations land here
+            if device.type == "cuda":
+                call.target(*args, **kwargs)
             for _ in range(CUDA_READINGS if device.type == "cuda" else 1):
                 with allocation_peak(device, collect=False) as seen:
                     out = call.target(*args, **kwargs)
