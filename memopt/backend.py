@@ -25,7 +25,7 @@ from torch import fx
 
 from memopt.passes.lm_heads import Attach, chunk_heads
 from memopt.passes.cell_loops import chain_loops
-from memopt.passes.workspace import WorkspaceCache
+from memopt.passes.workspace import SHARED, WorkspaceCache
 
 # The runtimes of memopt's own operators, which the passes reach through
 # memopt.passes.runtime: loaded before any graph is planned.
@@ -95,7 +95,7 @@ class MemoptBackend:
                  plan_only: bool = False, loops: bool = True,
                  existing_grads: bool = False, progress: bool = True,
                  solver: str | None = None, solver_seconds: float = 30.0,
-                 drop_outputs: bool = False) -> None:
+                 drop_outputs: bool = False, workspaces: WorkspaceCache | None = None) -> None:
         self.budget: Budget | None = parse_budget(budget)
         for name, flag in (("loops", loops), ("existing_grads", existing_grads),
                            ("inplace", inplace), ("progress", progress),
@@ -105,9 +105,9 @@ class MemoptBackend:
         self.loops = loops
         self.existing_grads = existing_grads
         self.plan_log = PlanLog()
-        #: kernel workspaces this module's plans measured (shared with its kept-gradient
-        #: twin, never with another module: passes.workspace)
-        self.workspaces = WorkspaceCache()
+        #: the measured kernel workspaces its plans read (passes.workspace): the process's
+        #: shared cache unless `workspaces` is given (a test that needs a fresh one)
+        self.workspaces = workspaces if workspaces is not None else SHARED
         if mirror is not None and mirror != "all":
             mirror = frozenset(mirror)
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \

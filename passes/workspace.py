@@ -83,10 +83,10 @@ log = logging.getLogger("memopt")
 @dataclass
 class WorkspaceCache:
     """Measured workspace bytes by key (Step 1); ``hits`` / ``misses`` / ``seconds``
-    count lookups and the time spent measuring. Its owner is the compiled module
-    (memopt.backend.MemoptBackend: one cache per module and its kept-gradient twin,
-    handed to the planner in its PlanRequest), so what one module measured never
-    decides another's plan, and a test's plan does not depend on the tests before it."""
+    count lookups and the time spent measuring. The planner never reaches for a global:
+    the cache is handed to it (memopt.planner.PlanRequest.workspaces) by its owner, the
+    compiled module's backend (memopt.backend.MemoptBackend.workspaces), which takes
+    the process's `SHARED` cache unless given its own."""
 
     max_entries: int = 1 << 16
     bytes_of: dict[tuple, int] = field(default_factory=dict)
@@ -100,6 +100,14 @@ class WorkspaceCache:
         self.seconds = 0.0
 
 
+
+
+#: The process's cache, which every MemoptBackend takes by default: one measurement per op
+#: and shape per process, so that memopt.plan predicts what memopt.compile then runs (a
+#: kernel's measured bytes can differ from one call to the next: per-thread buffers, a
+#: first call's one-time allocations; each module measuring its own put memopt.plan's and
+#: memopt.compile's plans of one transformer 5,824 bytes apart).
+SHARED = WorkspaceCache()
 
 
 @dataclass(frozen=True)
