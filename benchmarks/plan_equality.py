@@ -24,7 +24,7 @@ Conditions of a run, without which two runs of the same code differ:
 
 - every record is planned in a fresh process (`--jobs` of them at a time): memopt
   caches the kernel workspaces it measures for the whole process (passes/workspace.py,
-  CACHE), so a plan made after others would depend on what ran before it;
+  SHARED), so a plan made after others would depend on what ran before it;
 - with Python's automatic garbage collection off (gc.disable()) in that process:
   memopt measures an op's workspace as the peak minus the end of the allocator's events
   while it runs once (passes/workspace.py, `_run`, collect=False), and a collection
