@@ -52,10 +52,10 @@ class Choice:
 
 @dataclass(frozen=True)
 class ChoiceContext:
-    """What a family's `choose` prices its configurations against: the graph, the peak
-    to reach (None: no budget), the step, and the exact build of a mirror set."""
+    """What a family's `choose` prices its configurations against: the peak to reach
+    (None: no budget), the step, and the exact build of a mirror set (the joint graph
+    itself is the family's `Sites.joint`)."""
 
-    joint: fx.GraphModule
     num_fwd_outputs: int
     target: int | None
     step: StepContext

@@ -171,7 +171,7 @@ class _Planning:
 
     # Step 5
     def choose_families(self) -> None:
-        ctx = ChoiceContext(self.joint, self.n, self.target, self.step, self.build)
+        ctx = ChoiceContext(self.n, self.target, self.step, self.build)
         for family in CHOOSE_ORDER:
             found = self.found[family]
             if found.sites:
