@@ -161,3 +161,25 @@ def test_convolution_models_hold_their_budgets(name: str, which: str) -> None:
     case.run_step(eager)
     for (pname, p), q in zip(case.model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=pname)
+
+
+def test_measurement_blocks_pause_the_garbage_collector() -> None:
+    """A collection inside a workspace measurement frees memory that was live before the
+    op ran, and `peak - end` counted it as the op's workspace (plans that depended on the
+    tests before them): the planner's blocks (collect=False) run with the collector
+    paused, and leave it as they found it."""
+    import gc  # noqa: PLC0415
+
+    from memopt.passes.allocated import allocation_peak as peak_of  # noqa: PLC0415
+
+    assert gc.isenabled()
+    with peak_of("cpu", collect=False):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with peak_of("cpu", collect=False):
+            pass
+        assert not gc.isenabled()  # a caller's own pause is kept
+    finally:
+        gc.enable()
