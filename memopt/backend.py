@@ -40,6 +40,7 @@ from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError, CaptureError, PassError
 from .graph_breaks import ReplanPolicy, replan_forward, step_baseline
+from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .plan_log import PlanLog
 from .planner import Options
@@ -95,8 +96,15 @@ class MemoptBackend:
                  plan_only: bool = False, loops: bool = True,
                  existing_grads: bool = False, progress: bool = True,
                  solver: str | None = None, solver_seconds: float = 30.0,
-                 drop_outputs: bool = False, workspaces: WorkspaceCache | None = None) -> None:
+                 drop_outputs: bool = False, workspaces: WorkspaceCache | None = None,
+                 kernels: str = "aten") -> None:
         self.budget: Budget | None = parse_budget(budget)
+        #: what runs the planned graphs (memopt.kernels)
+        self.kernels = Kernels.parse(kernels)
+        if self.kernels is Kernels.INDUCTOR and drop_outputs:
+            raise ValueError('drop_outputs=True is not available with kernels="inductor" yet '
+                             '(its backward check wraps the op-by-op graph): use '
+                             'kernels="aten"')
         for name, flag in (("loops", loops), ("existing_grads", existing_grads),
                            ("inplace", inplace), ("progress", progress),
                            ("drop_outputs", drop_outputs)):
@@ -118,6 +126,8 @@ class MemoptBackend:
         if solver == "milp" and importlib.util.find_spec("highspy") is None:
             raise ImportError('solver="milp" needs HiGHS: pip install "memopt[solver]" '
                               '(or pip install highspy)')
+        # Under inductor, buffer reuse and in-place updates are inductor's (memopt.kernels)
+        inplace = inplace and self.kernels is Kernels.ATEN
         self.options = Options(inplace=inplace, mirror=mirror, headroom=float(headroom),
                                progress=progress, solver=solver,
                                solver_seconds=float(solver_seconds),
@@ -150,6 +160,7 @@ class MemoptBackend:
     def __repr__(self) -> str:
         return (f"MemoptBackend(budget={self.budget}, options={self.options}"
                 f"{'' if self.loops else ', loops=False'}"
+                f"{', kernels=inductor' if self.kernels is Kernels.INDUCTOR else ''}"
                 f"{', existing_grads=True' if self.existing_grads else ''})")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:

@@ -27,6 +27,7 @@ from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError
 from .grads import GradSink
+from .kernels import Kernels, compile_with_inductor
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
 from .planner import ExistingGrads, PlanRequest, plan_joint
@@ -71,6 +72,12 @@ class CompiledGraph:
         self.attaches: list[Attach] = []  # logits returned without a gradient (_chunk_heads)
         #: drop_outputs=True, the step one graph: the outputs the plan frees as it ends
         self.dropped = DroppedOutputs() if backend.options.drop_outputs and alone else None
+        #: what runs its planned graphs (memopt.kernels), and why not what was asked
+        self.kernels, self.kernels_note = backend.kernels, ""
+        if self.kernels is Kernels.INDUCTOR and self.sink is not None:
+            self.kernels = Kernels.ATEN
+            self.kernels_note = ("aten: a step into existing .grad adds each gradient "
+                                 "from Python (memopt.grads), which inductor cannot call")
 
     def label(self) -> str:
         where = f", {self.frame.where()}" if self.frame.graph_break else ""
@@ -112,6 +119,8 @@ class CompiledGraph:
                 err.capture_seconds = captured
                 raise
             plan = plan.model_copy(update={"graph_index": self.index,
+                                           "kernels": self.kernels.value,
+                                           "kernels_note": self.kernels_note,
                                            "graph_break": self.graph_break(),
                                            "capture_seconds": captured,
                                            **_ddp_fields(plans.ddp)})
@@ -139,11 +148,14 @@ class CompiledGraph:
         # Planning runs chain steps on real tensors (passes.chain_policy measures what they
         # save): the user's RNG state must not move, or dropout would draw other masks.
         with torch.random.fork_rng(devices=_cuda_devices()):
-            compiled = aot_module_simplified(
-                self.gm, list(example_inputs), fw_compiler=compile_graph,
-                bw_compiler=compile_backward, inference_compiler=compile_graph,
-                partition_fn=partition_fn, decompositions=loss_decompositions(),
-            )
+            if self.kernels is Kernels.INDUCTOR:
+                compiled = compile_with_inductor(self.gm, example_inputs, partition_fn)
+            else:
+                compiled = aot_module_simplified(
+                    self.gm, list(example_inputs), fw_compiler=compile_graph,
+                    bw_compiler=compile_backward, inference_compiler=compile_graph,
+                    partition_fn=partition_fn, decompositions=loss_decompositions(),
+                )
         if self.attaches:
             compiled = attach_logits(compiled, self.attaches)
         if not planned:

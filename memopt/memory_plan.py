@@ -342,6 +342,10 @@ class MemoryPlan(BaseModel):
     ddp_bucket_bytes: Bytes = 0
     ddp_bucket_counted_bytes: Bytes = 0
     fsdp: FsdpRecord | None = None     # the FSDP2 unit around this step, if any
+    #: what runs the planned graphs (memopt.kernels): "aten" or "inductor", and why a
+    #: graph asked for inductor runs aten
+    kernels: str = "aten"
+    kernels_note: str = ""
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""
@@ -422,6 +426,9 @@ class MemoryPlan(BaseModel):
             f"  in-place rewrites {len(self.inplace)}, sharing groups {len(self.sharing)}, "
             f"saved tensors {len(self.saved)} ({b(self.saved_bytes)})",
         ]
+        if self.kernels != "aten" or self.kernels_note:
+            lines.append(f"  kernels          {self.kernels_note or self.kernels}"
+                         f"{' (TorchInductor generates them; memopt.kernels)' if self.kernels == 'inductor' else ''}")
         if self.outside_forward_bytes or self.outside_backward_bytes:
             lines.append(
                 f"  held outside     {b(self.outside_forward_bytes):>12}   during its forward, "

@@ -323,3 +323,58 @@ def dynamo_error_lines(err: BaseException) -> tuple[str, str]:
         frames = [ln.strip() for ln in text.split("from user code:", 1)[1].splitlines()
                   if ln.strip().startswith("File ")]
     return first, frames[-1] if frames else ""
+
+
+# ---------------------------------------------------------------------------------------
+# TorchInductor: memopt's plan, inductor's kernels (memopt.kernels)
+# ---------------------------------------------------------------------------------------
+
+#: Inductor settings under which memopt's plan is what runs (memopt.kernels explains each).
+INDUCTOR_SETTINGS: dict[str, Any] = {
+    "fallback_random": True,        # eager's RNG draws, kept masks replayed (passes.twins)
+    "layout_optimization": False,   # channels-last copies the plan does not hold
+    "shape_padding": False,         # padded matmul operands the plan does not hold
+    "comprehensive_padding": False,  # padded strides: bigger buffers than planned
+    "reorder_for_peak_memory": False,  # memopt ordered the graphs (Chen Alg. 2 placement)
+    "freezing": False,
+    "triton.cudagraphs": False,     # a static pool that outlives the step
+}
+
+
+def inductor_decompositions() -> dict[Any, Callable]:
+    """The decompositions inductor applies at capture with `fallback_random` (random ops
+    kept whole), plus memopt's loss decompositions: the graph memopt plans is the one
+    inductor compiles."""
+    from torch._inductor import config as inductor_config  # noqa: PLC0415
+    from torch._inductor.decomposition import select_decomp_table  # noqa: PLC0415
+
+    with inductor_config.patch(fallback_random=True):
+        table = dict(select_decomp_table())
+    table.update(loss_decompositions())
+    return table
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
+                     partition_fn: Callable[..., Any], version: str) -> Callable:
+    """Compile a dynamo graph with TorchInductor (`compile_fx`), `partition_fn` in place
+    of its min-cut partitioner (`config.custom_partitioner_fn`, run after inductor's
+    joint-graph passes), under INDUCTOR_SETTINGS. AOTAutograd's cache is off for the call:
+    a cache hit would skip the partitioner, and the plan with it; inductor's own kernel
+    cache stays on (its key is the forward and backward graphs, and `version`)."""
+    from torch._functorch import config as functorch_cfg  # noqa: PLC0415
+    from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: PLC0415
+
+    class _Partitioner(CustomPartitionerFn):
+        def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+            kwargs.pop("compiler", None)
+            kwargs.pop("static_lifetime_input_indices", None)
+            return partition_fn(joint, joint_inputs, **kwargs)
+
+        def uuid(self) -> Any:
+            return version
+
+    patches = {**INDUCTOR_SETTINGS, "custom_partitioner_fn": _Partitioner()}
+    with functorch_cfg.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches=patches,
+                          decompositions=inductor_decompositions())
