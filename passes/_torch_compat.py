@@ -365,11 +365,19 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
     from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415
     from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: PLC0415
 
+    from torch._inductor import config as inductor_config  # noqa: PLC0415
+
     class _Partitioner(CustomPartitionerFn):
         def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
             kwargs.pop("compiler", None)
             kwargs.pop("static_lifetime_input_indices", None)
-            return partition_fn(joint, joint_inputs, **kwargs)
+            # Partition as the aten path does: fx's dead-code elimination follows
+            # `fallback_random` inside a compilation, and with it on it would keep the
+            # random ops of a recomputed region whose values the plan replaces (dropout
+            # from its kept mask, passes.twins): re-drawn in backward, they move the
+            # user's RNG and hold their outputs (dce_impure_random).
+            with inductor_config.patch(fallback_random=False):
+                return partition_fn(joint, joint_inputs, **kwargs)
 
         def uuid(self) -> Any:
             return version
