@@ -9,6 +9,7 @@ file only.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -362,7 +363,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
     a cache hit would skip the partitioner, and the plan with it; inductor's own kernel
     cache stays on (its key is the forward and backward graphs, and `version`)."""
     from torch._functorch import config as functorch_cfg  # noqa: PLC0415
-    from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: PLC0415
     from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: PLC0415
 
     from torch._inductor import config as inductor_config  # noqa: PLC0415
@@ -382,7 +383,16 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
         def uuid(self) -> Any:
             return version
 
+    def inner_compile(*args: Any, **kwargs: Any) -> Any:
+        # inductor raises the recursion limit for its code generation, for the forward
+        # now and for the backward at its first run; the user's setting stays theirs
+        limit = sys.getrecursionlimit()
+        try:
+            return compile_fx_inner(*args, **kwargs)
+        finally:
+            sys.setrecursionlimit(limit)
+
     patches = {**INDUCTOR_SETTINGS, "custom_partitioner_fn": _Partitioner()}
     with functorch_cfg.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches,
-                          decompositions=inductor_decompositions())
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                          config_patches=patches, decompositions=inductor_decompositions())

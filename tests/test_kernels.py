@@ -1,0 +1,207 @@
+"""kernels="inductor": memopt's plan, TorchInductor's kernels (memopt.kernels).
+
+Each inductor compilation takes seconds on CPU, so the default suite compiles a few
+small models; the transformers and recurrent cases are `-m slow`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.kernels import Kernels
+from memopt.measure import allocation_peak
+from support import FP32, check_matches_eager
+
+
+class Block(nn.Module):
+    """Linear, GELU, dropout and LayerNorm on a residual branch."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.1)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.drop(nn.functional.gelu(self.fc(x))))
+
+
+class Net(nn.Module):
+    """Residual blocks with dropout, then BatchNorm and a head: every pitfall of
+    DESIGN.md's list that a plain MLP has (random masks, running statistics, residuals)."""
+
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.bn = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.bn(x))
+
+
+def _square_mean(out: torch.Tensor) -> torch.Tensor:
+    # not a plain sum: a sum through BatchNorm has a zero gradient, which compares nothing
+    return out.pow(2).mean()
+
+
+def _inputs() -> tuple[torch.Tensor, ...]:
+    return (torch.randn(128, 64),)
+
+
+@pytest.mark.parametrize("budget", [None, 0.7])
+def test_inductor_kernels_give_eagers_gradients_and_statistics(budget: object) -> None:
+    run = check_matches_eager(
+        Net, _inputs, steps=2, loss_fn=_square_mean, buffer_tol=FP32,
+        compile_fn=lambda m: memopt.compile(m, budget=budget, kernels="inductor"))
+    plan = run.compiled.memopt_plan
+    assert plan.kernels == "inductor"
+    if budget is not None:
+        assert plan.recomputed, "a binding budget recomputes something"
+
+
+def test_inductor_keeps_the_users_random_stream() -> None:
+    """Dropout draws eager's masks and the step draws nothing more: after three steps
+    without reseeding, the generator is where eager leaves it, and the gradients of
+    the last step equal eager's. A recomputed region whose dead random ops stayed in the
+    backward (inductor's dead-code elimination keeps them under fallback_random) drew
+    again there and failed this."""
+    torch.manual_seed(0)
+    eager = Net()
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, budget=0.7, kernels="inductor")
+    x = torch.randn(128, 64)
+    after = []
+    for module in (compiled, eager):
+        torch.manual_seed(7)
+        for _ in range(3):
+            module.zero_grad(set_to_none=True)
+            _square_mean(module(x)).backward()
+        after.append(torch.rand(4))
+    assert torch.equal(after[0], after[1]), "the step moved the user's RNG"
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _measured_peak(module: nn.Module, model: nn.Module, x: torch.Tensor) -> int:
+    model.zero_grad(set_to_none=True)
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(),
+                                                          *model.buffers(), x))
+    with allocation_peak("cpu") as seen:
+        loss = _square_mean(module(x))
+        loss.backward()
+        del loss
+    return seen.peak + resident
+
+
+def test_inductor_plan_holds_its_budget_and_prediction() -> None:
+    """The allocated peak of a step inductor runs stays within the budget, and within
+    the plan's prediction (fusion only removes buffers the plan counts)."""
+    torch.manual_seed(0)
+    model = Net(width=256, depth=8)
+    x = torch.randn(512, 256)
+    compiled = memopt.compile(model, budget=0.7, kernels="inductor")
+    for _ in range(2):  # the first step compiles
+        model.zero_grad(set_to_none=True)
+        _square_mean(compiled(x)).backward()
+    plan = compiled.memopt_plan
+    measured = _measured_peak(compiled, model, x)
+    assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
+    assert measured <= plan.predicted_peak_bytes * 1.02, (measured, plan.predicted_peak_bytes)
+    assert "inductor" in plan.summary()
+
+
+def test_kept_gradients_step_runs_aten_and_says_why() -> None:
+    """A step into existing .grad adds gradients from Python (memopt.grads): inductor
+    cannot call that, so that graph runs op by op, and its plan says so."""
+    check_matches_eager(
+        lambda: nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)),
+        lambda: (torch.randn(8, 16),), steps=1,
+        compile_fn=lambda m: memopt.compile(m, kernels="inductor"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    compiled = memopt.compile(model, kernels="inductor")
+    x = torch.randn(8, 16)
+    compiled(x).sum().backward()
+    assert compiled.memopt_plan.kernels == "inductor"
+    compiled(x).sum().backward()  # gradient accumulation: .grad exists now
+    plan = compiled.memopt_plan
+    assert plan.kernels == "aten" and ".grad" in plan.kernels_note
+    assert plan.grads_added_in_place > 0
+
+
+def test_bad_kernels_are_refused() -> None:
+    with pytest.raises(ValueError, match='kernels must be "aten"'):
+        memopt.compile(nn.Linear(2, 2), kernels="triton")
+    with pytest.raises(ValueError, match="drop_outputs"):
+        memopt.compile(nn.Linear(2, 2), kernels="inductor", drop_outputs=True)
+    assert Kernels.parse("inductor") is Kernels.INDUCTOR
+
+
+def test_plan_only_under_inductor_plans_the_decomposed_graph() -> None:
+    """memopt.plan(kernels="inductor") plans the graph inductor would compile (its
+    decompositions: GELU as pointwise ops) without running or compiling it."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1))
+    x = torch.randn(8, 32)
+    aten = memopt.plan(model, x)
+    inductor = memopt.plan(model, x, kernels="inductor")
+    assert inductor.kernels == "inductor" and aten.kernels == "aten"
+    ops = {s.op for s in inductor.saved}
+    assert not any("gelu" in op for op in ops), ops
+    assert any("gelu" in op for op in {s.op for s in aten.saved}) or aten.saved
+
+
+@pytest.mark.slow
+def test_inductor_trains_a_transformers_gpt2_with_a_chunked_head() -> None:
+    """memopt's LM-head ops (custom ops) run inside inductor's code as extern kernels."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=2000,
+                                     use_cache=False)
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = transformers.GPT2LMHeadModel(config)
+            self.lm.loss_type = "ForCausalLM"
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=ids, labels=ids).loss
+
+    ids = torch.randint(0, 2000, (2, 64))
+    run = check_matches_eager(
+        LM, lambda: (ids,), steps=2, loss_fn=lambda loss: loss,
+        compile_fn=lambda m: memopt.compile(m, budget=0.8, kernels="inductor"))
+    plan = run.compiled.memopt_plan
+    assert plan.kernels == "inductor" and plan.heads, "the head runs chunked"
+
+
+@pytest.mark.slow
+def test_inductor_runs_a_cell_loop_as_a_chain() -> None:
+    """A user's LSTMCell loop runs as a recurrent chain (memopt::chain_fwd/bwd) inside
+    inductor's graphs."""
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.LSTMCell(16, 32)
+
+        def forward(self, xs: torch.Tensor) -> torch.Tensor:
+            h = xs.new_zeros(xs.shape[1], 32)
+            c = xs.new_zeros(xs.shape[1], 32)
+            hs = []
+            for t in range(xs.shape[0]):
+                h, c = self.cell(xs[t], (h, c))
+                hs.append(h)
+            return torch.stack(hs)
+
+    run = check_matches_eager(
+        Loop, lambda: (torch.randn(24, 4, 16),), steps=1,
+        compile_fn=lambda m: memopt.compile(m, budget=0.75, kernels="inductor"))
+    assert run.compiled.memopt_plan.chains
