@@ -27,7 +27,7 @@ from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError
 from .grads import GradSink
-from .kernels import Kernels, compile_with_inductor
+from .kernels import Kernels, compile_with_inductor, schedule_excess
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
 from .planner import ExistingGrads, PlanRequest, plan_joint
@@ -147,15 +147,17 @@ class CompiledGraph:
 
         # Planning runs chain steps on real tensors (passes.chain_policy measures what they
         # save): the user's RNG state must not move, or dropout would draw other masks.
+        def aten() -> Callable:
+            return aot_module_simplified(
+                self.gm, list(example_inputs), fw_compiler=compile_graph,
+                bw_compiler=compile_backward, inference_compiler=compile_graph,
+                partition_fn=partition_fn, decompositions=loss_decompositions())
+
         with torch.random.fork_rng(devices=_cuda_devices()):
             if self.kernels is Kernels.INDUCTOR:
-                compiled = compile_with_inductor(self.gm, example_inputs, partition_fn)
+                compiled = self._inductor_or_aten(example_inputs, partition_fn, planned, aten)
             else:
-                compiled = aot_module_simplified(
-                    self.gm, list(example_inputs), fw_compiler=compile_graph,
-                    bw_compiler=compile_backward, inference_compiler=compile_graph,
-                    partition_fn=partition_fn, decompositions=loss_decompositions(),
-                )
+                compiled = aten()
         if self.attaches:
             compiled = attach_logits(compiled, self.attaches)
         if not planned:
@@ -163,6 +165,33 @@ class CompiledGraph:
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside
         self.policy, self.step_baseline = policy, step_baseline
         return self.run
+
+    def _inductor_or_aten(self, example_inputs: Sequence[Any], partition_fn: Callable,
+                          planned: list[MemoryPlan], aten: Callable[[], Callable]) -> Callable:
+        """The graphs compiled by inductor, checked against the plan: where inductor's
+        schedule would hold more than the plan and the step would then exceed the budget
+        (memopt.kernels.schedule_excess), the graph is planned and compiled again to run
+        op by op (`aten`), and its plan says why."""
+        compiled, peaks = compile_with_inductor(self.gm, example_inputs, partition_fn)
+        if not planned:
+            return compiled
+        plan = planned[-1]
+        excess = schedule_excess(plan, peaks)
+        budget = plan.budget_bytes
+        if budget is None or plan.predicted_peak_bytes + excess <= budget:
+            planned[-1] = plan.model_copy(update={"schedule_excess_bytes": excess})
+            self.backend.plan_log.amend(planned[-1])
+            return compiled
+        planned.clear()
+        compiled = aten()
+        note = (f"aten: inductor's schedule holds {format_bytes(excess)} more than the plan, "
+                f"which would end at {format_bytes(plan.predicted_peak_bytes + excess)}, over "
+                f"the budget of {format_bytes(budget)}")
+        planned[-1] = planned[-1].model_copy(update={"kernels": Kernels.ATEN.value,
+                                                     "kernels_note": note,
+                                                     "schedule_excess_bytes": excess})
+        self.backend.plan_log.amend(planned[-1])
+        return compiled
 
     def replan(self, outside: Outside, policy: ReplanPolicy, step_baseline: int | None) -> None:
         """Plan and compile again (on FakeTensors) under the backend's budget, for the

@@ -42,7 +42,10 @@ from typing import Any, Callable, Sequence
 
 from torch import fx
 
-from memopt.passes._torch_compat import inductor_compile
+import torch
+from memopt.passes._torch_compat import inductor_compile, storage_key
+
+from .memory_plan import MemoryPlan
 
 
 class Kernels(str, enum.Enum):
@@ -69,10 +72,62 @@ _CACHE_KEY = "memopt-partitioner-1"
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                          partition_fn: Callable[..., Any]) -> Callable:
+                          partition_fn: Callable[..., Any]) -> tuple[Callable, dict[str, int]]:
     """`gm` (a dynamo graph) compiled by TorchInductor with `partition_fn` (memopt's
-    planner) partitioning its joint graph. `gm` itself is left as it was (inductor's
-    pre-grad passes change the graph they are given), so that it can be planned again."""
+    planner) partitioning its joint graph, and inductor's estimate of each graph's own
+    peak as it scheduled it ({"forward": bytes, "backward": bytes}, see `schedule_excess`).
+    `gm` itself is left as it was (inductor's pre-grad passes change the graph they are
+    given), so that it can be planned again."""
     own = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     own.meta.update(gm.meta)
-    return inductor_compile(own, list(example_inputs), partition_fn, _CACHE_KEY)
+    peaks: dict[str, int] = {}
+    resident: set[str] = set()
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        fw, bw = partition_fn(joint, joint_inputs, **kwargs)
+        resident.update(views_of_primals(joint, bw))
+        return fw, bw
+
+    compiled = inductor_compile(own, list(example_inputs), partition, _CACHE_KEY, peaks,
+                                resident)
+    return compiled, peaks
+
+
+def views_of_primals(joint: fx.GraphModule, backward: fx.GraphModule) -> set[str]:
+    """The backward's inputs that are views of a primal (a saved `W.t()`): resident
+    memory, which freeing at their last use would not give back."""
+    def key(node: fx.Node) -> Any:
+        value = node.meta.get("val")
+        return storage_key(value) if isinstance(value, torch.Tensor) else None
+
+    primals = {key(n) for n in joint.graph.find_nodes(op="placeholder")
+               if n.name.startswith("primals")} - {None}
+    return {n.name for n in backward.graph.find_nodes(op="placeholder") if key(n) in primals}
+
+
+#: What memopt's timeline holds that inductor's estimate of a graph does not: the step's
+#: resident tensors, the other graphs of the step, and workspaces inside kernels.
+_NOT_IN_SCHEDULE = ("parameters", "inputs", "other_graphs", "workspace")
+
+
+def schedule_excess(plan: MemoryPlan, schedule_peaks: dict[str, int]) -> int:
+    """Bytes by which inductor's schedule of the plan's graphs holds more than the plan.
+
+    The plan's timeline gives, for the forward and for the backward, the most bytes its
+    graph's own buffers hold at once (live bytes less what inductor does not count:
+    `_NOT_IN_SCHEDULE`); inductor's estimate of the same graph as it scheduled it
+    (after fusion: passes._torch_compat._schedule_peak) counts the same buffers its way.
+    Fusion removes buffers, so the estimate is usually lower; copies inductor adds for
+    a kernel's layout, or an order that keeps more alive, make it higher. The excess (0
+    where inductor holds no more, in either graph) is what the step can hold above the
+    plan's prediction."""
+    timeline = plan.timeline
+    if timeline is None or not schedule_peaks:
+        return 0
+    own = [k for k, kind in enumerate(timeline.kinds) if kind not in _NOT_IN_SCHEDULE]
+    planned = {"forward": 0, "backward": 0}
+    for point, step in enumerate(timeline.steps):
+        graph = "forward" if step < timeline.num_forward_steps else "backward"
+        held = sum(timeline.live[k][point] for k in own)
+        planned[graph] = max(planned[graph], held)
+    return max(0, *(peak - planned[graph] for graph, peak in schedule_peaks.items()))

@@ -346,6 +346,9 @@ class MemoryPlan(BaseModel):
     #: graph asked for inductor runs aten
     kernels: str = "aten"
     kernels_note: str = ""
+    #: kernels="inductor": how many bytes inductor's schedule of the graphs holds above
+    #: the plan's own buffers (memopt.kernels.schedule_excess; 0: none)
+    schedule_excess_bytes: Bytes = 0
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""
@@ -427,8 +430,11 @@ class MemoryPlan(BaseModel):
             f"saved tensors {len(self.saved)} ({b(self.saved_bytes)})",
         ]
         if self.kernels != "aten" or self.kernels_note:
-            lines.append(f"  kernels          {self.kernels_note or self.kernels}"
-                         f"{' (TorchInductor generates them; memopt.kernels)' if self.kernels == 'inductor' else ''}")
+            inductor = " (TorchInductor generates them; memopt.kernels)" \
+                if self.kernels == "inductor" else ""
+            excess = f"; its schedule holds {format_bytes(self.schedule_excess_bytes)} " \
+                f"above the plan" if self.schedule_excess_bytes else ""
+            lines.append(f"  kernels          {self.kernels_note or self.kernels}{inductor}{excess}")
         if self.outside_forward_bytes or self.outside_backward_bytes:
             lines.append(
                 f"  held outside     {b(self.outside_forward_bytes):>12}   during its forward, "

@@ -71,6 +71,11 @@ class PlanLog:
         self.plans.append(plan)
         self.start_clock()
 
+    def amend(self, plan: MemoryPlan) -> None:
+        """Replace the plan recorded last by `plan` (the same plan, with what compiling it
+        found: memopt.compiled_graph's inductor check)."""
+        self.plans[-1] = plan
+
     def count_graph(self, existing_grads: bool) -> None:
         """One more captured graph of this kind: refuse past the limit, naming the fix."""
         count = self.graphs.get(existing_grads, 0) + 1

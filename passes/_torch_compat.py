@@ -355,13 +355,41 @@ def inductor_decompositions() -> dict[Any, Callable]:
     return table
 
 
+def _schedule_peak(nodes: list[Any], resident: set[str]) -> int:
+    """Inductor's own estimate (torch/_inductor/memory.py) of the most bytes the graph it is
+    scheduling holds at once, of what it allocates and of its inputs that it frees at their
+    last use: every input but the primals (parameters, buffers and the step's inputs, which
+    the caller holds for the whole step) and the inputs in `resident` (a backward's saved
+    views of them, `W.t()`), i.e. a backward's saved tensors and tangents."""
+    from torch._inductor import memory  # noqa: PLC0415
+    from torch._inductor.virtualized import V  # noqa: PLC0415
+    from torch.utils._ordered_set import OrderedSet  # noqa: PLC0415
+
+    graph = V.graph
+    freeable = OrderedSet(name for name in graph.graph_inputs
+                          if not name.startswith("primals") and name not in resident)
+    buffers = {buf.get_name(): buf for node in nodes for buf in node.get_outputs()}
+    fused = {inner.get_name(): node for node in nodes for inner in node.get_nodes()}
+    peak, _ = memory.prepare_planning_info(nodes, buffers, fused, freeable,
+                                           OrderedSet(graph.get_output_names()))
+    return int(peak)
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
-                     partition_fn: Callable[..., Any], version: str) -> Callable:
+                     partition_fn: Callable[..., Any], version: str,
+                     schedule_peaks: dict[str, int] | None = None,
+                     resident: set[str] | None = None) -> Callable:
     """Compile a dynamo graph with TorchInductor (`compile_fx`), `partition_fn` in place
     of its min-cut partitioner (`config.custom_partitioner_fn`, run after inductor's
     joint-graph passes), under INDUCTOR_SETTINGS. AOTAutograd's cache is off for the call:
-    a cache hit would skip the partitioner, and the plan with it; inductor's own kernel
-    cache stays on (its key is the forward and backward graphs, and `version`)."""
+    a cache hit would skip the partitioner, and the plan with it. The backward is compiled
+    with the forward (not at its first run), so both are known when this returns.
+
+    `schedule_peaks`, when given, receives inductor's estimate of each graph's peak as it
+    schedules it ("forward", "backward": _schedule_peak, less the inputs named in
+    `resident`, which `partition_fn` may fill), read right after fusion; inductor's
+    graph cache is then off (a hit would skip the scheduler), its compiled-kernel cache
+    stays on (keyed by the kernels' source)."""
     from torch._functorch import config as functorch_cfg  # noqa: PLC0415
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: PLC0415
     from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: PLC0415
@@ -393,6 +421,15 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
             sys.setrecursionlimit(limit)
 
     patches = {**INDUCTOR_SETTINGS, "custom_partitioner_fn": _Partitioner()}
-    with functorch_cfg.patch(enable_autograd_cache=False):
+    if schedule_peaks is not None:
+        def after_fusion(nodes: list[Any]) -> list[Any]:
+            from torch._inductor.virtualized import V  # noqa: PLC0415
+
+            kind = "backward" if V.graph.is_backward else "forward"
+            schedule_peaks[kind] = _schedule_peak(nodes, resident or set())
+            return nodes
+
+        patches |= {"_post_fusion_custom_pass": after_fusion, "fx_graph_cache": False}
+    with functorch_cfg.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile,
                           config_patches=patches, decompositions=inductor_decompositions())

@@ -205,3 +205,38 @@ def test_inductor_runs_a_cell_loop_as_a_chain() -> None:
         Loop, lambda: (torch.randn(24, 4, 16),), steps=1,
         compile_fn=lambda m: memopt.compile(m, budget=0.75, kernels="inductor"))
     assert run.compiled.memopt_plan.chains
+
+
+def test_schedule_excess_compares_each_graph_with_the_plans_own_buffers() -> None:
+    """memopt.kernels.schedule_excess on a plan's timeline: resident tensors, other
+    graphs and kernel workspaces are not inductor's to count; the excess is the largest
+    amount by which a graph's schedule holds more than the plan's buffers of that graph."""
+    from memopt.kernels import schedule_excess
+    from memopt.memory_plan import Timeline
+
+    plan = memopt.plan(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)),
+                       torch.randn(4, 8))
+    timeline = Timeline(num_steps=4, num_forward_steps=2, steps=(0, 1, 2, 3),
+                        kinds=("parameters", "saved", "temporaries", "workspace"),
+                        live=((1000, 1000, 1000, 1000), (0, 100, 100, 0),
+                              (50, 0, 300, 20), (0, 0, 7000, 0)))
+    plan = plan.model_copy(update={"timeline": timeline})  # forward 100, backward 400
+    assert schedule_excess(plan, {"forward": 100, "backward": 400}) == 0
+    assert schedule_excess(plan, {"forward": 90, "backward": 150}) == 0
+    assert schedule_excess(plan, {"forward": 160, "backward": 400}) == 60
+    assert schedule_excess(plan, {"forward": 100, "backward": 1000}) == 600
+
+
+def test_a_schedule_over_the_budget_runs_aten_and_says_why(monkeypatch) -> None:
+    """Where inductor's schedule would take the step over the budget, the graph is
+    planned again and runs op by op, with eager's gradients, and the plan says why."""
+    import memopt.compiled_graph as compiled_graph
+
+    monkeypatch.setattr(compiled_graph, "schedule_excess", lambda plan, peaks: 1 << 30)
+    run = check_matches_eager(
+        Net, _inputs, steps=1, loss_fn=_square_mean,
+        compile_fn=lambda m: memopt.compile(m, budget=0.8, kernels="inductor"))
+    plan = run.compiled.memopt_plan
+    assert plan.kernels == "aten", plan.kernels
+    assert "inductor's schedule holds 1.0 GiB more" in plan.kernels_note
+    assert "over the budget" in plan.summary()
