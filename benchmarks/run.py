@@ -4,6 +4,7 @@
     python -m benchmarks.run --models mlp64 lstm  # a subset
     python -m benchmarks.run --device cuda
     python -m benchmarks.run --budgets            # budget sweep against the peers
+    python -m benchmarks.run --speed --rounds 3   # how fast at how much memory (speed.py)
     python -m benchmarks.run --zoo                # third-party models (benchmarks/zoo.py)
 
 Every number comes from a fresh process per measurement (memopt.measure): the
@@ -23,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from benchmarks.speed import SPEED_HEADER, SPEED_MODELS, default_models, describe_device, run_speed
 from memopt.budget import format_bytes
 from memopt.measure import Measurement, measure_step
 
@@ -221,15 +223,27 @@ ZOO_HEADER = ["model", ".grad", "config", "budget", "predicted", "measured", "me
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=None,
+                        choices=sorted(set(MODELS) | set(SPEED_MODELS) | {"tiny_mlp"}),
+                        help=f"default: {' '.join(MODELS)}; with --speed: "
+                             f"{' '.join(SPEED_MODELS)} (llama where transformers has it)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--timed-steps", type=int, default=2)
+    parser.add_argument("--timed-steps", type=int, default=None,
+                        help="timed steps per measurement (default 2; 5 with --speed)")
     parser.add_argument("--budgets", action="store_true",
                         help="the budget sweep (Chen Alg. 3) against eager and the peers")
+    parser.add_argument("--speed", action="store_true",
+                        help="how fast at how much memory: eager, torch.compile, inductor's "
+                             "memory knob, HF checkpointing and memopt (aten and inductor "
+                             "kernels) at several budgets, timed in interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="--speed: rounds of every configuration (default 3)")
     parser.add_argument("--zoo", nargs="*", default=None, metavar="MODEL",
                         help="third-party models (benchmarks/zoo.py; all when none named) "
                              "with gradients set to None and kept, at several budgets")
     args = parser.parse_args(argv)
+    if args.timed_steps is None:
+        args.timed_steps = 5 if args.speed else 2
     logging.basicConfig(level=logging.WARNING)
     if args.zoo is not None:
         from benchmarks.zoo import ZOO
@@ -242,6 +256,21 @@ def main(argv: list[str] | None = None) -> int:
               f"a step finds .grad set to None, or kept and zeroed)\n")
         print(markdown(rows, ZOO_HEADER))
         return 0
+    if args.speed:
+        if args.rounds < 1:
+            parser.error("--rounds must be >= 1")
+        models = args.models or default_models()
+        print(f"# speed: {' '.join(models)} on {describe_device(args.device)}, "
+              f"{args.rounds} rounds", file=sys.stderr, flush=True)
+        rows = run_speed(models, args.device, args.rounds,
+                         timed_steps=args.timed_steps)
+        print(f"\nSpeed at memory, device={describe_device(args.device)}, {args.rounds} "
+              f"round(s); time and peak: median over rounds of the ratio to the same "
+              f"round's eager run; first step: the warm-up (compiling) step, empty "
+              f"inductor cache\n")
+        print(markdown(rows, SPEED_HEADER))
+        return 1 if any(row[3] == "failed" for row in rows) else 0
+    args.models = args.models or list(MODELS)
     if args.budgets:
         models = [m for m in args.models if m in BUDGET_MODELS] or list(BUDGET_MODELS)
         rows = run_budgets(models, args.device, args.timed_steps)

@@ -10,6 +10,7 @@ working directory.
 | mlp64     | 64 x (Linear(512, 512) + GELU)                           | randn(2048, 512)              | sum of the output         |
 | resnet50  | HF ResNetModel(ResNetConfig()), bottleneck [3, 4, 6, 3]  | randn(32, 3, 64, 64)          | pooler_output.sum()       |
 | gpt2      | HF GPT2LMHeadModel, 12 layers, vocabulary 50257, dropout 0.1 | input_ids, labels (4, 256) | the model's LM loss       |
+| llama     | HF LlamaForCausalLM: 4 layers, hidden 256, 4 heads, vocabulary 8000 | input_ids, labels (4, 128) | the model's LM loss |
 | lstm      | LSTMCell(256, 256) in a Python loop over T=256 steps     | randn(256, 64, 256) (T, B, F) | MSE to a random target    |
 | lstm_sum  | the same                                                | the same                      | sum of the hidden states  |
 | tiny_mlp  | 4 x (Linear(64, 64) + GELU), for tests                   | randn(32, 64)                 | sum of the output         |
@@ -26,8 +27,8 @@ from torch.nn import functional as F
 
 from memopt.measure import Workload
 
-__all__ = ["BasicBlock", "LSTMLoop", "ResNet", "gpt2", "lstm", "lstm_sum", "mlp", "mlp64",
-           "resnet50", "tiny_mlp"]
+__all__ = ["BasicBlock", "LSTMLoop", "ResNet", "gpt2", "has_llama", "llama", "lstm",
+           "lstm_sum", "mlp", "mlp64", "resnet50", "tiny_mlp"]
 
 
 def mlp(device: str, *, layers: int, width: int, batch: int) -> Workload:
@@ -116,6 +117,32 @@ def gpt2(device: str) -> Workload:
     model.loss_type = "ForCausalLM"
     input_ids = torch.randint(0, config.vocab_size, (4, 256), device=device)
     labels = torch.randint(0, config.vocab_size, (4, 256), device=device)
+    return Workload(model=model, kwargs={"input_ids": input_ids, "labels": labels})
+
+
+def has_llama() -> bool:
+    """Whether the installed transformers has LlamaForCausalLM (the `llama` workload)."""
+    try:
+        from transformers import LlamaForCausalLM  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama(device: str) -> Workload:
+    """A small HF Llama with a LM head: 4 layers, hidden 256, 4 attention heads (no
+    grouped-query sharing), MLP 688 (Llama's 8/3 x hidden), vocabulary 8000, batch 4,
+    sequence 128. Llama has no dropout; the loss is the model's own LM loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=128, use_cache=False)
+    model = LlamaForCausalLM(config).to(device).train()
+    model.loss_type = "ForCausalLM"  # as in gpt2: no warning (a graph break) in forward
+    input_ids = torch.randint(0, config.vocab_size, (4, 128), device=device)
+    labels = torch.randint(0, config.vocab_size, (4, 128), device=device)
     return Workload(model=model, kwargs={"input_ids": input_ids, "labels": labels})
 
 

@@ -78,7 +78,8 @@ in again, which charged a plan of many small chunk calls up to 1.8x more time th
 same step in a plain process (an LSTM over 1000 steps in 63 chunks: 1.95x eager's time
 measured there, 1.11x in a plain process).
 ``plan_seconds`` is the wall time of the first warm-up step (the compiling
-one) minus ``step_seconds``; it is ``None`` in eager mode.
+one) minus ``step_seconds``; it is ``None`` in eager mode. ``warmup_seconds`` is that
+first step's whole wall time, in every mode (eager's too, for a comparison).
 
 Workloads
 ---------

@@ -258,4 +258,5 @@ def measure_in_process(
         chains=chains,
         heads=heads,
         allocated_peak_bytes=int(allocated),
+        warmup_seconds=float(warmup_seconds[0]) if warmup_seconds else None,
     )

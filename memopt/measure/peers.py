@@ -5,6 +5,7 @@ A measurement's ``mode`` names one of them (memopt.measure.measure_step):
 * ``"checkpoint_sequential:K"``: an ``nn.Sequential`` run through
   ``torch.utils.checkpoint.checkpoint_sequential`` with K segments;
 * ``"hf_checkpointing"``: transformers' ``gradient_checkpointing_enable()``;
+* ``"torch_compile"``: ``torch.compile`` (inductor) with its defaults;
 * ``"inductor:F"``: ``torch.compile`` (inductor) with functorch's
   ``activation_memory_budget = F``.
 
@@ -23,7 +24,7 @@ __all__ = ["PEERS", "PEER_PREFIXES", "CheckpointSequential", "InductorWithBudget
 #: Peers whose mode carries a number after the colon.
 PEER_PREFIXES = ("checkpoint_sequential:", "inductor:")
 #: Peers named by their mode alone.
-PEERS = ("hf_checkpointing",)
+PEERS = ("hf_checkpointing", "torch_compile")
 
 
 def is_peer(mode: str) -> bool:
@@ -70,6 +71,8 @@ def wrap_peer(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if mode == "hf_checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
+    if mode == "torch_compile":
+        return torch.compile(model)
     if mode.startswith("inductor:"):
         return InductorWithBudget(model, float(mode.split(":", 1)[1]))
     raise ValueError(f"{mode!r} names no peer; peers: {PEERS}, or one starting with "

@@ -59,6 +59,9 @@ class Measurement:
     allocated before the step, plus the resident tensors (``peak_bytes`` is the raw
     counter, which also holds the library workspaces allocated once per process); on CPU
     read from the profiler's allocation events (see memopt.measure's docstring)."""
+    warmup_seconds: float | None = None
+    """Wall time of the first warm-up step, whole: the step that compiles (memopt's plan,
+    inductor's kernels) in any mode but eager; None when no warm-up step ran."""
 
     @property
     def budget_peak_bytes(self) -> int:
