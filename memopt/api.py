@@ -300,7 +300,10 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             the loop keeps only the scalar loss and drops the other outputs before
             backward (`model(**batch).loss.backward()`, the HF Trainer): the plan then
             frees them (a language model's logits) as the forward ends, and memopt warns
-            at any backward where one is still alive (for a model that is one graph).
+            at any backward where one is still alive (for a model that is one graph);
+            `kernels="inductor"` has TorchInductor generate the kernels of the planned
+            graphs instead of running them op by op (`"aten"`, the default; see
+            memopt.kernels and docs/kernels.md).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or

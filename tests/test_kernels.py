@@ -56,7 +56,7 @@ def _inputs() -> tuple[torch.Tensor, ...]:
     return (torch.randn(128, 64),)
 
 
-@pytest.mark.parametrize("budget", [None, 0.7])
+@pytest.mark.parametrize("budget", [pytest.param(None, marks=pytest.mark.slow), 0.7])
 def test_inductor_kernels_give_eagers_gradients_and_statistics(budget: object) -> None:
     run = check_matches_eager(
         Net, _inputs, steps=2, loss_fn=_square_mean, buffer_tol=FP32,

@@ -30,6 +30,7 @@ def _ratio(cell: str) -> float:
     return float(cell[:-1])
 
 
+@pytest.mark.slow
 def test_tiny_mlp_one_round() -> None:
     only = (f"inductor budget={speed.MATCHED_KNOB}", "memopt aten", MATCHED)
     table = _table(run_speed(["tiny_mlp"], "cpu", rounds=1, timed_steps=1, cold_cache=False,
