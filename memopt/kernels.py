@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import copy
 import enum
-from typing import Any, Callable, Sequence
-
-from torch import fx
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch import fx
+
 from memopt.passes._torch_compat import inductor_compile, storage_key
 
 from .memory_plan import MemoryPlan
@@ -55,7 +56,7 @@ class Kernels(str, enum.Enum):
     INDUCTOR = "inductor"
 
     @classmethod
-    def parse(cls, value: object) -> "Kernels":
+    def parse(cls, value: object) -> Kernels:
         if isinstance(value, Kernels):
             return value
         try:

@@ -10,12 +10,12 @@ import copy
 
 import pytest
 import torch
+from support import FP32, check_matches_eager
 from torch import nn
 
 import memopt
 from memopt.kernels import Kernels
 from memopt.measure import allocation_peak
-from support import FP32, check_matches_eager
 
 
 class Block(nn.Module):
@@ -230,7 +230,7 @@ def test_schedule_excess_compares_each_graph_with_the_plans_own_buffers() -> Non
 def test_a_schedule_over_the_budget_runs_aten_and_says_why(monkeypatch) -> None:
     """Where inductor's schedule would take the step over the budget, the graph is
     planned again and runs op by op, with eager's gradients, and the plan says why."""
-    import memopt.compiled_graph as compiled_graph
+    from memopt import compiled_graph
 
     monkeypatch.setattr(compiled_graph, "schedule_excess", lambda plan, peaks: 1 << 30)
     run = check_matches_eager(
