@@ -161,13 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     _, x = build(args.layers, args.batch)
-    runs, skipped = [], {}
+    runs, skipped, recomputed = [], {}, {}
     for config in configs(args.layers, args.batch, args.budget, not args.no_kept):
         t0 = time.perf_counter()
         why = warm_up(config, x)
         plan = getattr(config.run, "memopt_plan", None)
-        recomputed = f", {len(plan.recomputed)} ops recomputed" if plan is not None else ""
-        print(f"# {config.name}: compiled in {time.perf_counter() - t0:.1f} s{recomputed}"
+        recomputed[config.name] = str(len(plan.recomputed)) if plan is not None else "-"
+        print(f"# {config.name}: compiled in {time.perf_counter() - t0:.1f} s"
               f"{f', left out: {why}' if why else ''}", file=sys.stderr, flush=True)
         if why:
             skipped[config.name] = why
@@ -180,14 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         calls, _ = calls_per_step(config, x)
         rows.append([config.name, f"{statistics.median(times[config.name]) * 1e3:.2f} ms",
                      f"{paired(times, config.name, 'aot_eager' + suffix):.3f}x",
-                     f"{paired(times, config.name, 'eager' + suffix):.3f}x", f"{calls:,.0f}"])
+                     f"{paired(times, config.name, 'eager' + suffix):.3f}x", f"{calls:,.0f}",
+                     recomputed[config.name]])
     params = sum(1 for _ in runs[0].model.parameters())
     print(f"\nPer-step overhead: {args.layers} x Linear(8, 8) ({params} parameter tensors), "
           f"batch {args.batch}, memopt budget {args.budget}; "
           f"{args.rounds} interleaved rounds of {args.steps} steps, torch "
           f"{torch.__version__}, CPU\n")
     print(markdown(rows, ["config", "median step", "step / aot_eager (median of paired)",
-                          "step / eager (median of paired)", "Python calls per step"]))
+                          "step / eager (median of paired)", "Python calls per step",
+                          "memopt ops recomputed"]))
     for name, why in skipped.items():
         print(f"\n{name}: {why}")
     if args.profile:
