@@ -203,9 +203,10 @@ class CompiledModule(nn.Module):
             copy.training = original.training
         backend, model = self._memopt_backend, self._memopt_model
         backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit
-        tensors = self._memopt_tensors
-        tensors.refresh()
-        grads = tensors.grad_state() if torch.is_grad_enabled() else None
+        tensors, grads = self._memopt_tensors, None
+        if torch.is_grad_enabled():  # a training step: its parameters' state, cheaply
+            tensors.refresh()
+            grads = tensors.grad_state()
         existing = grads is not None and _has_grads(grads)
         compiled = self._memopt_compiled.get(existing)
         if compiled is None:

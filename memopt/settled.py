@@ -11,15 +11,15 @@ what the rest of the step holds (`Outside`), so nothing is planned again.
 Here the trace is built only when something needs it (`StepCall.trace`):
 
 1. A graph whose step ran alone and found its plan covering the step is *settled*
-   (`settle`): it records what that count was made of, `Settled`: the bytes of the model's
-   tensors its forward did not take (parameters and buffers it does not use, `.grad` of
-   parameters that do not require grad), which of the call's argument leaves it took, and
+   (`settle`): it records what that count was made of, `Settled`: the model's tensors its
+   forward did not take (parameters and buffers it does not use, `.grad` of parameters that
+   do not require grad; usually none), which of the call's argument leaves it took, and
    what keys those hold: the module tree's listing (`ModelTensors.version`) and every
    parameter's `.grad` and `requires_grad` (`ModelTensors.grad_state`).
 2. At a later step, the settled graph runs without the trace when that key is unchanged and
-   its plan covers the step's count made again from the record, in O(number of arguments):
-   the recorded model bytes, the call's argument tensors the graph does not take, and
-   DDP's gradient buckets (`StepCall.admits`). A step that fails the check (a kwarg the
+   its plan covers the step's count made again from the record, in O(arguments + tensors
+   not taken): the bytes of the model's tensors it does not take, of the call's argument
+   tensors it does not take, and of DDP's gradient buckets (`StepCall.admits`). A step that fails the check (a kwarg the
    graph does not read grew, a frozen parameter got a `.grad`, a parameter was added) is
    traced as before, from the state it started with, and planned again if it must be.
 3. Anything else that needs the trace (dynamo compiles a graph during the call, another
@@ -39,6 +39,7 @@ breaks keep the full trace at every step.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import is_not
@@ -99,15 +100,24 @@ class ModelTensors:
 @dataclass(frozen=True)
 class Settled:
     """What a settled graph's last traced step counted outside it (see the module
-    docstring): `model_bytes` of the model's tensors it did not take, under the module
-    listing `version` and the parameters' `grads` (ModelTensors.grad_state); the argument
-    tree `spec` of the call and the leaves it took, by position (`taken`)."""
+    docstring): the model's tensors it did not take (`model`, weak references: parameters
+    and buffers it does not read, `.grad` of parameters that do not require grad; their
+    bytes are counted again at every step), under the module listing `version` and the
+    parameters' `grads` (ModelTensors.grad_state); the argument tree `spec` of the call and
+    the leaves it took, by position (`taken`)."""
 
     version: int
     grads: list[int]
     spec: Any
     taken: frozenset[int]
-    model_bytes: int
+    model: tuple[weakref.ref, ...]
+
+    def model_bytes(self) -> int | None:
+        """Bytes of the storages of `model` now (None: one of them is gone)."""
+        tensors = [ref() for ref in self.model]
+        if any(t is None for t in tensors):
+            return None
+        return sum(storages(tensors).values())
 
 
 def call_bytes(leaves: list[Any], taken: frozenset[int]) -> int:
@@ -175,9 +185,10 @@ class StepCall:
                 or graph.policy != ReplanPolicy.GREEDY or graph.provisional:
             return False
         leaves, spec = self.flat()
-        if spec != s.spec:
+        model = s.model_bytes()
+        if spec != s.spec or model is None:
             return False
-        held = s.model_bytes + call_bytes(leaves, s.taken) + self.ddp_bucket_bytes
+        held = model + call_bytes(leaves, s.taken) + self.ddp_bucket_bytes
         return graph.outside.covers(Outside(held, held))
 
 
@@ -189,16 +200,21 @@ def settle(call: StepCall, run: GraphRun, base: Outside) -> Settled | None:
     if call.held or call.after_backward:
         return None
     trace, t = call.trace(), call.tensors
-    model = storages([*t.params, *t.buffers, *(p.grad for p in t.params if p.grad is not None)])
+    model = [*t.params, *t.buffers, *(p.grad for p in t.params if p.grad is not None)]
+    model = [m for m in model if m.device.type != "meta"]
+    ids = {storage_id(m) for m in model}
     leaves, spec = call.flat()
     tensors = [i for i, leaf in enumerate(leaves)
                if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"]
-    if any(storage_id(leaves[i]) in model for i in tensors):
+    if any(storage_id(leaves[i]) in ids for i in tensors):
         return None
     own = run.inputs
     own_grads = {trace.kept_grads[s] for s in own if s in trace.kept_grads}
-    model_bytes = sum(n for s, n in model.items() if s not in own and s not in own_grads)
+    outside = tuple(m for m in model if storage_id(m) not in own
+                    and storage_id(m) not in own_grads)
     taken = frozenset(i for i in tensors if storage_id(leaves[i]) in own)
-    if model_bytes + call_bytes(leaves, taken) + call.ddp_bucket_bytes != base.forward:
+    record = Settled(t.version, list(call.grads), spec, taken, tuple(map(weakref.ref, outside)))
+    if record.model_bytes() + call_bytes(leaves, taken) + call.ddp_bucket_bytes \
+            != base.forward:
         return None  # an aliasing the record would not see again: keep tracing
-    return Settled(t.version, list(call.grads), spec, taken, model_bytes)
+    return record

@@ -154,6 +154,18 @@ def test_a_parameter_added_after_compile_is_counted() -> None:
     assert _outside(compiled) >= BIG
 
 
+def test_an_unused_parameter_whose_data_grows_is_counted() -> None:
+    _, model, compiled = _compiled(Unused)
+    model.spare = nn.Parameter(torch.zeros(4))  # never read by forward
+    x = _x()
+    for _ in range(2):
+        _step(compiled, x)
+    assert _outside(compiled) < BIG
+    model.spare.data = torch.zeros(BIG // 4)  # the same parameter, more bytes
+    _step(compiled, x)
+    assert _outside(compiled) >= BIG
+
+
 def test_kept_gradients_are_added_in_place_after_the_parameters_move() -> None:
     """The sink binds a call's parameters only when they differ from the last call's: by
     object and by data pointer, so `p.data = ...` binds again."""
