@@ -35,6 +35,7 @@ from .errors import CaptureError, InputError, MemoptError
 from .fsdp import fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .memory_plan import MemoryPlan, StepPlan
 from .recurrent.modules import substitute_rnns
+from .settled import ModelTensors
 
 #: Sharing these dicts makes the compiled module hold the very same parameter
 #: and buffer objects (and state_dict keys) as the user's model.
@@ -168,6 +169,8 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_memopt_traced", traced)
         object.__setattr__(self, "_memopt_fullgraph", fullgraph)
         object.__setattr__(self, "_memopt_fsdp", None)  # FsdpRecord under fully_shard
+        # its parameters and buffers, listed again only when the module tree changes
+        object.__setattr__(self, "_memopt_tensors", ModelTensors(model))
         # a graph of this code that returns is the whole forward (memopt.steps)
         backend.plan_log.set_forward(traced.forward)
         # One compiled step per gradient state (memopt.grads): .grad absent, or kept from
@@ -200,7 +203,11 @@ class CompiledModule(nn.Module):
             copy.training = original.training
         backend, model = self._memopt_backend, self._memopt_model
         backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit
-        existing = torch.is_grad_enabled() and _has_grads(model)
+        tensors, grads = self._memopt_tensors, None
+        if torch.is_grad_enabled():  # a training step: its parameters' state, cheaply
+            tensors.refresh()
+            grads = tensors.grad_state()
+        existing = grads is not None and _has_grads(grads)
         compiled = self._memopt_compiled.get(existing)
         if compiled is None:
             compiled = _compile_step(self._memopt_traced, backend.with_existing_grads(),
@@ -210,7 +217,7 @@ class CompiledModule(nn.Module):
         if unit is not None:
             refuse_sharded_inside(self, model)
             self.__dict__["_memopt_fsdp"] = unit.record
-        backend.forward_begins(model, args, kwargs, ddp=buckets_of(self, model),
+        backend.forward_begins(tensors, grads, args, kwargs, ddp=buckets_of(self, model),
                                held=unit.held if unit else (),
                                after_backward=unit.after_backward if unit else 0)
         try:
@@ -269,9 +276,10 @@ def _compile_step(traced: nn.Module, backend: Any, fullgraph: bool) -> Any:
     return torch.compile(traced, backend=backend, dynamic=False, fullgraph=fullgraph)
 
 
-def _has_grads(model: nn.Module) -> bool:
-    """Whether any trainable parameter holds a `.grad` (kept from an earlier step)."""
-    return any(p.grad is not None for p in model.parameters() if p.requires_grad)
+def _has_grads(grad_state: list[int]) -> bool:
+    """Whether any trainable parameter holds a `.grad` (kept from an earlier step), from
+    the parameters' ModelTensors.grad_state()."""
+    return 3 in grad_state
 
 
 def compile(model: nn.Module, budget: object = None, **options: Any) -> CompiledModule:

@@ -44,7 +44,8 @@ from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .plan_log import PlanLog
 from .planner import Options
-from .steps import ForwardTrace, Outside
+from .settled import ModelTensors, StepCall, settle
+from .steps import Outside
 
 log = logging.getLogger("memopt")
 
@@ -164,8 +165,8 @@ class MemoptBackend:
                 f"{', existing_grads=True' if self.existing_grads else ''})")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable:
-        trace = self.plan_log.trace
-        position = len(trace.runs) if trace is not None else 0
+        call = self.plan_log.call
+        position = call.position() if call is not None else 0
         frame = compiling_frame()
         alone = position == 0 and frame.ends_forward(self.plan_log.forward_code)
         key = graph_key(gm, example_inputs, frame, position, alone, self.existing_grads)
@@ -185,6 +186,7 @@ class MemoptBackend:
             if graph.attaches:  # an output more: what autograd sums outside the graph
                 graph.outside_grads = aliased_output_grad_bytes(gm)
         outside = Outside()
+        trace = call.trace() if call is not None else None
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
             if alone:  # the whole forward in one graph: nothing is planned after it
@@ -225,23 +227,28 @@ class MemoptBackend:
                 "tracing time: keep such state and branches outside forward.",
                 UserWarning, stacklevel=2)
 
-    def forward_begins(self, model: torch.nn.Module, args: tuple, kwargs: dict,
-                       ddp: DDPBuckets | None = None, held: Sequence[torch.Tensor] = (),
-                       after_backward: int = 0) -> None:
-        """A memopt module's forward starts: trace its graphs (memopt.steps) when it
-        records gradients. `ddp`: the gradient buckets of the DDP running it (memopt.ddp),
-        which the trace counts as held for the whole step; `held`: tensors that are not the
-        model's, held for the whole step (FSDP2's shards and all-gather output,
-        memopt.fsdp); `after_backward`:
-        bytes allocated as the backward ends (FSDP2's reduce-scatter)."""
+    def forward_begins(self, tensors: ModelTensors, grads: list[int] | None, args: tuple,
+                       kwargs: dict, ddp: DDPBuckets | None = None,
+                       held: Sequence[torch.Tensor] = (), after_backward: int = 0) -> None:
+        """A memopt module's forward starts: when it records gradients (`grads`, the
+        parameters' `ModelTensors.grad_state()`, is not None), trace its graphs
+        (memopt.steps), or let a settled graph run without the trace (memopt.settled).
+        `ddp`: the gradient buckets of the DDP running it (memopt.ddp), which the trace
+        counts as held for the whole step; `held`: tensors that are not the model's, held
+        for the whole step (FSDP2's shards and all-gather output, memopt.fsdp);
+        `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter)."""
         self.plan_log.ddp = ddp
-        self.plan_log.trace = ForwardTrace.begin(
-            model, args, kwargs, ddp.counted_bytes if ddp is not None else 0, held,
-            after_backward) \
-            if torch.is_grad_enabled() else None
+        if grads is None:
+            self.plan_log.call = None
+            return
+        call = StepCall(tensors, grads, args, kwargs,
+                        ddp.counted_bytes if ddp is not None else 0, tuple(held), after_backward)
+        if not any(graph.settled is not None for graph in self.plan_log.last_runs):
+            call.trace()  # no graph of the last forward may skip it: traced from the start
+        self.plan_log.call = call
 
     def forward_aborted(self) -> None:
-        self.plan_log.trace = None
+        self.plan_log.call = None
 
     def _nothing_compiled(self) -> None:
         """A training forward ran without any compiled graph: dynamo skipped its frame
@@ -274,19 +281,31 @@ class MemoptBackend:
         known, re-plan the graphs whose plans assumed less than the rest of the step
         holds around them (memopt.steps), for the steps after this one. A budget that
         no longer fits is raised at the next call, naming the graph."""
-        trace, self.plan_log.trace = self.plan_log.trace, None
-        if trace is None:
+        call, self.plan_log.call = self.plan_log.call, None
+        if call is None:
             return
+        if call.traced is None:  # at most a settled graph ran: nothing to plan again
+            if call.skipped:
+                self.plan_log.last_runs = tuple(graph for graph, _, _ in call.skipped)
+            elif _needs_grad(returned):
+                self._nothing_compiled()
+            return
+        trace = call.traced
         if not trace.runs:
             if _needs_grad(returned):
                 self._nothing_compiled()
             return
+        self.plan_log.traced += 1
         bases = trace.end(returned)
         runs = [run.graph for run in trace.runs]
         self.plan_log.last_runs = tuple(runs)
         if len(set(map(id, runs))) == 1 and runs[0].policy == ReplanPolicy.GREEDY \
                 and runs[0].outside.covers(bases[0]):
-            return  # one graph, planned with what it needed: the usual case
+            # one graph, planned with what it needed: the usual case; the whole forward
+            # alone, it may skip the trace while nothing it counted changes
+            runs[0].settled = settle(call, trace.runs[0], bases[0]) \
+                if len(runs) == 1 and runs[0].alone else None
+            return
         baseline = None
         if self.budget is not None and self.budget.fraction is not None:
             # once per sequence of graphs: from the first forward's plans, as it ran

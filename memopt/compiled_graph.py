@@ -35,6 +35,7 @@ from .steps import Outside
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backend import MemoptBackend
+    from .settled import Settled
 
 
 class PlanOnly(Exception):
@@ -69,6 +70,8 @@ class CompiledGraph:
         self.provisional = False  # planned with a guess for the graphs after it
         self.plan: MemoryPlan | None = None
         self.compiled: Callable | None = None
+        #: what its last traced step counted, for steps without the trace (memopt.settled)
+        self.settled: Settled | None = None
         self.attaches: list[Attach] = []  # logits returned without a gradient (_chunk_heads)
         #: drop_outputs=True, the step one graph: the outputs the plan frees as it ends
         self.dropped = DroppedOutputs() if backend.options.drop_outputs and alone else None
@@ -216,10 +219,16 @@ class CompiledGraph:
         raise AssertionError(f"{self.label()}: its lowest-peak plan fits after all")
 
     def run(self, *args: Any) -> Any:
+        """Run the compiled graph: in the forward's trace (memopt.steps) unless it has
+        settled (memopt.settled), its parameters bound for a kept-gradient backward."""
         log = self.backend.plan_log
         log.last = self.plan
         flat = [*self.attributes, *args]
-        record = log.trace.start_run(self, flat, self.plan.held_bytes) if log.trace else None
+        call, record, skipped = log.call, None, False
+        if call is not None:
+            skipped = call.admits(self)
+            if not skipped:
+                record = call.trace().start_run(self, flat, self.plan.held_bytes)
         if self.sink is not None:
             self.sink.bind(flat)
         out = self.compiled(*args)
@@ -227,6 +236,8 @@ class CompiledGraph:
             self.dropped.watch(out)
         if record is not None:
             record.record_outputs(out)
+        elif skipped:
+            call.skipped.append((self, flat, out))
         return out
 
 

@@ -31,6 +31,7 @@ itself could differ from what AccumulateGrad would do:
 from __future__ import annotations
 
 import weakref
+from operator import is_
 from typing import Any, Sequence
 
 import torch
@@ -38,8 +39,8 @@ import torch
 from memopt.passes._torch_compat import engine_will_accumulate
 
 
-def _storage(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
+def _storage(t: torch.Tensor) -> tuple[torch.device, int]:
+    return (t.device, t.untyped_storage().data_ptr())
 
 
 class GradSink:
@@ -53,15 +54,34 @@ class GradSink:
 
     def __init__(self, slots: dict[str, int]) -> None:
         self.slots = dict(slots)
-        self._params: dict[tuple[str, int], weakref.ref] = {}
+        self._params: dict[tuple[torch.device, int], weakref.ref] = {}
+        #: the last call's parameters (weak references) and data pointers: a call with
+        #: the same ones binds nothing new
+        self._bound: tuple[tuple[weakref.ref, ...], tuple[int, ...]] = ((), ())
         self.added = 0       # gradients added in place (for tests and the plan's evidence)
         self.returned = 0    # gradients handed back to autograd instead
 
     def bind(self, flat_inputs: Sequence[Any]) -> None:
-        """Remember the parameter tensors of this forward call (beside earlier calls')."""
-        for i in self.slots.values():
-            if i < len(flat_inputs) and isinstance(flat_inputs[i], torch.Tensor):
-                self._params[_storage(flat_inputs[i])] = weakref.ref(flat_inputs[i])
+        """Remember the parameter tensors of this forward call (beside earlier calls').
+
+        A call given the same parameter objects at the same data pointers as the call
+        before it has nothing to remember: that is checked at C level (`weakref.ref` of a
+        live object is its one reference object, and `Tensor.data_ptr` through `map`), so
+        a steady training step does no Python work per parameter here."""
+        params = [flat_inputs[i] for i in self.slots.values() if i < len(flat_inputs)]
+        try:
+            refs = tuple(map(weakref.ref, params))
+            bound = (refs, tuple(map(torch.Tensor.data_ptr, params)))
+        except TypeError:  # not all tensors: bind them one by one
+            bound = ((), ())
+        last = self._bound
+        if bound[0] and len(refs) == len(last[0]) and all(map(is_, refs, last[0])) \
+                and bound[1] == last[1]:
+            return
+        self._bound = bound
+        for p in params:
+            if isinstance(p, torch.Tensor):
+                self._params[_storage(p)] = weakref.ref(p)
 
     def add(self, grad: torch.Tensor | None, saved: torch.Tensor) -> torch.Tensor | None:
         """Add `grad` into the `.grad` of the parameter `saved` is (or aliases: what the
@@ -72,8 +92,7 @@ class GradSink:
         if grad is None or param is None or not _can_add(param, grad):
             self.returned += grad is not None
             return grad
-        with torch.no_grad():
-            param.grad.add_(grad)
+        param.grad.add_(grad)  # grad mode is off: _can_add checked it
         self.added += 1
         return None
 

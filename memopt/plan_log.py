@@ -18,7 +18,7 @@ from .memory_plan import MemoryPlan
 if TYPE_CHECKING:  # pragma: no cover
     from .compiled_graph import CompiledGraph
     from .ddp import DDPBuckets
-    from .steps import ForwardTrace
+    from .settled import StepCall
 
 
 @dataclass
@@ -29,11 +29,11 @@ class PlanLog:
     last: MemoryPlan | None = None
     graphs: dict[bool, int] = field(default_factory=dict)  # captured, by existing_grads
     graph_limit: int = 8  # the most graphs of one kind (dynamo's recompile_limit)
-    #: Graph breaks: the forward now running (memopt.steps), every graph built, the graphs
-    #: the last forward ran (in order), the code object of the model's forward (a graph
-    #: of it that returns is the whole step), and a BudgetError a re-plan raised, for
-    #: the next call.
-    trace: ForwardTrace | None = None
+    #: Graph breaks: the forward now running (memopt.settled, its trace memopt.steps),
+    #: every graph built, the graphs the last forward ran (in order), the code object of
+    #: the model's forward (a graph of it that returns is the whole step), and a
+    #: BudgetError a re-plan raised, for the next call.
+    call: StepCall | None = None
     graphs_built: list[CompiledGraph] = field(default_factory=list)
     last_runs: tuple[CompiledGraph, ...] = ()
     forward_code: CodeType | None = None
@@ -43,6 +43,8 @@ class PlanLog:
     #: (memopt.backend.graph_key), and how many times dynamo handed over one already built
     by_key: dict[tuple, CompiledGraph] = field(default_factory=dict)
     retraced: int = 0
+    #: forwards that ended traced (the others ran a settled graph: memopt.settled)
+    traced: int = 0
     step_baselines: dict[tuple[int, ...], int] = field(default_factory=dict)
     #: perf_counter when the compiled call began or the last graph was planned: a plan's
     #: capture time (dynamo's and AOTAutograd's tracing) runs from here to partition_fn

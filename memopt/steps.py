@@ -18,8 +18,9 @@ references to its outputs. `outside(...)` turns that into the two byte counts th
 pipeline charges (memopt.planner.StepContext): while graph k's forward runs, and while
 its backward runs. At a graph's first run only what came before it is known, so the
 backward count there is a lower estimate of what later graphs' outputs add; when the
-forward ends, `ForwardTrace.exact()` gives every run's counts with the whole forward known,
-and the backend re-plans the graphs whose plan assumed less (memopt.backend).
+forward ends, `ForwardTrace.end()` gives every run's counts with the whole forward known,
+and the backend re-plans the graphs whose plan assumed less (memopt.backend). A forward
+that is one graph whose plan has settled runs without a trace (memopt.settled).
 
 Storages are identified by (device, data pointer) of real tensors: what runs, not what
 was traced.
@@ -125,16 +126,16 @@ class ForwardTrace:
     after_backward: int = 0
 
     @classmethod
-    def begin(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
-              ddp_bucket_bytes: int = 0, held: Iterable[torch.Tensor] = (),
+    def begin(cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], args: tuple,
+              kwargs: dict, ddp_bucket_bytes: int = 0, held: Iterable[torch.Tensor] = (),
               after_backward: int = 0) -> "ForwardTrace":
-        """Start the trace of a forward of `model`. `ddp_bucket_bytes`: what the DDP around it holds
-        besides the model's tensors (memopt.ddp.DDPBuckets.counted_bytes), counted like a resident
-        storage that no graph takes; `held`: tensors resident for the whole step besides the model's
-        and the inputs (FSDP2's parameter shards and all-gather output); `after_backward`: bytes
-        allocated as the backward ends (FSDP2's reduce-scatter)."""
-        params = list(model.parameters())
-        resident = storages([*params, *model.buffers(), args, kwargs, list(held)])
+        """Start the trace of a forward of a model with these parameters and buffers.
+        `ddp_bucket_bytes`: what the DDP around it holds besides the model's tensors
+        (memopt.ddp.DDPBuckets.counted_bytes), counted like a resident storage that no graph
+        takes; `held`: tensors resident for the whole step besides the model's and the inputs
+        (FSDP2's parameter shards and all-gather output); `after_backward`: bytes allocated as
+        the backward ends (FSDP2's reduce-scatter)."""
+        resident = storages([*params, *buffers, args, kwargs, list(held)])
         grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
                  if p.requires_grad and p.grad is None}
         kept = {storage_id(p): storage_id(p.grad) for p in params

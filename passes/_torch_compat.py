@@ -168,8 +168,17 @@ def engine_will_accumulate(param: torch.Tensor) -> bool:
     """Whether the backward now running will run `param`'s AccumulateGrad node (called
     from inside a backward). False inside ``torch.autograd.grad``, which captures the
     gradient instead (the engine's private query raises there for a leaf's node)."""
+    # torch.autograd.graph.get_gradient_edge(param).node, with one view instead of two
+    # (it also makes an ownership token that a C++ AccumulateGrad node does not need) and
+    # grad mode switched without a context manager object: this runs once per parameter
+    # in every backward that adds into kept gradients (memopt.grads).
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(True)
     try:
-        node = torch.autograd.graph.get_gradient_edge(param).node
+        node = param.view_as(param).grad_fn.next_functions[0][0]
+    finally:
+        torch._C._set_grad_enabled(enabled)
+    try:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:
         return False
