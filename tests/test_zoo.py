@@ -140,9 +140,19 @@ def test_zoo_model_trains_within_a_binding_budget(name: str) -> None:
     _check(name, "binding")
 
 
+#: TorchInductor's own gradients differ from eager's here, as much under plain
+#: torch.compile(backend="inductor") as under memopt: EfficientNet's top_bn.bias, a
+#: gradient of cancelling terms, is 0.0113 at most in eager and about 1e-7 under both
+#: (memopt's and torch.compile's agree to 1.1e-7). Measured, not a plan's doing.
+_INDUCTOR_DIFFERS = {"efficientnet": "inductor's fused kernels give another top_bn.bias "
+                                     "gradient than eager's, as torch.compile does"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget_of", ["none", "binding"])
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(reason=_INDUCTOR_DIFFERS[n], strict=True))
+    if n in _INDUCTOR_DIFFERS else n for n in sorted(ZOO)])
 def test_zoo_model_trains_under_inductor_kernels(name: str, budget_of: str) -> None:
     """kernels="inductor": memopt plans, TorchInductor compiles the partitioned graphs.
     The same checks as the aten tests, at the same budgets (the binding budget is 0.85 of
