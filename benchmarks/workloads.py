@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from memopt.measure import Workload
 
-__all__ = ["BasicBlock", "LSTMLoop", "ResNet", "gpt2", "has_llama", "llama", "lstm",
+__all__ = ["BasicBlock", "DepthwiseBlock", "LSTMLoop", "depthwise_block", "ResNet", "gpt2", "has_llama", "llama", "lstm",
            "lstm_sum", "mlp", "mlp64", "resnet50", "tiny_mlp"]
 
 
@@ -45,6 +45,26 @@ def mlp(device: str, *, layers: int, width: int, batch: int) -> Workload:
 def mlp64(device: str) -> Workload:
     """The 64-layer chain of DESIGN.md's measured facts (eager: ~541 MB extra RSS)."""
     return mlp(device, layers=64, width=512, batch=2048)
+
+
+class DepthwiseBlock(nn.Module):
+    """A ConvNeXt-style block: 7x7 depthwise convolution, GELU, 1x1 convolution (its
+    convolution backward asks the CPU allocator for a workspace: tests/test_workspace.py)."""
+
+    def __init__(self, channels: int = 32) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.pw = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pw(nn.functional.gelu(self.dw(x)))
+
+
+def depthwise_block(device: str) -> Workload:
+    """DepthwiseBlock(32) on a randn(16, 32, 32, 32) input."""
+    torch.manual_seed(0)
+    return Workload(model=DepthwiseBlock().to(device),
+                    args=(torch.randn(16, 32, 32, 32, device=device),))
 
 
 def tiny_mlp(device: str) -> Workload:

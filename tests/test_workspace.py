@@ -16,25 +16,13 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import memopt
+from benchmarks.workloads import DepthwiseBlock
 from benchmarks.zoo import CONV, ZOO, allocated_peak
 from memopt.passes._torch_compat import aot_module_simplified, make_boxed
-from memopt.measure import allocation_peak
+from memopt.measure import allocation_peak, measure_step
 from memopt.passes import workspace
-
-
-class DepthwiseBlock(nn.Module):
-    """A ConvNeXt-style block: 7x7 depthwise convolution, GELU, 1x1 convolution."""
-
-    def __init__(self, channels: int = 32) -> None:
-        super().__init__()
-        self.dw = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
-        self.pw = nn.Conv2d(channels, channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.pw(F.gelu(self.dw(x)))
 
 
 def _block() -> tuple[nn.Module, torch.Tensor]:
@@ -65,7 +53,15 @@ def test_convolution_backward_workspace_is_charged_and_the_plan_is_exact() -> No
     assert any(name.startswith("bw.convolution_backward") for name in charged), charged
     # The workspace decides the peak: without it the plan would be >10% low.
     assert at_peak > 0.10 * plan.predicted_peak_bytes, (at_peak, plan.predicted_peak_bytes)
-    measured = _measured_step(compiled, model, x)
+    # Measured in a fresh process (DESIGN.md: CPU peaks are measured so): in the same
+    # process after the zoo's tests (the suite in reverse file order) the step measured
+    # exactly the 2 MiB workspace less, twice, on a fresh clone; not diagnosed (state the
+    # process keeps from earlier convolutions is the likely cause).
+    child = measure_step("benchmarks.workloads:depthwise_block", mode="memopt",
+                         warmup=1, timed_steps=0)
+    assert child.predicted_peak_bytes == plan.predicted_peak_bytes, (
+        child.predicted_peak_bytes, plan.predicted_peak_bytes)
+    measured = child.budget_peak_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured, (
         measured, plan.predicted_peak_bytes)
 
