@@ -238,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                              "kernels) at several budgets, timed in interleaved rounds")
     parser.add_argument("--rounds", type=int, default=3,
                         help="--speed: rounds of every configuration (default 3)")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="LABEL",
+                        help="--speed: only these configurations (their table labels, e.g. "
+                             "'memopt inductor'; eager always runs)")
+    parser.add_argument("--log", default=None, metavar="PATH",
+                        help="--speed: append each finished run to this JSON-lines file")
     parser.add_argument("--zoo", nargs="*", default=None, metavar="MODEL",
                         help="third-party models (benchmarks/zoo.py; all when none named) "
                              "with gradients set to None and kept, at several budgets")
@@ -262,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         models = args.models or default_models()
         print(f"# speed: {' '.join(models)} on {describe_device(args.device)}, "
               f"{args.rounds} rounds", file=sys.stderr, flush=True)
-        rows = run_speed(models, args.device, args.rounds,
-                         timed_steps=args.timed_steps)
+        rows = run_speed(models, args.device, args.rounds, timed_steps=args.timed_steps,
+                         only=tuple(args.configs) if args.configs else None, log=args.log)
         print(f"\nSpeed at memory, device={describe_device(args.device)}, {args.rounds} "
               f"round(s); time and peak: median over rounds of the ratio to the same "
               f"round's eager run; first step: the warm-up (compiling) step, empty "

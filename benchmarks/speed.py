@@ -27,6 +27,8 @@ A budget memopt refuses (BudgetError) shows as "refused".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import platform
 import random
@@ -135,11 +137,13 @@ def _resolve(config: Config, peaks: dict[str, int]) -> int | None | str:
 
 def measure_model(model: str, device: str, rounds: int, *, timed_steps: int = 2,
                   seed: int = 0, cold_cache: bool = True, only: tuple[str, ...] | None = None,
-                  ) -> tuple[list[Config], dict[str, int | None | str],
+                  log: str | None = None) -> tuple[list[Config], dict[str, int | None | str],
                              list[dict[str, Measurement | str]]]:
     """The configurations, their budgets, and per round each one's Measurement (or
     "refused" / "failed" / why it did not run). ``only``: just the configurations with
-    these labels (eager always; a budget whose reference is left out shows why)."""
+    these labels (eager always; a budget whose reference is left out shows why). ``log``:
+    a JSON-lines file each finished run is appended to at once (a run cut short by a
+    time limit keeps what it measured)."""
     spec = f"benchmarks.workloads:{model}"
     cfgs = [c for c in configs(model) if only is None or c.label in only or c.mode == "eager"]
     rng = random.Random(f"{seed}:{model}")
@@ -172,12 +176,20 @@ def measure_model(model: str, device: str, rounds: int, *, timed_steps: int = 2,
                     print(f"# {model} / {c.label}: failed: {err}", file=sys.stderr, flush=True)
                 continue
             results[c.label] = m
+            _append(log, model=model, round=r + 1, config=c.label, budget=budget,
+                    **dataclasses.asdict(m))
             if r == 0:
                 peaks[c.label] = m.budget_peak_bytes
             print(f"# {model} round {r + 1}/{rounds} {c.label}: "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         per_round.append(results)
     return cfgs, budgets, per_round
+
+
+def _append(log: str | None, **row: object) -> None:
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
 
 
 def _ratio(values: list[float]) -> str:
@@ -225,7 +237,8 @@ SPEED_HEADER = ["model", "config", "budget", "time / eager", "peak / eager", "me
 
 def run_speed(models: list[str], device: str, rounds: int, *, timed_steps: int = 5,
               seed: int = 0, cold_cache: bool = True,
-              only: tuple[str, ...] | None = None) -> list[list[str]]:
+              only: tuple[str, ...] | None = None, log: str | None = None,
+              ) -> list[list[str]]:
     """The speed table's rows (``SPEED_HEADER``) for ``models``."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -233,7 +246,8 @@ def run_speed(models: list[str], device: str, rounds: int, *, timed_steps: int =
     for model in models:
         t0 = time.perf_counter()
         cfgs, budgets, per_round = measure_model(model, device, rounds, timed_steps=timed_steps,
-                                                 seed=seed, cold_cache=cold_cache, only=only)
+                                                 seed=seed, cold_cache=cold_cache, only=only,
+                                                 log=log)
         rows += rows_for(model, cfgs, budgets, per_round)
         print(f"# {model}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
               flush=True)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# memopt's kernels="inductor" checks on a CUDA machine, in one command (issue 25):
+#
+#     bash benchmarks/gpu_kernels.sh [OUTDIR]
+#
+# 1. tests/test_cuda_kernels.py: eager's gradients and the predicted peak against
+#    max_memory_allocated with inductor's Triton kernels (rows in OUTDIR/cuda_rows.jsonl);
+# 2. the speed table (`python -m benchmarks.run --speed --device cuda`) for MODELS
+#    (default: llama gpt2), one round, the configurations in CONFIGS; each finished run is
+#    appended to OUTDIR/speed.jsonl at once, so a run cut short keeps what it measured.
+# Each part runs under its own time limit (TESTS_SECONDS, SPEED_SECONDS) so that the
+# whole fits one device call.
+set -uo pipefail
+out=${1:-gpu-results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+py=${PYTHON:-python3}
+$py -c "import torch, memopt; print('torch', torch.__version__, '| memopt', memopt.__version__,
+'|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" \
+    | tee "$out/env.txt"
+MEMOPT_CUDA_REPORT="$out/cuda_rows.jsonl" timeout "${TESTS_SECONDS:-150}" \
+    $py -m pytest -q -m cuda tests/test_cuda_kernels.py -p no:cacheprovider \
+    > "$out/tests.log" 2>&1
+status=$?
+tail -n 25 "$out/tests.log"
+configs=${CONFIGS:-"eager|torch.compile|inductor budget=0.5|memopt aten|memopt inductor|memopt aten @ inductor budget=0.5 peak|memopt inductor @ inductor budget=0.5 peak|memopt aten @ 60% eager|memopt inductor @ 60% eager"}
+IFS='|' read -r -a labels <<< "$configs"
+# shellcheck disable=SC2086
+timeout "${SPEED_SECONDS:-400}" $py -m benchmarks.run --speed --device "${DEVICE:-cuda}" \
+    --rounds "${ROUNDS:-1}" --models ${MODELS:-llama gpt2} --configs "${labels[@]}" \
+    --log "$out/speed.jsonl" > "$out/speed.md" 2> "$out/speed.err"
+bench=$?
+cat "$out/speed.md"
+tail -n 30 "$out/speed.err"
+echo "tests exit $status, speed exit $bench"
+exit $(( status || bench ))
