@@ -115,7 +115,13 @@ def ignored_logging_config() -> dict[str, Any]:
     functions = {getattr(logging.Logger, n) for n in names if hasattr(logging.Logger, n)}
     if key == "ignore_logging_functions":
         functions.add(warnings.warn)
-    return {key: set(getattr(config, key)) | functions}
+    changes: dict[str, Any] = {key: set(getattr(config, key)) | functions}
+    if key == "ignore_logger_methods" and hasattr(config, "log_compilation_metrics"):
+        # torch 2.11's compilation-metrics logger sorts every set in dynamo's config, and a
+        # set of functions does not sort: it logged "Unexpected exception logging
+        # compilation metrics" at every compile (seen on an H100, torch 2.11.0+cu130).
+        changes["log_compilation_metrics"] = False
+    return changes
 
 
 # The "boxed" calling convention: the generated code takes one list and clears

@@ -10,7 +10,12 @@ measurement is appended to ``MEMOPT_CUDA_REPORT`` when it is set.
 
 Tolerances: inductor's fused reductions sum in another order than eager's kernels
 (fp32 reassociation), so gradients compare at rtol 1e-3 / atol 1e-4 of the largest
-gradient, looser than tests/test_cuda.py's aten graphs.
+gradient, looser than tests/test_cuda.py's aten graphs. The ResNet is compared with exact
+(float64) gradients instead: on an H100 eager fp32's own ResNet gradients were 9.3e-4 of
+the largest exact gradient away from them (cuDNN's algorithms), memopt's under inductor
+9.3e-4, so an eager-to-memopt comparison at 1e-4 failed on noise both sides share
+(``python -m benchmarks.gradient_error --device cuda``). memopt under inductor must be
+within twice the worse of eager fp32's and torch.compile's error.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from test_cuda import (DEVICE, PEAK_MODELS, _projection_loss, _report, _step, _t
                        cuda_step_peak)
 
 import memopt
+from benchmarks.gradient_error import errors
 
 pytestmark = [
     pytest.mark.cuda,
@@ -45,19 +51,9 @@ def _compile(model: torch.nn.Module, inputs: tuple[Any, ...], budget: Any
     return compiled
 
 
-@pytest.mark.parametrize("budget", [None, 0.7])
-@pytest.mark.parametrize("name", sorted(PEAK_MODELS))
-def test_inductor_kernels_on_cuda(name: str, budget: Any) -> None:
-    torch.manual_seed(0)
-    eager, inputs = PEAK_MODELS[name]()
-    eager = eager.to(DEVICE)
-    inputs = _to_device(inputs)
-    model = copy.deepcopy(eager)
-    compiled = _compile(model, inputs, budget)
-    plan = compiled.memopt_plan
-    assert plan.kernels == "inductor", plan.kernels_note
-    model.load_state_dict(eager.state_dict())  # the planning step moved BatchNorm's stats
-
+def _check_against_eager(eager: torch.nn.Module, model: torch.nn.Module,
+                         compiled: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
+    """Outputs, gradients and buffers of one step equal eager's (same seed)."""
     for m in (eager, model):
         m.zero_grad(set_to_none=True)
     out_e = _step(eager, inputs, 7)
@@ -70,6 +66,30 @@ def test_inductor_kernels_on_cuda(name: str, budget: Any) -> None:
     for (name_b, b), c in zip(eager.named_buffers(), model.buffers()):
         torch.testing.assert_close(c, b, rtol=1e-3, atol=1e-5,
                                    msg=lambda m, n=name_b: f"buffer {n}: {m}")
+
+
+@pytest.mark.parametrize("budget", [None, 0.7])
+@pytest.mark.parametrize("name", sorted(PEAK_MODELS))
+def test_inductor_kernels_on_cuda(name: str, budget: Any) -> None:
+    torch.manual_seed(0)
+    eager, inputs = PEAK_MODELS[name]()
+    eager = eager.to(DEVICE)
+    inputs = _to_device(inputs)
+    model = copy.deepcopy(eager)
+    compiled = _compile(model, inputs, budget)
+    plan = compiled.memopt_plan
+    # Under a budget memopt may run aten instead, saying why: inductor's own schedule
+    # would hold more than the budget leaves (memopt.kernels.schedule_excess).
+    assert plan.kernels == "inductor" or (
+        budget is not None and "inductor's schedule holds" in plan.kernels_note), plan.kernels_note
+    model.load_state_dict(eager.state_dict())  # the planning step moved BatchNorm's stats
+
+    if name == "resnet":
+        worst = {run: err for run, _param, err in errors("resnet", DEVICE)}
+        assert worst["memopt inductor"] <= 2 * max(worst["eager fp32"],
+                                                   worst["torch.compile"]), worst
+    else:
+        _check_against_eager(eager, model, compiled, inputs)
 
     torch.manual_seed(1)
     step_peak, raw = cuda_step_peak(compiled, inputs, _projection_loss)
