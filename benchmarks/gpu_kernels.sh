@@ -9,7 +9,11 @@
 #    (default: llama gpt2), one round, the configurations in CONFIGS; each finished run is
 #    appended to OUTDIR/speed.jsonl at once, so a run cut short keeps what it measured.
 # Each part runs under its own time limit (TESTS_SECONDS, SPEED_SECONDS) so that the
-# whole fits one device call.
+# whole fits one device call (10 minutes). memopt must be importable as installed: from a
+# bare checkout with PYTHONPATH=$PWD, `memopt.passes` and `memopt.allocator` (top-level
+# folders mapped by pyproject.toml's package-dir) are not found; `pip install -e .`, or
+# on a machine without network `ln -sfn ../passes memopt/passes; ln -sfn ../allocator
+# memopt/allocator` as the 2026-11-26 H100 run did.
 set -uo pipefail
 out=${1:-gpu-results}
 mkdir -p "$out"
@@ -18,7 +22,7 @@ py=${PYTHON:-python3}
 $py -c "import torch, memopt; print('torch', torch.__version__, '| memopt', memopt.__version__,
 '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" \
     | tee "$out/env.txt"
-MEMOPT_CUDA_REPORT="$out/cuda_rows.jsonl" timeout "${TESTS_SECONDS:-150}" \
+MEMOPT_CUDA_REPORT="$out/cuda_rows.jsonl" timeout "${TESTS_SECONDS:-240}" \
     $py -m pytest -q -m cuda tests/test_cuda_kernels.py -p no:cacheprovider \
     > "$out/tests.log" 2>&1
 status=$?
@@ -26,7 +30,7 @@ tail -n 25 "$out/tests.log"
 configs=${CONFIGS:-"eager|torch.compile|inductor budget=0.5|memopt aten|memopt inductor|memopt aten @ inductor budget=0.5 peak|memopt inductor @ inductor budget=0.5 peak|memopt aten @ 60% eager|memopt inductor @ 60% eager"}
 IFS='|' read -r -a labels <<< "$configs"
 # shellcheck disable=SC2086
-timeout "${SPEED_SECONDS:-400}" $py -m benchmarks.run --speed --device "${DEVICE:-cuda}" \
+timeout "${SPEED_SECONDS:-320}" $py -m benchmarks.run --speed --device "${DEVICE:-cuda}" \
     --rounds "${ROUNDS:-1}" --models ${MODELS:-llama gpt2} --configs "${labels[@]}" \
     --log "$out/speed.jsonl" > "$out/speed.md" 2> "$out/speed.err"
 bench=$?
