@@ -8,14 +8,8 @@
 # 2. the core benchmark on CUDA (`python -m benchmarks.run --device cuda`), its table in
 #    OUTDIR/core.md.
 # The benchmark runs after the tests, alone on the device, so its time ratios can be quoted.
-set -uo pipefail
-out=${1:-gpu-results}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-py=${PYTHON:-python3}
-$py -c "import torch, memopt; print('torch', torch.__version__, '| memopt', memopt.__version__,
-'|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" \
-    | tee "$out/env.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh" "$@"
 MEMOPT_CUDA_REPORT="$out/cuda_rows.jsonl" $py -m pytest -q -m cuda -p no:cacheprovider \
     -p no:logging --junitxml="$out/junit.xml" > "$out/tests.log" 2>&1
 status=$?

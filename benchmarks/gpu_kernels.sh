@@ -14,16 +14,10 @@
 # folders mapped by pyproject.toml's package-dir) are not found; `pip install -e .`, or
 # on a machine without network `ln -sfn ../passes memopt/passes; ln -sfn ../allocator
 # memopt/allocator` as the 2026-11-26 H100 run did.
-set -uo pipefail
-out=${1:-gpu-results}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-py=${PYTHON:-python3}
-$py -c "import torch, memopt; print('torch', torch.__version__, '| memopt', memopt.__version__,
-'|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" \
-    | tee "$out/env.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh" "$@"
 MEMOPT_CUDA_REPORT="$out/cuda_rows.jsonl" timeout "${TESTS_SECONDS:-240}" \
-    $py -m pytest -q -m cuda tests/test_cuda_kernels.py -p no:cacheprovider \
+    $py -m pytest -q -m cuda tests/test_cuda_kernels.py -p no:cacheprovider -p no:logging \
     > "$out/tests.log" 2>&1
 status=$?
 tail -n 25 "$out/tests.log"

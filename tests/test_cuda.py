@@ -44,8 +44,15 @@ from typing import Any
 import pytest
 import torch
 from models import CORPUS, Case, TransformerBlock
-from support import (AutocastRegression, BiRegression, ReversibleRegression, TinyLM, V, leaves,
-                     relative_error)
+from support import (
+    AutocastRegression,
+    BiRegression,
+    ReversibleRegression,
+    TinyLM,
+    V,
+    leaves,
+    relative_error,
+)
 from torch import nn
 
 import memopt
@@ -58,6 +65,8 @@ pytestmark = [
 
 DEVICE = "cuda"
 TOL = {"rtol": 1e-4, "atol": 1e-5}
+#: Under kernels="inductor": fused reductions sum in another order (tests/test_cuda_kernels.py).
+INDUCTOR_TOL = {"rtol": 1e-3, "atol": 1e-4}
 
 
 @pytest.fixture(autouse=True)
@@ -168,9 +177,14 @@ def _step(module: nn.Module, inputs: tuple[Any, ...], seed: int,
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [{}, {"mirror": "all"}], ids=["no_budget", "mirror_all"])
+@pytest.mark.parametrize("options", [{}, {"mirror": "all"}, {"kernels": "inductor"}],
+                         ids=["no_budget", "mirror_all", "inductor"])
 @pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
 def test_corpus_matches_eager_on_cuda(case: Case, options: dict[str, Any]) -> None:
+    """Under inductor (tests/test_cuda_kernels.py's tolerances: fused reductions sum in
+    another order) the inductor case was written after the 2026-11-26 H100 run and has
+    been dry-run on CPU only."""
+    tol = INDUCTOR_TOL if options.get("kernels") == "inductor" else TOL
     torch.manual_seed(0)
     eager = case.make_model().to(DEVICE)
     model = copy.deepcopy(eager)
@@ -185,13 +199,13 @@ def test_corpus_matches_eager_on_cuda(case: Case, options: dict[str, Any]) -> No
         out_e = _step(eager, ins_e, 1000 + k)
         out_o = _step(compiled, ins_o, 1000 + k)
         for i, (a, e) in enumerate(zip(leaves(out_o), leaves(out_e))):
-            _close(a, e, f"step {k + 1}: output {i}")
+            _close(a, e, f"step {k + 1}: output {i}", tol)
         for i, (a, e) in enumerate(zip(ins_o, ins_e)):
             if isinstance(e, torch.Tensor) and e.requires_grad:
-                _close(a.grad, e.grad, f"step {k + 1}: grad of input {i}")
+                _close(a.grad, e.grad, f"step {k + 1}: grad of input {i}", tol)
         for opt in opts:
             opt.step()
-        _assert_same_state(model, eager, f"after step {k + 1}")
+        _assert_same_state(model, eager, f"after step {k + 1}", tol)
     plan = compiled.memopt_plan
     assert plan is not None and plan.predicted_peak_bytes > 0
 
@@ -220,25 +234,30 @@ def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 PEAK_MODELS = {"mlp": _mlp, "resnet": _resnet, "transformer": _transformer}
 
 
-def _compile_within_reach(model: nn.Module, inputs: tuple[Any, ...], budget: Any) -> nn.Module:
+def _compile_within_reach(model: nn.Module, inputs: tuple[Any, ...], budget: Any,
+                          **options: Any) -> nn.Module:
     """Compile and run one step at `budget`; where it is below memopt's reach, at the
     smallest byte budget memopt accepts instead (the minimum over 1 - headroom)."""
-    compiled = memopt.compile(model, budget=budget)
+    compiled = memopt.compile(model, budget=budget, **options)
     try:
         _step(compiled, inputs, 0)
     except memopt.BudgetError as exc:
-        compiled = memopt.compile(model, budget=int(exc.minimum_bytes / 0.94) + 1)
+        compiled = memopt.compile(model, budget=int(exc.minimum_bytes / 0.94) + 1, **options)
         _step(compiled, inputs, 0)
     return compiled
+
+
+def peak_case(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
+    """PEAK_MODELS[name] on the device, seeded."""
+    torch.manual_seed(0)
+    model, inputs = PEAK_MODELS[name]()
+    return model.to(DEVICE), _to_device(inputs)
 
 
 @pytest.mark.parametrize("budget", [None, 0.7, 0.5])
 @pytest.mark.parametrize("name", sorted(PEAK_MODELS))
 def test_predicted_peak_matches_cuda_max_memory_allocated(name: str, budget: Any) -> None:
-    torch.manual_seed(0)
-    model, inputs = PEAK_MODELS[name]()
-    model = model.to(DEVICE)
-    inputs = _to_device(inputs)
+    model, inputs = peak_case(name)
     compiled = _compile_within_reach(model, inputs, budget)
     torch.manual_seed(1)
     step_peak, raw = cuda_step_peak(compiled, inputs, _projection_loss)
@@ -391,7 +410,7 @@ def test_zoo_transformer_on_cuda_within_a_binding_budget(name: str) -> None:
     gradients (BERT: torch.compile's aot_eager graph's, see REFERENCE) at 85% of the
     budget=None plan's peak, measured within the budget and within 10% of the plan."""
     pytest.importorskip("transformers")
-    from benchmarks.zoo import ZooCase, build, resident_bytes  # noqa: PLC0415
+    from benchmarks.zoo import ZooCase, build, resident_bytes
 
     eager = build(name, device=DEVICE)
     case = ZooCase(name, copy.deepcopy(eager.model), eager.args, eager.kwargs, eager.loss)
@@ -587,7 +606,7 @@ def test_chain_relaxed_near_the_minimum_on_cuda() -> None:
 def test_dropped_outputs_on_cuda() -> None:
     """drop_outputs=True at memopt's minimum: the step that drops its logits is within
     the budget and the plan; one that keeps them is warned about."""
-    import warnings  # noqa: PLC0415
+    import warnings
 
 
     torch.manual_seed(0)

@@ -8,6 +8,8 @@ peak (``max_memory_allocated``'s rise plus the resident tensors, as tests/test_c
 reads it) within 10% of the plan's prediction and within an accepted budget. Every
 measurement is appended to ``MEMOPT_CUDA_REPORT`` when it is set.
 
+The corpus under inductor is tests/test_cuda.py's corpus test, parametrized.
+
 Tolerances: inductor's fused reductions sum in another order than eager's kernels
 (fp32 reassociation), so gradients compare at rtol 1e-3 / atol 1e-4 of the largest
 gradient, looser than tests/test_cuda.py's aten graphs. The ResNet is compared with exact
@@ -25,32 +27,23 @@ from typing import Any
 
 import pytest
 import torch
-from models import CORPUS, Case
-from support import leaves
-from test_cuda import (DEVICE, PEAK_MODELS, _clone, _projection_loss, _report, _step,
-                       _to_device, cuda_step_peak)
+from test_cuda import (
+    DEVICE,
+    PEAK_MODELS,
+    _compile_within_reach,
+    _projection_loss,
+    _report,
+    _step,
+    cuda_step_peak,
+    peak_case,
+)
 
-import memopt
 from benchmarks.gradient_error import errors
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def _compile(model: torch.nn.Module, inputs: tuple[Any, ...], budget: Any
-             ) -> torch.nn.Module:
-    """Compile under inductor and run one step at `budget`, or where it is below reach
-    at the smallest byte budget memopt accepts (its minimum over 1 - headroom)."""
-    try:
-        compiled = memopt.compile(model, budget=budget, kernels="inductor")
-        _step(compiled, inputs, 0)
-    except memopt.BudgetError as exc:
-        compiled = memopt.compile(model, budget=int(exc.minimum_bytes / 0.94) + 1,
-                                  kernels="inductor")
-        _step(compiled, inputs, 0)
-    return compiled
 
 
 def _check_against_eager(eager: torch.nn.Module, model: torch.nn.Module,
@@ -73,12 +66,9 @@ def _check_against_eager(eager: torch.nn.Module, model: torch.nn.Module,
 @pytest.mark.parametrize("budget", [None, 0.7])
 @pytest.mark.parametrize("name", sorted(PEAK_MODELS))
 def test_inductor_kernels_on_cuda(name: str, budget: Any) -> None:
-    torch.manual_seed(0)
-    eager, inputs = PEAK_MODELS[name]()
-    eager = eager.to(DEVICE)
-    inputs = _to_device(inputs)
+    eager, inputs = peak_case(name)
     model = copy.deepcopy(eager)
-    compiled = _compile(model, inputs, budget)
+    compiled = _compile_within_reach(model, inputs, budget, kernels="inductor")
     plan = compiled.memopt_plan
     # Under a budget memopt may run aten instead, saying why: inductor's own schedule
     # would hold more than the budget leaves (memopt.kernels.schedule_excess).
@@ -104,33 +94,3 @@ def test_inductor_kernels_on_cuda(name: str, budget: Any) -> None:
     if plan.budget_bytes is not None:
         assert step_peak <= plan.budget_bytes, (step_peak, plan.budget_bytes)
 
-
-@pytest.mark.parametrize("case", CORPUS, ids=lambda c: c.name)
-def test_corpus_under_inductor_on_cuda(case: Case) -> None:
-    """The corpus (tests/models.py) under inductor: outputs, input gradients and parameter
-    gradients of two steps against eager's, at this file's tolerances. Written after the
-    H100 run of 2026-11-26, dry-run on CPU only: its first GPU run is still to come."""
-    torch.manual_seed(0)
-    eager = case.make_model().to(DEVICE)
-    model = copy.deepcopy(eager)
-    compiled = memopt.compile(model, kernels="inductor")
-    for k in range(2):
-        torch.manual_seed(100 + k)
-        inputs = _to_device(case.make_inputs())
-        ins_e, ins_o = _clone(inputs), _clone(inputs)
-        for m in (eager, model):
-            m.zero_grad(set_to_none=True)
-        out_e = _step(eager, ins_e, 1000 + k)
-        out_o = _step(compiled, ins_o, 1000 + k)
-        for a, e in zip(leaves(out_o), leaves(out_e)):
-            torch.testing.assert_close(a, e, rtol=1e-3, atol=1e-4)
-        for a, e in zip(ins_o, ins_e):
-            if isinstance(e, torch.Tensor) and e.requires_grad:
-                torch.testing.assert_close(a.grad, e.grad, rtol=1e-3, atol=1e-4)
-        grads = [p.grad for p in eager.parameters() if p.grad is not None]
-        scale = max((g.abs().max().item() for g in grads), default=1.0)
-        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
-            assert (p.grad is None) == (q.grad is None), f"step {k + 1}: grad of {name}"
-            if p.grad is not None:
-                torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-4 * scale,
-                                           msg=lambda m, n=name, k=k: f"step {k + 1}, {n}: {m}")
