@@ -14,7 +14,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.mark.parametrize("script", [
-    "quickstart.py", "budget.py", "word_language_model.py",
+    "quickstart.py", "budget.py",
+    # 15 s; tests/test_chains*.py run the LSTM language model's chains by default
+    pytest.param("word_language_model.py", marks=pytest.mark.slow),
     # 39 s; tests/test_reversible_compile.py trains the same RevGRU by default
     pytest.param("reversible_language_model.py", marks=pytest.mark.slow)])
 def test_example_runs_and_matches_eager(script: str, tmp_path: Path) -> None:

@@ -57,7 +57,9 @@ def test_the_corpus_simulates_as_it_builds(case) -> None:
 
 @pytest.mark.parametrize("options", [{"inplace": False}, {"existing_grads": True}],
                          ids=["no_inplace", "kept_grads"])
-@pytest.mark.parametrize("name", ["transformer", "resnet", "lstm_loop"])
+@pytest.mark.parametrize("name", ["transformer",
+                                  pytest.param("resnet", marks=pytest.mark.slow),  # 13 + 6 s
+                                  "lstm_loop"])
 def test_pipeline_variants_simulate_as_they_build(name: str, options: dict) -> None:
     torch.manual_seed(0)
     case = CASES[name]
