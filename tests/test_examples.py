@@ -14,7 +14,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.mark.parametrize("script", [
-    "quickstart.py", "budget.py",
+    "quickstart.py",
+    pytest.param("budget.py", marks=pytest.mark.slow),  # 12 s; tests/test_recompute.py covers budgets
     # 15 s; tests/test_chains*.py run the LSTM language model's chains by default
     pytest.param("word_language_model.py", marks=pytest.mark.slow),
     # 39 s; tests/test_reversible_compile.py trains the same RevGRU by default

@@ -141,6 +141,7 @@ def test_solver_option_is_checked() -> None:
         memopt.compile(torch.nn.Linear(2, 2), solver="cplex")
 
 
+@pytest.mark.slow  # 13 s on 2 cores; the MILP's other tests run by default
 def test_solver_milp_plans_the_step_with_kept_gradients() -> None:
     """Gradient accumulation: the second micro-batch adds into kept `.grad` tensors (the
     plan's existing_grads, a step of its own); solver="milp" solves that step too, both
