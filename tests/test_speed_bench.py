@@ -5,6 +5,8 @@ memopt refuses reads "refused"."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import speed
@@ -59,7 +61,7 @@ def _measurement(seconds: float, peak: int, predicted: int | None = None) -> Mea
                        allocated_peak_bytes=peak, warmup_seconds=2 * seconds)
 
 
-def test_ratios_pair_each_round_with_its_eager(monkeypatch) -> None:
+def test_ratios_pair_each_round_with_its_eager(monkeypatch, tmp_path) -> None:
     configs = [Config("eager", "eager"), Config("torch.compile", "torch_compile"),
                Config("memopt aten", "memopt", "aten"),
                Config("memopt aten @ 60% eager", "memopt", "aten", "eager:0.6"),
@@ -85,7 +87,8 @@ def test_ratios_pair_each_round_with_its_eager(monkeypatch) -> None:
         return _measurement(2.0 * eager_s[r], 600 if budget else 1000, predicted=590)
 
     monkeypatch.setattr(speed, "measure_step", fake)
-    table = _table(run_speed(["m"], "cpu", rounds=3, cold_cache=False))
+    log = tmp_path / "runs.jsonl"
+    table = _table(run_speed(["m"], "cpu", rounds=3, cold_cache=False, log=str(log)))
     assert table["torch.compile"]["time / eager"] == "0.50x"
     assert table["torch.compile"]["peak / eager"] == "0.90x"
     assert table["memopt aten"]["time / eager"] == "2.00x"
@@ -95,3 +98,9 @@ def test_ratios_pair_each_round_with_its_eager(monkeypatch) -> None:
     assert table["memopt aten @ 10% eager"]["time / eager"] == "refused"
     assert sorted(set(budgets), key=str) == [100, 600, None]
     assert float(table["eager"]["first step (s)"]) == pytest.approx(2.0)  # median of 2, 8, 2
+    # --log: every finished run, one JSON line as it ends (the refused one is not a run)
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(runs) == 3 * 4
+    assert {(r["config"], r["round"]) for r in runs} == {
+        (c.label, k) for c in configs[:4] for k in (1, 2, 3)}
+    assert [r["step_seconds"] for r in runs if r["config"] == "eager"] == list(eager_s)
