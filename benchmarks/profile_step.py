@@ -13,7 +13,8 @@ between two configurations is the GPU's work or the host's:
 - ``device``: the summed time of the step's GPU kernels (CUDA only);
 - ``kernels``: the number of GPU kernels one step launches (CUDA), or aten calls (CPU).
 
-Below the table, each configuration's kernels (or aten ops on CPU) with the most time.
+Below the table, each configuration's kernels (or aten ops on CPU) with the most time,
+and with ``--host-top N`` the N Python functions with the most own time in one step.
 A configuration is ``eager``, ``torch_compile``, ``inductor:<knob>`` (functorch's
 ``activation_memory_budget``), or ``memopt:<kernels>[:<budget>]`` (a budget as
 ``memopt.compile`` takes it: ``"92MiB"``, ``0.6``).
@@ -23,6 +24,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -51,7 +55,7 @@ def parse_config(text: str) -> tuple[str, dict[str, Any] | None, Any]:
 
 
 def profile_config(model: str, config: str, device: str, warmup: int, steps: int,
-                   top: int) -> dict[str, Any]:
+                   top: int, host_top: int = 0) -> dict[str, Any]:
     """One configuration's row (the module docstring) and its top kernels or ops."""
     torch._dynamo.reset()
     wl = load_workload(model if ":" in model else f"benchmarks.workloads:{model}")(device)
@@ -84,6 +88,7 @@ def profile_config(model: str, config: str, device: str, warmup: int, steps: int
     with torch.profiler.profile(activities=activities) as prof:
         run_step(module, wl)
         sync()
+    host_lines = _host_profile(module, modules, wl, sync, host_top) if host_top else []
     per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     device_us, launched = 0.0, 0
     for event in prof.events():
@@ -103,7 +108,24 @@ def profile_config(model: str, config: str, device: str, warmup: int, steps: int
             "host_ms": 1e3 * statistics.median(host), "device_ms": device_us / 1e3 if cuda
             else None, "kernels": launched,
             "predicted": None if plan is None else plan.predicted_peak_bytes,
-            "top": [(name[:70], int(n), us / 1e3) for name, (n, us) in ranked]}
+            "top": [(name[:70], int(n), us / 1e3) for name, (n, us) in ranked],
+            "host": host_lines}
+
+
+def _host_profile(module: Any, modules: tuple, wl: Any, sync: Any, top: int) -> list[str]:
+    """The Python functions with the most own time over one step (cProfile), as lines."""
+    prepare_grads(modules, wl, "none")
+    sync()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_step(module, wl)
+    profiler.disable()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    lines = text.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    return [line[:150] for line in lines[start:] if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--host-top", type=int, default=0,
+                        help="also list the Python functions with the most own time over "
+                             "one step (cProfile), this many")
     args = parser.parse_args(argv)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"# {args.model} on {name}, torch {torch.__version__}")
     rows = []
     for config in args.configs:
         rows.append(profile_config(args.model, config, args.device, args.warmup, args.steps,
-                                   args.top))
+                                   args.top, args.host_top))
         r = rows[-1]
         print(f"{r['config']:<28} step {r['step_ms']:8.2f} ms  host {r['host_ms']:8.2f} ms  "
               f"device {r['device_ms'] or 0:8.2f} ms  kernels {r['kernels']:6d}", flush=True)
@@ -129,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
               f"most time")
         for kernel, count, ms in r["top"]:
             print(f"  {ms:8.3f} ms  {count:5d}x  {kernel}")
+        if r["host"]:
+            print(f"\n## {r['config']}: host functions (cProfile, one step)")
+            print("\n".join(r["host"]))
     return 0
 
 

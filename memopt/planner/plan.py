@@ -1,7 +1,8 @@
 """plan_joint: memopt's planner over one joint forward+backward graph, stage by stage.
 
     request -> prepare -> op families (find, one chunk) -> step model -> baseline
-            -> budget -> op families (choose) -> mirror set (Chen) -> relax families
+            -> budget -> op families (choose) -> mirror set (Chen, per head chunk)
+            -> relax families
             -> exact build -> MemoryPlan
 
 Each stage is a pass in `memopt.passes`, a solver in `memopt.allocator` or a module of
@@ -32,6 +33,7 @@ from .build import Built, Mirror, allocation_granularity, as_simulated, build, d
 from .chain_family import ChainFamily
 from .chen import choose_mirror, solve_exactly
 from .families import ChoiceContext, HeadFamily, ReversibleFamily, Sites, relax
+from .joint_heads import choose_heads_jointly
 from .observe import Observed, is_verifying, notify, verify
 from .request import PlanRequest
 
@@ -64,8 +66,9 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
     Step 4: the budget in bytes, less headroom for a byte budget.
     Step 5: each op family's configuration under the budget.
     Step 6: the mirror set: the user's (`options.mirror`), none when the plan without
-        recomputation fits, else Chen's search (planner.chen); then each family takes the
-        fastest configuration that still fits with that mirror set.
+        recomputation fits, else Chen's search (planner.chen), run again for each of a
+        head's chunk sizes (planner.joint_heads); then each family takes the fastest
+        configuration that still fits with that mirror set.
     Step 7: the exact build of the choice and its plan (planner.assemble), with the
         timelines of live bytes by kind of the step and of the baseline.
     """
@@ -187,19 +190,15 @@ class _Planning:
         elif self.options.mirror is not None:
             mirror = Mirror(frozenset(self.options.mirror))
         elif target is not None and self.simulate(Mirror()).peak_bytes > target:
-            with stage("budget search", self.done):
-                # the peak-directed path only where the step is this one graph: with graph
-                # breaks its lean plans measured above their prediction
-                # (tests/test_graph_breaks); what a whole step holds outside its graph is a
-                # constant (DDP's buckets)
-                path = not r.lowest_peak and (r.whole_step or not (
-                    r.outside.forward or r.outside.backward))
-                mirror, search = choose_mirror(self.joint, self.n, target,
-                                               self.step.mutable_inputs, self.simulate, path)
-            if self.options.solver == "milp":
-                with stage("exact solver", self.done):
-                    mirror, search = solve_exactly(self.model, target, self.simulate, mirror,
-                                                   search, self.options.solver_seconds)
+            mirror, search = self.search(target)
+        heads = self.found[HEADS]
+        if self.options.mirror is None and target is not None and not r.lowest_peak \
+                and self.options.solver != "milp" and heads.choices \
+                and (mirror.names or any(c.config.chunks > 1 for c in heads.choices)):
+            with stage("head chunks with the mirror set", self.done):
+                mirror, search = choose_heads_jointly(heads, mirror, search, self.search,
+                                                      self.simulate, target,
+                                                      self.forward_flops())
         relaxing = [self.found[f] for f in RELAX_ORDER if self.found[f].choices]
         if target is not None and relaxing and self.simulate(mirror).peak_bytes <= target:
             with stage("faster heads and chains within the mirror set", self.done):
@@ -210,6 +209,32 @@ class _Planning:
                 for found in relaxing:
                     relax(found, peak, target)
         return mirror, search
+
+    def search(self, target: int) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
+        """The mirror set for `target` with every family as it runs now: Chen's search
+        (planner.chen), then the exact solver where the options ask for it."""
+        r = self.request
+        with stage("budget search", self.done):
+            # the peak-directed path only where the step is this one graph: with graph
+            # breaks its lean plans measured above their prediction
+            # (tests/test_graph_breaks); what a whole step holds outside its graph is a
+            # constant (DDP's buckets)
+            path = not r.lowest_peak and (r.whole_step or not (
+                r.outside.forward or r.outside.backward))
+            mirror, search = choose_mirror(self.joint, self.n, target,
+                                           self.step.mutable_inputs, self.simulate, path)
+        if self.options.solver == "milp":
+            with stage("exact solver", self.done):
+                mirror, search = solve_exactly(self.model, target, self.simulate, mirror,
+                                               search, self.options.solver_seconds)
+        return mirror, search
+
+    def forward_flops(self) -> int:
+        """What one forward runs: the graph's ops and memopt's own (node_flops counts one
+        element an output for an opaque op)."""
+        return sum(node_flops(n) for n in forward_region(self.joint, self.n)
+                   if n.op == "call_function") + sum(
+            f.forward_flops() for f in self.found.values())
 
     def budget_error(self, peak: int) -> BudgetError:
         r = self.request
@@ -241,13 +266,9 @@ class _Planning:
                         lambda m: as_simulated(self.build(m)))
                 final = self.build(mirror)
         families = tuple(self.found[f] for f in FAMILIES)
-        # memopt's own ops count one element an output in node_flops: add what they run
-        forward_flops = sum(node_flops(n) for n in forward_region(self.joint, self.n)
-                            if n.op == "call_function") + sum(
-            f.forward_flops() for f in families)
         decisions = Decisions(budget_bytes=self.budget_bytes, fits=self.fits,
                               baseline=self.baseline, search=search, families=families,
-                              forward_flops=forward_flops)
+                              forward_flops=self.forward_flops())
         with stage("allocator", self.done):
             plan = assemble(final, self.request, decisions, device_of(final.fw), self.gran,
                             time.perf_counter() - self.t0)
