@@ -64,8 +64,13 @@ def choose_heads_jointly(heads: Sites, mirror: Mirror, search: tuple[SearchCandi
     for i, chosen in enumerate(heads.choices):
         site = chosen.site
         best = (cost(mirror), chosen.config, mirror, search)
-        for config in head_pass.configurations(site, heads.costs[site.fwd]):
+        for config in head_pass.configurations(site, heads.costs[site.fwd]):  # largest first
             if config == chosen.config:
+                continue
+            # a split recomputes the head's matmul whatever the mirror set: no search
+            # when that alone loses, or when a larger split already needed no mirror set
+            if best[0] is not None and config.recompute_flops + _others(heads, i) \
+                    >= best[0] - tie and config.chunk < best[1].chunk:
                 continue
             heads.run(site, config)
             heads.choices[i] = Choice(site, config, chosen.reason)
@@ -85,6 +90,11 @@ def choose_heads_jointly(heads: Sites, mirror: Mirror, search: tuple[SearchCandi
                   "peak %s", site.name, config.chunks, flops,
                   format_bytes(simulate(mirror).peak_bytes))
     return mirror, search
+
+
+def _others(heads: Sites, i: int) -> int:
+    """The recomputed FLOPs of every head but the `i`-th, as they run now."""
+    return sum(heads.family.recompute_flops(c) for j, c in enumerate(heads.choices) if j != i)
 
 
 def _better(flops: int, config: head_pass.HeadConfig, best_flops: int | None,
