@@ -116,12 +116,21 @@ def ignored_logging_config() -> dict[str, Any]:
     if key == "ignore_logging_functions":
         functions.add(warnings.warn)
     changes: dict[str, Any] = {key: set(getattr(config, key)) | functions}
-    if key == "ignore_logger_methods" and hasattr(config, "log_compilation_metrics"):
+    if hasattr(config, "log_compilation_metrics") and not _sortable(changes[key]):
         # torch 2.11's compilation-metrics logger sorts every set in dynamo's config, and a
         # set of functions does not sort: it logged "Unexpected exception logging
-        # compilation metrics" at every compile (seen on an H100, torch 2.11.0+cu130).
+        # compilation metrics" at every compile (seen on an H100, torch 2.11.0+cu130,
+        # whose option is already ignore_logging_functions).
         changes["log_compilation_metrics"] = False
     return changes
+
+
+def _sortable(values: set[Any]) -> bool:
+    try:
+        sorted(values)
+    except TypeError:
+        return False
+    return True
 
 
 # The "boxed" calling convention: the generated code takes one list and clears
