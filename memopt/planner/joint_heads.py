@@ -64,6 +64,8 @@ def choose_heads_jointly(heads: Sites, mirror: Mirror, search: tuple[SearchCandi
     for i, chosen in enumerate(heads.choices):
         site = chosen.site
         best = (cost(mirror), chosen.config, mirror, search)
+        if best[0] is None:  # the lowest-peak chunk misses with Chen's search: so would
+            break            # the others, which hold more (the plan is refused as it was)
         for config in head_pass.configurations(site, heads.costs[site.fwd]):  # largest first
             if config == chosen.config:
                 continue
