@@ -104,3 +104,24 @@ def test_ratios_pair_each_round_with_its_eager(monkeypatch, tmp_path) -> None:
     assert {(r["config"], r["round"]) for r in runs} == {
         (c.label, k) for c in configs[:4] for k in (1, 2, 3)}
     assert [r["step_seconds"] for r in runs if r["config"] == "eager"] == list(eager_s)
+
+
+def test_profile_step_interleaves_in_one_process(capsys) -> None:
+    """benchmarks.profile_step on tiny_mlp: one row per configuration that was built (a
+    refused budget said and left out), the first the reference of the ratios, aten calls
+    counted on CPU; two inductor peers in one run refused (they share dynamo's cache)."""
+    from benchmarks import profile_step
+
+    code = profile_step.main(["--model", "tiny_mlp", "--device", "cpu", "--configs", "eager",
+                              "memopt:aten", "memopt:aten:1KiB", "--rounds", "2", "--steps", "1",
+                              "--warmup", "1", "--top", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "memopt:aten:1KiB: refused" in out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "config" not in line}
+    assert set(rows) == {"eager", "memopt:aten"}, rows
+    assert rows["eager"][0] == "1.00" and float(rows["memopt:aten"][0]) > 0
+    assert int(rows["memopt:aten"][4]) > 0 and rows["memopt:aten"][6] != "-"  # predicted
+    with pytest.raises(SystemExit):
+        profile_step.main(["--configs", "torch_compile", "inductor:0.5"])
