@@ -32,6 +32,7 @@ def test_example_runs_and_matches_eager(script: str, tmp_path: Path) -> None:
         assert picture.is_file() or 'pip install "memopt[plot]"' in proc.stdout
 
 
+@pytest.mark.slow  # 12 s; tests/test_ddp_accumulation.py runs its DDP steps on 2 ranks by default
 def test_ddp_example_under_torchrun() -> None:
     """examples/ddp.py on 2 gloo ranks as torchrun starts them (`--standalone`: a free
     rendezvous port): every rank within its budget, gradients equal to eager's."""
@@ -46,6 +47,7 @@ def test_ddp_example_under_torchrun() -> None:
     assert "DDP gradient buckets:" in proc.stdout
 
 
+@pytest.mark.slow  # 12 s; tests/test_fsdp.py runs its FSDP2 steps on 2 ranks by default
 def test_fsdp_example_runs_on_two_gloo_ranks() -> None:
     """examples/fsdp.py as documented (`torchrun --nproc_per_node 2`), on a free port."""
     import socket  # noqa: PLC0415

@@ -7,6 +7,9 @@ through `memopt.compile` at budget=None and at a binding byte budget (below the
 budget=None plan's predicted peak, so the plan must recompute): gradients equal eager's
 after one step, and the allocated peak of the step after the first (which plans and
 compiles) is within the budget and within 10% of the plan that ran it.
+
+The default suite runs each family here; a case that another default test already runs
+on the same model (Llama, ConvNeXt) or on one of the same family is `-m slow`.
 """
 
 from __future__ import annotations
@@ -130,12 +133,33 @@ def _compare_gradients(name: str, case: ZooCase, expected: list[torch.Tensor | N
                                    msg=f"{name}: gradient of {pname}")
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+#: -m slow at budget=None (seconds on one core of the 2-core machine), and the default
+#: test that trains the same model.
+_SLOW_AT_NO_BUDGET = {
+    "convnext": "4 s; tests/test_workspace.py trains it at 60% of eager's peak",
+    "llama": "3 s; tests/test_training_loops.py trains it at 0.85 with eager's gradients",
+}
+#: -m slow at the binding budget, and the default test that covers it: the same model at
+#: a binding budget, or the family's other model here. Each keeps its budget=None case.
+_SLOW_AT_A_BINDING_BUDGET = {
+    "bert": "4 s; distilbert_item, a BERT encoder",
+    "convnext": "3 s; tests/test_workspace.py at 60% of eager's peak, a lower budget",
+    "efficientnet": "5 s; resnet, and ConvNeXt in tests/test_workspace.py",
+    "gpt2": "3 s; tests/test_drop_outputs.py: GPT-2 2% above its minimum, eager's gradients",
+    "llama": "3 s; tests/test_training_loops.py: two micro-batches at 0.85, eager's gradients",
+}
+
+
+def _names(slow: dict[str, str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in sorted(ZOO)]
+
+
+@pytest.mark.parametrize("name", _names(_SLOW_AT_NO_BUDGET))
 def test_zoo_model_trains_with_eager_gradients_at_no_budget(name: str) -> None:
     _check(name, "none")
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", _names(_SLOW_AT_A_BINDING_BUDGET))
 def test_zoo_model_trains_within_a_binding_budget(name: str) -> None:
     _check(name, "binding")
 
