@@ -256,13 +256,22 @@ def real_tensors():
     return stack
 
 
-def cpu_allocation_events(prof: Any) -> list[tuple[int, int]]:
-    """(time in ns, bytes) of every allocation (> 0) and free (< 0) PyTorch's CPU
-    allocator made while ``prof`` (a ``torch.profiler.profile(profile_memory=True)``)
-    recorded, in time order. The events are public in the profiler's trace, but the
-    list of them is reached through its private ``kineto_results``."""
-    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+def cpu_allocation_events(prof: Any) -> list[tuple[int, int, int]]:
+    """(time in ns, bytes, address) of every allocation (bytes > 0) and free (< 0)
+    PyTorch's CPU allocator reported while ``prof`` (a
+    ``torch.profiler.profile(profile_memory=True)``) recorded, in time order. The events
+    are public in the profiler's trace; their addresses only in its private event tree
+    (``kineto_results.experimental_event_tree``, what torch.profiler's memory profiler
+    reads)."""
+    from torch._C._profiler import _ExtraFields_Allocation  # noqa: PLC0415
+
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children)
+        fields = node.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
+            events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
     return sorted(events, key=lambda ev: ev[0])
 
 

@@ -9,8 +9,11 @@ block of code runs.
 On CUDA this reads the caching allocator's counters (``memory_allocated``, and
 ``max_memory_allocated`` after ``reset_peak_memory_stats``). On CPU PyTorch keeps no
 counter, so the block runs under ``torch.profiler.profile(profile_memory=True)`` and
-the allocation and free events are summed in time order. Both count bytes handed out,
-not pages touched: what a CUDA allocator charges and what a memopt budget counts.
+the allocation and free events are summed in time order, by address: only blocks
+allocated inside the block count, and a free of memory allocated before it is not seen
+(the profiler reports such frees with whatever size it last recorded for the address,
+or not at all). Both count bytes handed out, not pages touched: what a CUDA allocator
+charges and what a memopt budget counts.
 
 The garbage collector runs first (``collect=True``, the default): tensors kept only by
 reference cycles that the collector would free in the middle of the block would lower
@@ -110,9 +113,18 @@ class AllocationTracker:
         prof, self._prof = self._prof, None
         with _quiet_stderr():
             prof.stop()
-        live = 0
-        for _, nbytes in cpu_allocation_events(prof):
-            live += nbytes
+        # only the block's own allocations, by address: PyTorch's CPU allocator reports
+        # a free with the size it recorded for that address while some profiler was
+        # recording, and that record outlives a block freed with none recording (a free
+        # of a later block at the same address came back with the old block's size:
+        # 20,000 bytes for a 10,000-byte block, which `peak - end` took for workspace)
+        live, mine = 0, {}
+        for _, nbytes, address in cpu_allocation_events(prof):
+            if nbytes > 0:
+                mine[address] = nbytes
+                live += nbytes
+            elif address in mine:
+                live -= mine.pop(address)
             seen.peak = max(seen.peak, live)
         seen.end = live
         return seen
