@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"checkpoint reloaded with the trained weights: {same}")
         print(trainer.model.memopt_plan.summary(max_rows=5))
     return {"losses": losses, "peaks": peaks.peaks, "reloaded": same,
-            "steps": result.global_step}
+            "steps": result.global_step, "plan": trainer.model.memopt_plan,
+            "optimizer": trainer.optimizer}
 
 
 if __name__ == "__main__":

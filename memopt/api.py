@@ -34,6 +34,7 @@ from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
 from .fsdp import fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .memory_plan import MemoryPlan, StepPlan
+from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
 from .recurrent.modules import substitute_rnns
 from .settled import ModelTensors
 
@@ -216,7 +217,14 @@ class CompiledModule(nn.Module):
         unit = fsdp_unit(self)  # fully_shard(memopt.compile(model)): what FSDP holds
         if unit is not None:
             refuse_sharded_inside(self, model)
+            if backend.optimizer_source is not None:
+                raise InputError("optimizer= is not supported under fully_shard yet (its "
+                                 "state is sharded with the parameters): leave it out, and "
+                                 "the budget does not count the optimizer")
             self.__dict__["_memopt_fsdp"] = unit.record
+        if grads is not None and backend.optimizer_source is not None \
+                and backend.optimizer is None:
+            _count_optimizer(backend, model)
         backend.forward_begins(tensors, grads, args, kwargs, ddp=buckets_of(self, model),
                                held=unit.held if unit else (),
                                after_backward=unit.after_backward if unit else 0)
@@ -282,6 +290,36 @@ def _has_grads(grad_state: list[int]) -> bool:
     return 3 in grad_state
 
 
+def _count_optimizer(backend: MemoptBackend, model: nn.Module) -> None:
+    """The optimizer's state and step bytes, for the budget (memopt.optimizer), on the
+    device of the model's parameters; checked against its real state after its first
+    step when they were predicted."""
+    source = backend.optimizer_source
+    device = next((p.device for p in model.parameters() if p.requires_grad),
+                  torch.device("cpu"))
+    backend.optimizer = optimizer_bytes(source, device)
+    if backend.optimizer.predicted and device.type != "meta":
+        check_after_first_step(source, backend.optimizer, device)
+
+
+def count_optimizer(compiled: CompiledModule, optimizer: torch.optim.Optimizer) -> None:
+    """Count `optimizer`'s state and step in `compiled`'s budget from its first training
+    step on, as `memopt.compile(..., optimizer=optimizer)` does: for an optimizer made
+    after the module (the HF Trainer's). Raises InputError when it is no optimizer of the
+    module's parameters, or when the module has already planned a step."""
+    if not isinstance(compiled, CompiledModule):
+        raise TypeError(f"count_optimizer expects a memopt module, got "
+                        f"{type(compiled).__name__}")
+    backend = compiled._memopt_backend
+    if backend.optimizer_source is optimizer:
+        return
+    check_optimizer(optimizer, compiled.original_module)
+    if backend.plans:
+        raise InputError("count_optimizer must be called before the module's first training "
+                         "step: its plans were made without the optimizer")
+    backend.optimizer_source, backend.optimizer = optimizer, None
+
+
 def compile(model: nn.Module, budget: object = None, **options: Any) -> CompiledModule:
     """Compile `model` for training under a memory budget.
 
@@ -290,7 +328,8 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
         budget: None (no limit: in-place and memory sharing only), "4GB", "4GiB",
             "512MB", an int of bytes, or a float fraction in (0, 1] of the
             unoptimized peak. It counts parameters, buffers, inputs, activations,
-            temporaries and parameter gradients of one forward+backward step.
+            temporaries and parameter gradients of one forward+backward step, and with
+            `optimizer=` the optimizer's state and step too.
         options: `inplace=False` turns the in-place pass off; `mirror="all"` (or a
             set of forward node names) recomputes those nodes in backward instead of
             letting the budget search choose (an expert override, Chen Sec. 4.5);
@@ -311,7 +350,10 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             at any backward where one is still alive (for a model that is one graph);
             `kernels="inductor"` has TorchInductor generate the kernels of the planned
             graphs instead of running them op by op (`"aten"`, the default; see
-            memopt.kernels and docs/kernels.md).
+            memopt.kernels and docs/kernels.md); `optimizer=opt` (the
+            torch.optim.Optimizer the loop steps, over the model's parameters) puts its
+            state, held through the step, and what its `step()` allocates in the
+            budget (memopt.optimizer; predicted before its first step, then checked).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or
@@ -332,7 +374,11 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
     fullgraph = options.pop("fullgraph", False)
     if not isinstance(fullgraph, bool):
         raise ValueError(f"fullgraph must be True or False, got {fullgraph!r}")
+    optimizer = options.pop("optimizer", None)
     backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
+    if optimizer is not None:
+        check_optimizer(optimizer, model)
+        backend.optimizer_source = optimizer
     _refuse_meta(model)
     _refuse_wrappers(model)
     refuse_fsdp(model, "memopt.compile")
@@ -384,11 +430,17 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
     (gradient accumulation; memopt.compile plans both kinds of step as it meets them).
     A model on the meta device plans on meta inputs. Raises memopt.InputError when
     there is no backward to plan, or the inputs do not match the model's device or dtype.
+    `optimizer=opt` counts the optimizer's state and step in the plan (memopt.compile).
     """
     if isinstance(model, CompiledModule):
         model = model.original_module
+    optimizer = options.pop("optimizer", None)
     backend = MemoptBackend(budget, plan_only=True, **options)
     refuse_fsdp(model, "memopt.plan")
+    if optimizer is not None:
+        check_optimizer(optimizer, model)
+        backend.optimizer_source = optimizer
+        _count_optimizer(backend, model)
     traced, _ = substitute_rnns(model)
     backend.plan_log.set_forward(traced.forward)
     compiled = _compile_step(traced, _never_run(backend), fullgraph=True)

@@ -42,6 +42,7 @@ from .errors import BudgetError, CaptureError, PassError
 from .graph_breaks import ReplanPolicy, replan_forward, step_baseline
 from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
+from .optimizer import OptimizerBytes
 from .plan_log import PlanLog
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
@@ -134,6 +135,10 @@ class MemoptBackend:
                                solver_seconds=float(solver_seconds),
                                drop_outputs=drop_outputs)
         self.plan_only = plan_only
+        #: the optimizer's state and step bytes the budget counts (memopt.optimizer; set by
+        #: memopt.compile / memopt.plan from `optimizer=`), None: not counted
+        self.optimizer: OptimizerBytes | None = None
+        self.optimizer_source: torch.optim.Optimizer | None = None
 
     @property
     def plans(self) -> list[MemoryPlan]:
@@ -185,7 +190,8 @@ class MemoptBackend:
             graph.attaches = _chunk_heads(gm)
             if graph.attaches:  # an output more: what autograd sums outside the graph
                 graph.outside_grads = aliased_output_grad_bytes(gm)
-        outside = Outside()
+        opt = self.optimizer  # memopt.plan: no trace, the optimizer's bytes alone
+        outside = Outside(opt.state_bytes, opt.state_bytes, opt.step_bytes) if opt else Outside()
         trace = call.trace() if call is not None else None
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
@@ -241,8 +247,10 @@ class MemoptBackend:
         if grads is None:
             self.plan_log.call = None
             return
+        opt = self.optimizer
         call = StepCall(tensors, grads, args, kwargs,
-                        ddp.counted_bytes if ddp is not None else 0, tuple(held), after_backward)
+                        ddp.counted_bytes if ddp is not None else 0, tuple(held), after_backward,
+                        opt.state_bytes if opt else 0, opt.step_bytes if opt else 0)
         if not any(graph.settled is not None for graph in self.plan_log.last_runs):
             call.trace()  # no graph of the last forward may skip it: traced from the start
         self.plan_log.call = call

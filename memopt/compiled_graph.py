@@ -30,6 +30,7 @@ from .grads import GradSink
 from .kernels import Kernels, compile_with_inductor, schedule_excess
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
+from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
 from .steps import Outside
 
@@ -126,7 +127,8 @@ class CompiledGraph:
                                            "kernels_note": self.kernels_note,
                                            "graph_break": self.graph_break(),
                                            "capture_seconds": captured,
-                                           **_ddp_fields(plans.ddp)})
+                                           **_ddp_fields(plans.ddp),
+                                           **_optimizer_fields(backend.optimizer)})
             planned.append(plan)
             plans.record(plan)
             if backend.plan_only:  # stop before AOTAutograd builds its runtime wrappers
@@ -330,6 +332,15 @@ def _ddp_fields(ddp: DDPBuckets | None) -> dict[str, int]:
     if ddp is None:
         return {}
     return {"ddp_bucket_bytes": ddp.nbytes, "ddp_bucket_counted_bytes": ddp.counted_bytes}
+
+
+def _optimizer_fields(opt: OptimizerBytes | None) -> dict[str, object]:
+    """The plan's record of the optimizer the budget counts (memopt.optimizer; its bytes
+    are in the outside bytes)."""
+    if opt is None:
+        return {}
+    return {"optimizer": opt.name, "optimizer_state_bytes": opt.state_bytes,
+            "optimizer_step_bytes": opt.step_bytes}
 
 
 def aliased_output_grad_bytes(gm: fx.GraphModule) -> int:

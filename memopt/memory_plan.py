@@ -342,6 +342,13 @@ class MemoryPlan(BaseModel):
     ddp_bucket_bytes: Bytes = 0
     ddp_bucket_counted_bytes: Bytes = 0
     fsdp: FsdpRecord | None = None     # the FSDP2 unit around this step, if any
+    #: The optimizer the budget counts (`optimizer=`, memopt.optimizer): its class, the
+    #: state it holds through the step (in the outside bytes) and what its step()
+    #: allocates above that as the backward ends (in `outside_after_backward_bytes`).
+    #: "" and 0: no optimizer given, its state and step are outside the budget.
+    optimizer: str = ""
+    optimizer_state_bytes: Bytes = 0
+    optimizer_step_bytes: Bytes = 0
     #: what runs the planned graphs (memopt.kernels): "aten" or "inductor", and why a
     #: graph asked for inductor runs aten
     kernels: str = "aten"
@@ -440,11 +447,20 @@ class MemoryPlan(BaseModel):
                 f"  held outside     {b(self.outside_forward_bytes):>12}   during its forward, "
                 f"{b(self.outside_backward_bytes)} during its backward (other graphs of the "
                 f"step, parameters and inputs it does not take, gradients of later graphs"
-                f"{', DDP gradient buckets' if self.ddp_bucket_counted_bytes else ''})")
+                f"{', DDP gradient buckets' if self.ddp_bucket_counted_bytes else ''}"
+                f"{', optimizer state' if self.optimizer_state_bytes else ''})")
         if self.outside_after_backward_bytes:
+            what = [w for w, on in (("FSDP2's reduce-scatter", self.fsdp is not None),
+                                    ("the optimizer's step", self.optimizer_step_bytes > 0))
+                    if on] or ["FSDP2's reduce-scatter"]
             lines.append(
                 f"  after backward   {b(self.outside_after_backward_bytes):>12}   allocated as "
-                f"the backward ends, outside the graph (FSDP2's reduce-scatter)")
+                f"the backward ends, outside the graph ({' and '.join(what)})")
+        if self.optimizer:
+            lines.append(
+                f"  optimizer        {b(self.optimizer_state_bytes):>12}   {self.optimizer} state, "
+                f"held through the step; its step() allocates "
+                f"{b(self.optimizer_step_bytes)} more (both in the predicted peak)")
         if self.graph_break is not None:
             lines.append(f"  ends at break    {self.graph_break.where()}")
         if self.ddp_bucket_bytes:

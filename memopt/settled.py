@@ -147,6 +147,9 @@ class StepCall:
     ddp_bucket_bytes: int = 0
     held: tuple[torch.Tensor, ...] = ()
     after_backward: int = 0
+    #: the optimizer's state and step (memopt.optimizer): constants of the module
+    optimizer_state_bytes: int = 0
+    optimizer_step_bytes: int = 0
     traced: ForwardTrace | None = None
     skipped: list[tuple[CompiledGraph, list[Any], Any]] = field(default_factory=list)
     _flat: tuple[list[Any], Any] | None = None
@@ -163,7 +166,7 @@ class StepCall:
             t = self.tensors
             self.traced = ForwardTrace.begin(
                 t.params, t.buffers, self.args, self.kwargs, self.ddp_bucket_bytes, self.held,
-                self.after_backward)
+                self.after_backward + self.optimizer_step_bytes, self.optimizer_state_bytes)
             for graph, flat, out in self.skipped:
                 self.traced.start_run(graph, flat, graph.plan.held_bytes).record_outputs(out)
             self.skipped = []
@@ -188,8 +191,9 @@ class StepCall:
         model = s.model_bytes()
         if spec != s.spec or model is None:
             return False
-        held = model + call_bytes(leaves, s.taken) + self.ddp_bucket_bytes
-        return graph.outside.covers(Outside(held, held))
+        held = model + call_bytes(leaves, s.taken) + self.ddp_bucket_bytes \
+            + self.optimizer_state_bytes
+        return graph.outside.covers(Outside(held, held, self.optimizer_step_bytes))
 
 
 def settle(call: StepCall, run: GraphRun, base: Outside) -> Settled | None:
@@ -215,6 +219,6 @@ def settle(call: StepCall, run: GraphRun, base: Outside) -> Settled | None:
     taken = frozenset(i for i in tensors if storage_id(leaves[i]) in own)
     record = Settled(t.version, list(call.grads), spec, taken, tuple(map(weakref.ref, outside)))
     if record.model_bytes() + call_bytes(leaves, taken) + call.ddp_bucket_bytes \
-            != base.forward:
+            + call.optimizer_state_bytes != base.forward:
         return None  # an aliasing the record would not see again: keep tracing
     return record

@@ -42,6 +42,8 @@ StorageId = tuple[str, int]
 #: The key of DDP's gradient buckets among a trace's resident storages: memopt does not
 #: see their tensors (they live in DDP's C++ reducer), only their bytes.
 DDP_BUCKETS: StorageId = ("ddp buckets", 0)
+#: the optimizer's state (memopt.optimizer), held for the whole step like DDP's buckets
+OPTIMIZER_STATE: StorageId = ("optimizer state", 0)
 
 
 def storage_id(t: torch.Tensor) -> StorageId:
@@ -128,13 +130,15 @@ class ForwardTrace:
     @classmethod
     def begin(cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], args: tuple,
               kwargs: dict, ddp_bucket_bytes: int = 0, held: Iterable[torch.Tensor] = (),
-              after_backward: int = 0) -> "ForwardTrace":
+              after_backward: int = 0, optimizer_state_bytes: int = 0) -> "ForwardTrace":
         """Start the trace of a forward of a model with these parameters and buffers.
         `ddp_bucket_bytes`: what the DDP around it holds besides the model's tensors
         (memopt.ddp.DDPBuckets.counted_bytes), counted like a resident storage that no graph
         takes; `held`: tensors resident for the whole step besides the model's and the inputs
         (FSDP2's parameter shards and all-gather output); `after_backward`: bytes allocated as
-        the backward ends (FSDP2's reduce-scatter)."""
+        the backward ends (FSDP2's reduce-scatter, the optimizer's step);
+        `optimizer_state_bytes`: the optimizer's state (memopt.optimizer), held like DDP's
+        buckets."""
         resident = storages([*params, *buffers, args, kwargs, list(held)])
         grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
                  if p.requires_grad and p.grad is None}
@@ -143,6 +147,8 @@ class ForwardTrace:
         resident.update(storages(p.grad for p in params if p.grad is not None))
         if ddp_bucket_bytes:
             resident[DDP_BUCKETS] = ddp_bucket_bytes
+        if optimizer_state_bytes:
+            resident[OPTIMIZER_STATE] = optimizer_state_bytes
         return cls(resident, grads, kept,
                    ddp_bucket_bytes=ddp_bucket_bytes, after_backward=after_backward)
 

@@ -9,11 +9,8 @@ block of code runs.
 On CUDA this reads the caching allocator's counters (``memory_allocated``, and
 ``max_memory_allocated`` after ``reset_peak_memory_stats``). On CPU PyTorch keeps no
 counter, so the block runs under ``torch.profiler.profile(profile_memory=True)`` and
-the allocation and free events are summed in time order, by address: only blocks
-allocated inside the block count, and a free of memory allocated before it is not seen
-(the profiler reports such frees with whatever size it last recorded for the address,
-or not at all). Both count bytes handed out, not pages touched: what a CUDA allocator
-charges and what a memopt budget counts.
+the allocation and free events are summed in time order. Both count bytes handed out,
+not pages touched: what a CUDA allocator charges and what a memopt budget counts.
 
 The garbage collector runs first (``collect=True``, the default): tensors kept only by
 reference cycles that the collector would free in the middle of the block would lower
@@ -23,6 +20,17 @@ measurements of one op or one chunk (passes.workspace, passes.chain_policy) pass
 show; the collector is paused for their block instead, so that no collection inside it
 frees memory that was live before it (which lowers ``end``, and ``peak - end`` then
 passes for the op's workspace).
+
+``own_only=True`` (one op's workspace, passes.workspace; a head's forward,
+passes.lm_heads: blocks that free nothing they did not allocate) counts on CPU only what
+the block allocates itself, by address: a free of memory allocated before it is not
+counted. PyTorch's CPU allocator reports a free with the size it recorded for that
+address while some profiler was recording, and that record outlives a block freed with
+none recording: a later block at the same address, allocated unrecorded and freed inside a
+window, came back with the old block's size (20,000 bytes for a 10,000-byte block), and a
+chunked head's measured transient about 2 MB high in one CI process (``end`` too low, so
+``peak - end`` too high). Every other block counts every free, as CUDA's counters do: a
+chunk of a recurrent chain frees the states it was handed.
 
 Used by the planner's own measurements (passes.chain_policy: one chunk of a recurrent chain;
 passes.lm_heads, passes.reversible_stacks, passes.workspace) and by memopt.measure (a whole
@@ -67,9 +75,11 @@ class AllocationTracker:
     places (callbacks of a training loop): `start()`, then `stop()` returns the
     AllocationPeak. Raises RuntimeError where `can_track` is False."""
 
-    def __init__(self, device: torch.device | str, collect: bool = True) -> None:
+    def __init__(self, device: torch.device | str, collect: bool = True,
+                 own_only: bool = False) -> None:
         self.device = torch.device(device)
         self.collect = collect
+        self.own_only = own_only
         self._start = 0
         self._prof = None
         self._paused_gc = False
@@ -113,11 +123,7 @@ class AllocationTracker:
         prof, self._prof = self._prof, None
         with _quiet_stderr():
             prof.stop()
-        # only the block's own allocations, by address: PyTorch's CPU allocator reports
-        # a free with the size it recorded for that address while some profiler was
-        # recording, and that record outlives a block freed with none recording (a free
-        # of a later block at the same address came back with the old block's size:
-        # 20,000 bytes for a 10,000-byte block, which `peak - end` took for workspace)
+        own_only = self.own_only  # (the module docstring)
         live, mine = 0, {}
         for _, nbytes, address in cpu_allocation_events(prof):
             if nbytes > 0:
@@ -125,17 +131,19 @@ class AllocationTracker:
                 live += nbytes
             elif address in mine:
                 live -= mine.pop(address)
+            elif not own_only:
+                live += nbytes
             seen.peak = max(seen.peak, live)
         seen.end = live
         return seen
 
 
 @contextmanager
-def allocation_peak(device: torch.device | str, collect: bool = True
+def allocation_peak(device: torch.device | str, collect: bool = True, own_only: bool = False
                     ) -> Iterator[AllocationPeak]:
     """Track the block's allocations on ``device`` (see the module docstring).
     Raises RuntimeError where ``can_track`` is False."""
-    tracker = AllocationTracker(device, collect)
+    tracker = AllocationTracker(device, collect, own_only)
     tracker.start()
     seen = AllocationPeak()
     try:
@@ -160,7 +168,8 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def maybe_allocation_peak(device: torch.device | str, tracked: bool):
-    """``allocation_peak(device)`` when ``tracked``, else a block whose AllocationPeak
-    stays at zero (the caller checked ``can_track`` and warned)."""
-    return allocation_peak(device, collect=False) if tracked else nullcontext(AllocationPeak())
+def maybe_allocation_peak(device: torch.device | str, tracked: bool, own_only: bool = False):
+    """``allocation_peak(device, collect=False, own_only)`` when ``tracked``, else a block
+    whose AllocationPeak stays at zero (the caller checked ``can_track`` and warned)."""
+    return allocation_peak(device, collect=False, own_only=own_only) if tracked \
+        else nullcontext(AllocationPeak())

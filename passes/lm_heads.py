@@ -381,7 +381,7 @@ def head_costs(joint: fx.GraphModule, site: HeadSite) -> HeadCosts:
 
         hr, wr, br = zeros(h), zeros(w), zeros(b)
         target = torch.zeros(site.rows, dtype=torch.int64, device=device)
-        with maybe_allocation_peak(device, tracked) as fwd:
+        with maybe_allocation_peak(device, tracked, own_only=True) as fwd:
             loss, logits, handle = fwd_op(chunk, True, *a[_WANT_LOGITS:_FWD_H], hr, wr, br,
                                           target)
         grad_logits = torch.zeros_like(logits) if logits.numel() and a[3] else None

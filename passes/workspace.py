@@ -302,7 +302,7 @@ def _run(call: Call, device: torch.device) -> int:
             if device.type == "cuda":
                 call.target(*args, **kwargs)
             for _ in range(CUDA_READINGS if device.type == "cuda" else 1):
-                with allocation_peak(device, collect=False) as seen:
+                with allocation_peak(device, collect=False, own_only=True) as seen:
                     out = call.target(*args, **kwargs)
                 del out
                 readings.append(max(0, seen.peak - seen.end))

@@ -35,6 +35,11 @@ def test_memopt_trainer_trains_within_budget_and_saves(accumulate: int) -> None:
         assert measured <= budget, (step, measured, budget)
         assert measured <= predicted, (step, measured, predicted)  # the plan is an upper bound
     assert result["reloaded"]
+    # the Trainer's optimizer is in the budget (MemoptTrainer passes it: optimizer=)
+    plan, opt = result["plan"], result["optimizer"]
+    state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    assert plan.optimizer == "AdamW" and plan.optimizer_state_bytes == state > 0
 
 
 def test_a_plain_trainer_keeps_the_columns_and_trains(tmp_path) -> None:

@@ -17,8 +17,8 @@ backward; not the default: see the README's Known limits); `gradient_checkpointi
 recomputation itself).
 
 `PeakMemoryCallback` measures the allocated peak of the forward and backward of chosen
-steps (from the start of an optimizer step to just before `optimizer.step()`; the
-optimizer's own state is not part of a memopt budget) with
+steps (from the start of an optimizer step to just before `optimizer.step()`, so
+without the optimizer's step, which a plan counting the optimizer adds) with
 `memopt.measure.AllocationTracker`, adds the resident parameters, buffers and gradients, and
 logs it beside the plan's prediction and the budget. On CPU it records allocations with the
 profiler, which slows the measured steps: keep `every` large.
@@ -33,6 +33,7 @@ from transformers import Trainer, TrainerCallback
 
 from memopt.api import CompiledModule
 from memopt.api import compile as memopt_compile
+from memopt.api import count_optimizer
 from memopt.measure import AllocationTracker, can_track
 
 log = logging.getLogger("memopt")
@@ -41,14 +42,23 @@ log = logging.getLogger("memopt")
 class MemoptTrainer(Trainer):
     """A `transformers.Trainer` whose model memopt compiles under `memopt_budget` (with
     `memopt_options` for `memopt.compile`), and whose checkpoints are the original
-    model's (`save_pretrained`)."""
+    model's (`save_pretrained`). The optimizer the Trainer creates is counted in the
+    budget (`optimizer=` of memopt.compile) unless `memopt_count_optimizer=False`."""
 
     def __init__(self, *args: Any, memopt_budget: object = None,
-                 memopt_options: dict | None = None, **kwargs: Any) -> None:
+                 memopt_options: dict | None = None, memopt_count_optimizer: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.model, CompiledModule):
             self.model = memopt_compile(self.model, memopt_budget, **(memopt_options or {}))
         self.model_wrapped = self.model
+        self.memopt_count_optimizer = memopt_count_optimizer
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.memopt_count_optimizer and isinstance(self.model, CompiledModule):
+            count_optimizer(self.model, self.optimizer)
+        return optimizer
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         model = self.model
