@@ -51,34 +51,32 @@ from .steps import Outside
 log = logging.getLogger("memopt")
 
 
-def _autocast_on() -> bool:
-    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+def _autocast_dtypes() -> dict[str, torch.dtype]:
+    """{device type: dtype} of the autocast regions a graph is traced in now."""
+    return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
 def _chain_loops(gm: fx.GraphModule) -> None:
     """Run the user's unrolled cell loops as recurrent chains (memopt.passes.cell_loops), in
-    graphs that record gradients outside autocast (a chain step would run outside it)."""
+    graphs that record gradients; under autocast each chain's step enters it."""
     if not torch.is_grad_enabled():
         log.debug("memopt loops: an inference graph: loops left unrolled")
         return
-    if _autocast_on():
-        log.debug("memopt loops: autocast is on: loops left unrolled")
-        return
     try:
-        chain_loops(gm, keep=True)
+        chain_loops(gm, keep=True, autocast=_autocast_dtypes())
     except Exception as exc:
         raise PassError("recurrent loops", ("capture",), exc) from exc
 
 
 def _chunk_heads(gm: fx.GraphModule) -> list[Attach]:
     """Run language-model heads chunk by chunk over the tokens (memopt.passes.lm_heads), in
-    graphs that record gradients outside autocast (the op would run outside it). Returns
+    graphs that record gradients, under autocast too (its casts made explicit). Returns
     where the graph now returns logits without a gradient (memopt.compiled_graph.attach_logits)."""
-    if not torch.is_grad_enabled() or _autocast_on():
-        log.debug("memopt heads: an inference graph or autocast: heads left as they are")
+    if not torch.is_grad_enabled():
+        log.debug("memopt heads: an inference graph: heads left as they are")
         return []
     try:
-        return [s.attach for s in chunk_heads(gm) if s.attach is not None]
+        return [s.attach for s in chunk_heads(gm, _autocast_dtypes()) if s.attach is not None]
     except Exception as exc:
         raise PassError("language-model heads", ("capture",), exc) from exc
 

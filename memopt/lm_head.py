@@ -204,16 +204,21 @@ class _AttachLogits(torch.autograd.Function):
     def forward(ctx, logits, h, weight, bias):
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return logits.view_as(logits)
 
     @staticmethod
     def backward(ctx, grad):
+        # in the logits' dtype, as F.linear ran under autocast (its inputs cast to it), and
+        # each gradient back in its input's dtype, as autocast's casts return it
         h, weight = ctx.saved_tensors
         g = grad.reshape(-1, weight.shape[0])
-        flat = h.reshape(-1, weight.shape[1])
-        grad_h = (g @ weight).view_as(h) if ctx.needs_input_grad[1] else None
-        grad_w = g.t() @ flat if ctx.needs_input_grad[2] else None
-        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        flat = h.reshape(-1, weight.shape[1]).to(g.dtype)
+        grad_h = (g @ weight.to(g.dtype)).view_as(h).to(h.dtype) \
+            if ctx.needs_input_grad[1] else None
+        grad_w = (g.t() @ flat).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        grad_b = g.sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[3] \
+            else None
         return None, grad_h, grad_w, grad_b
 
 

@@ -120,10 +120,14 @@ class LoopsResult:
 
 
 def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
-                min_steps: int = MIN_STEPS) -> LoopsResult:
+                min_steps: int = MIN_STEPS, autocast: dict[str, torch.dtype] | None = None
+                ) -> LoopsResult:
     """Replace every unrolled cell loop of ``gm`` by a chain op, in place (see the
     module docstring). ``keep``: the graph records gradients (the chain op keeps what
-    its policy stores for backward)."""
+    its policy stores for backward). ``autocast``: {device type: dtype} of the autocast
+    regions the graph is traced in (``torch.autocast`` around the forward): the chain's
+    step enters that state, in the forward and when a chunk is recomputed in backward
+    (which runs outside it), as eager's cell ran in it."""
     # Step 1: a graph that switches grad mode or autocast
     switch = next((n for n in gm.graph.nodes if _MODE_SWITCH.search(_target_name(n))), None)
     if switch is not None:
@@ -143,7 +147,7 @@ def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
             refused.append(f"loop of {loop.steps} steps from {plain.nodes[loop.start].name}: {why}")
             continue
         # Step 5, 6
-        done.append(_rewrite(gm, plain, loop, keep))
+        done.append(_rewrite(gm, plain, loop, keep, autocast or {}))
     for line in refused:
         log.debug("memopt loops: left unrolled: %s", line)
     if done:
@@ -428,9 +432,11 @@ def _describe(nodes: list[fx.Node]) -> tuple[str, str]:
     return "loop", "detected loop"
 
 
-def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref]) -> tuple[int, Any]:
+def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
+          autocast: dict[str, torch.dtype]) -> tuple[int, Any]:
     """Register the loop's ChainSpec: the cell run at every time step of a chunk, the
-    stacked values its output (an empty one when nothing is stacked)."""
+    stacked values its output (an empty one when nothing is stacked), under the autocast
+    state of the loop's device when there is one."""
     ops, loop_step = runtime("chains"), runtime("loop_step")
 
     cell = _cell(gm, plain, loop, params)
@@ -467,17 +473,28 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref]) 
         return state[carried].new_empty(shape, dtype=y_dtype)
 
     name, module_type = _describe(first)
-    spec = ops.ChainSpec(name=name, module_type=module_type, step=loop_step(cell_step, time_dim),
-                         time_dim=time_dim, output_like=output_like, preserve_rng=True)
+    kind = example_value(first[loop.state[carried]]).device.type
+    cast = (kind, autocast[kind]) if kind in autocast else None
+    step = loop_step(cell_step, time_dim)
+    if cast is not None:
+        plain_step = step
+
+        def step(p: tuple, state: tuple, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+            with torch.autocast(cast[0], dtype=cast[1]):
+                return plain_step(p, state, x)
+
+    spec = ops.ChainSpec(name=name, module_type=module_type, step=step, time_dim=time_dim,
+                         output_like=output_like, preserve_rng=True, autocast=cast)
     return ops.register(spec), spec
 
 
 # -- Step 6: the rewrite -----------------------------------------------------------------
 
 
-def _rewrite(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, keep: bool) -> ChainedLoop:
+def _rewrite(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, keep: bool,
+             autocast: dict[str, torch.dtype]) -> ChainedLoop:
     params = _outside_refs(loop)
-    chain_id, spec = _spec(gm, plain, loop, params)
+    chain_id, spec = _spec(gm, plain, loop, params, autocast)
     graph = gm.graph
     run = [plain.nodes[j] for rep in loop.ops for j in rep if j is not None]
     init = [plain.node(ref) for ref in loop.init]

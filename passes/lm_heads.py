@@ -216,10 +216,19 @@ def _returned_only(gm: fx.GraphModule, linear: fx.Node, others: list[fx.Node]
             placeholders.index(bias) if bias is not None else None)
 
 
-def chunk_heads(gm: fx.GraphModule) -> list[ChunkedHeadSite]:
+def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = None
+                ) -> list[ChunkedHeadSite]:
     """Replace every head pattern of ``gm`` (see the module docstring) by ``head_fwd``
     with one chunk (the planner chooses the chunk later); returns what it replaced. A
     pattern it cannot prove equal is left as it is, with one debug line saying why.
+
+    ``autocast``: {device type: dtype} of the autocast regions the graph is traced in
+    (``torch.autocast`` around the forward). There eager runs the projection in that
+    dtype (``linear`` is on autocast's lower-precision list) and the loss in float32, so
+    the op is given ``h``, the weight and the bias cast to it, as explicit nodes that
+    AOTAutograd differentiates (their backward casts the gradients back, as autocast's
+    casts do), and upcasts the logits for the loss; the op then runs the same kernels
+    with autocast on or off (the backward runs outside it).
 
     Logits the graph only returns (a Hugging Face model's ``outputs.logits``) leave it
     without a gradient, and the projection's input becomes one more output, after the
@@ -250,12 +259,16 @@ def chunk_heads(gm: fx.GraphModule) -> list[ChunkedHeadSite]:
         bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
         logits = _example(linear)
         rows, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
+        cast = (autocast or {}).get(logits.device.type)
         graph = gm.graph
         with graph.inserting_before(loss):
             flat = graph.call_function(torch.reshape, (h, (rows, _example(h).shape[-1])))
+            args = [flat, weight, bias]
+            if cast is not None:  # autocast's casts, made explicit (the docstring)
+                args = [a if a is None else graph.call_method("to", (a, cast)) for a in args]
             op = graph.call_function(fwd_op, (
-                rows, True, bool(others), returned is None, match.upcast, match.ignore_index,
-                match.reduction, flat, weight, bias, match.target))
+                rows, True, bool(others), returned is None, match.upcast or cast is not None,
+                match.ignore_index, match.reduction, *args, match.target))
             for key in ("stack_trace", NN_MODULE_STACK):
                 if key in linear.meta:
                     op.meta[key] = linear.meta[key]
