@@ -116,7 +116,8 @@ class CompiledGraph:
                 grads=self.grads, outside_grad_bytes=self.outside_grads, outside=outside,
                 label="" if self.alone else self.label(),
                 lowest_peak=policy == ReplanPolicy.LOWEST, step_baseline=step_baseline,
-                must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces)
+                must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
+                fraction_floor=plans.fraction_floor if self.alone else 0)
             try:
                 fw, bw, plan = plan_joint(request)
             except BudgetError as err:
@@ -131,6 +132,8 @@ class CompiledGraph:
                                            **_optimizer_fields(backend.optimizer)})
             planned.append(plan)
             plans.record(plan)
+            if self.alone and plan.fits and budget is not None and budget.fraction is not None:
+                plans.fraction_floor = max(plans.fraction_floor, plan.budget_bytes)
             if backend.plan_only:  # stop before AOTAutograd builds its runtime wrappers
                 raise PlanOnly(plan)
             return fw, bw

@@ -46,6 +46,10 @@ class PlanLog:
     #: forwards that ended traced (the others ran a settled graph: memopt.settled)
     traced: int = 0
     step_baselines: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: a fraction budget's bytes at the largest whole step (one graph) accepted so far: a
+    #: later step of a smaller shape, whose own fraction gives fewer bytes, is given these
+    #: (docs/budgets.md, "A fraction at several shapes")
+    fraction_floor: int = 0
     #: perf_counter when the compiled call began or the last graph was planned: a plan's
     #: capture time (dynamo's and AOTAutograd's tracing) runs from here to partition_fn
     clock: float = 0.0

@@ -648,3 +648,41 @@ def test_the_plan_reports_capture_and_planning_time() -> None:
     plan = memopt.plan(nn.Sequential(nn.Linear(16, 16), nn.ReLU()), torch.randn(4, 16))
     assert plan.capture_seconds > 0 and plan.plan_seconds > 0
     assert "s capture (dynamo + AOTAutograd)" in plan.summary()
+
+
+def test_fraction_budget_never_refuses_a_step_needing_fewer_bytes():
+    """A fraction budget that a step accepted is not refused at a shape that needs fewer
+    bytes: TinyLM at 0.3 trains at 96 tokens a row; at 8 tokens its own smallest fraction
+    is 0.68 (its fixed bytes, the weights, are most of it), so 0.3 of that step's baseline
+    was refused. That step is given the bytes the fraction gave the step already accepted
+    (plan.budget_bytes), and measures within them; a larger shape keeps its own fraction."""
+    from memopt.errors import BudgetError
+    from memopt.measure import allocation_peak
+    from support import TinyLM, V
+
+    torch.manual_seed(0)
+    model = TinyLM(V, dropout=0.0)
+
+    def tokens(n):
+        return torch.randint(0, V, (8, n)), torch.randint(0, V, (8, n))
+
+    with pytest.raises(BudgetError):
+        memopt.plan(model, *tokens(8), budget=0.3)  # alone, the small step is refused
+    compiled = memopt.compile(model, budget=0.3)
+    compiled(*tokens(96)).backward()
+    accepted = compiled.memopt_plan.budget_bytes
+    assert accepted == int(0.3 * compiled.memopt_plan.baseline_peak_bytes)
+    small = tokens(8)
+    model.zero_grad(set_to_none=True)
+    compiled(*small)  # plans, outside the measurement
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *small))
+    model.zero_grad(set_to_none=True)
+    with allocation_peak("cpu") as seen:
+        compiled(*small).backward()
+    plan = compiled.memopt_plan
+    assert plan.budget_bytes == accepted and plan.fits
+    assert seen.peak + resident <= accepted
+    model.zero_grad(set_to_none=True)
+    compiled(*tokens(192)).backward()
+    big = compiled.memopt_plan
+    assert big.budget_bytes == int(0.3 * big.baseline_peak_bytes) > accepted

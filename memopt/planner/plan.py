@@ -164,6 +164,8 @@ class _Planning:
         base = self.baseline.peak_bytes
         self.budget_bytes = r.budget.resolve(r.step_baseline or base) \
             if r.budget is not None else None
+        if r.budget is not None and r.budget.fraction is not None:
+            self.budget_bytes = max(self.budget_bytes, r.fraction_floor)
         # Headroom guards byte budgets against what the plan does not model; a fraction
         # is of memopt's own predicted baseline, which leaves that out too (1.0 fits).
         self.headroom = self.options.headroom \

@@ -113,7 +113,10 @@ class PlanRequest:
     the step has several graphs (else this graph's). `whole_step`: the graph is the whole
     forward, so what `step.outside` holds (DDP's gradient buckets, parameters it does not
     take) is held unchanged through its step, and the peak-directed path plans around it;
-    only then does `options.drop_outputs` apply.
+    only then does `options.drop_outputs` apply. `fraction_floor`: the fewest bytes a
+    fraction budget allows, the most it gave a whole step of the same module that was
+    accepted (memopt.plan_log.PlanLog.fraction_floor), so that a step needing fewer
+    bytes than one already accepted is never refused.
     """
 
     joint: fx.GraphModule
@@ -129,6 +132,7 @@ class PlanRequest:
     step_baseline: int | None = None
     must_fit: bool = True
     whole_step: bool = False
+    fraction_floor: int = 0
     #: the kernel workspaces measured so far by the module this graph belongs to
     workspaces: WorkspaceCache = field(default_factory=WorkspaceCache)
     step: StepContext = field(init=False)
