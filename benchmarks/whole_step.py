@@ -12,7 +12,8 @@ optimizer's state): the memory the GPU would need. Beside it memopt's predicted 
 budget. Then `--rounds` rounds of one timed step per configuration, configurations
 interleaved; the table gives each one's median step time over eager float32's.
 
-memopt's budgets: "min" is the smallest byte budget memopt accepts for the float32 step with
+memopt runs with `drop_outputs=True`, as this loop keeps only the loss past the forward
+(`model(**batch).loss`, as the HF Trainer does). memopt's budgets: "min" is the smallest byte budget memopt accepts for the float32 step with
 the optimizer counted (from memopt.compile's BudgetError at budget=1), and one halfway between it and the
 baseline; the bf16 row is planned at that same
 float32 minimum (issue 26: under bf16 autocast a model accepts a budget no higher than
@@ -38,30 +39,27 @@ from memopt.errors import BudgetError
 from memopt.measure import allocation_peak
 
 
-def _gpt2(device: str) -> tuple[torch.nn.Module, dict]:
-    """HF GPT-2, 4 layers, d 256, vocabulary 32,000, batch 4x256 (issue 26's autocast case)."""
+def _gpt2_config(device: str, layers: int, width: int, heads: int, vocab: int, batch: int,
+                 seq: int) -> tuple[torch.nn.Module, dict]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=32000, n_positions=256,
-                        bos_token_id=0, eos_token_id=0, use_cache=False)
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                        n_positions=seq, bos_token_id=0, eos_token_id=0, use_cache=False)
     model = GPT2LMHeadModel(config).to(device).train()
     model.loss_type = "ForCausalLM"
-    ids = torch.randint(0, config.vocab_size, (4, 256), device=device)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
     return model, {"input_ids": ids, "labels": ids}
+
+
+def _gpt2(device: str) -> tuple[torch.nn.Module, dict]:
+    """HF GPT-2, 4 layers, d 256, vocabulary 32,000, batch 4x256 (issue 26's autocast case)."""
+    return _gpt2_config(device, 4, 256, 4, 32000, 4, 256)
 
 
 def _tiny(device: str) -> tuple[torch.nn.Module, dict]:
     """A 2-layer GPT-2 (d 64, vocabulary 2,000, batch 2x64), for the benchmark's test."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=2000, n_positions=64,
-                        bos_token_id=0, eos_token_id=0, use_cache=False)
-    model = GPT2LMHeadModel(config).to(device).train()
-    model.loss_type = "ForCausalLM"
-    ids = torch.randint(0, config.vocab_size, (2, 64), device=device)
-    return model, {"input_ids": ids, "labels": ids}
+    return _gpt2_config(device, 2, 64, 2, 2000, 2, 64)
 
 
 def _llama(device: str) -> tuple[torch.nn.Module, dict]:
@@ -117,14 +115,15 @@ def _configs(model: torch.nn.Module, kwargs: dict) -> list[Config]:
 
     probe = copy.deepcopy(model)
     try:  # the smallest budget memopt.compile accepts for this step (its trace's count)
-        memopt.compile(probe, budget=1, optimizer=torch.optim.AdamW(probe.parameters()))(
-            **kwargs)
+        memopt.compile(probe, budget=1, optimizer=torch.optim.AdamW(probe.parameters()),
+                       drop_outputs=True)(**kwargs)
         raise RuntimeError("budget=1 byte was accepted")
     except BudgetError as err:
         minimum, middle = err.minimum_bytes, (err.minimum_bytes + err.baseline_bytes) // 2
 
     def at(budget: object) -> Callable:
-        return lambda m, opt: memopt.compile(m, budget=budget, optimizer=opt)
+        return lambda m, opt: memopt.compile(m, budget=budget, optimizer=opt,
+                                             drop_outputs=True)
 
     return [
         fresh("eager fp32"),
