@@ -443,6 +443,13 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
         _count_optimizer(backend, model)
     traced, _ = substitute_rnns(model)
     backend.plan_log.set_forward(traced.forward)
+    tensors = ModelTensors(model)
+    if not backend.existing_grads and not _has_grads(tensors.grad_state()):
+        # what the step holds outside its graph (buffers and parameters it does not take)
+        # counted as memopt.compile counts it, so that the budget a plan names is one the
+        # compiled step accepts (a Llama's rotary inv_freq: 136 bytes refused)
+        backend.forward_begins(tensors, tensors.grad_state(), example_inputs,
+                               example_kwargs or {})
     compiled = _compile_step(traced, _never_run(backend), fullgraph=True)
     try:
         _run_captured(compiled, example_inputs, example_kwargs or {}, backend, model)
