@@ -71,7 +71,7 @@ def choose_heads_jointly(heads: Sites, mirror: Mirror, search: tuple[SearchCandi
                 continue
             # a split recomputes the head's matmul whatever the mirror set: no search
             # when that alone loses, or when a larger split already needed no mirror set
-            if best[0] is not None and config.recompute_flops + _others(heads, i) \
+            if config.recompute_flops + _others(heads, i) \
                     >= best[0] - tie and config.chunk < best[1].chunk:
                 continue
             heads.run(site, config)
@@ -99,12 +99,11 @@ def _others(heads: Sites, i: int) -> int:
     return sum(heads.family.recompute_flops(c) for j, c in enumerate(heads.choices) if j != i)
 
 
-def _better(flops: int, config: head_pass.HeadConfig, best_flops: int | None,
+def _better(flops: int, config: head_pass.HeadConfig, best_flops: int,
             best_config: head_pass.HeadConfig, tie: float) -> bool:
-    """Whether (`flops`, `config`) beats the best so far: it fits where that did not,
-    recomputes clearly less, or as much within `tie` in larger chunks."""
-    if best_flops is None:
-        return True
+    """Whether (`flops`, `config`) beats the best so far (which fits: the search stops
+    before a head whose chosen chunk misses): it recomputes clearly less, or as much
+    within `tie` in larger chunks."""
     if flops < best_flops - tie:
         return True
     return abs(flops - best_flops) <= tie and config.chunk > best_config.chunk
