@@ -306,7 +306,9 @@ def count_optimizer(compiled: CompiledModule, optimizer: torch.optim.Optimizer) 
     """Count `optimizer`'s state and step in `compiled`'s budget from its first training
     step on, as `memopt.compile(..., optimizer=optimizer)` does: for an optimizer made
     after the module (the HF Trainer's). Raises InputError when it is no optimizer of the
-    module's parameters, or when the module has already planned a step."""
+    module's parameters, or when the module has already planned its steps for less than
+    this optimizer holds (a new optimizer holding no more than the one counted, as a
+    second `trainer.train()` makes, replaces it: the plans stay valid)."""
     if not isinstance(compiled, CompiledModule):
         raise TypeError(f"count_optimizer expects a memopt module, got "
                         f"{type(compiled).__name__}")
@@ -315,8 +317,18 @@ def count_optimizer(compiled: CompiledModule, optimizer: torch.optim.Optimizer) 
         return
     check_optimizer(optimizer, compiled.original_module)
     if backend.plans:
-        raise InputError("count_optimizer must be called before the module's first training "
-                         "step: its plans were made without the optimizer")
+        counted = backend.optimizer
+        device = next((p.device for p in compiled.original_module.parameters()
+                       if p.requires_grad), torch.device("cpu"))
+        new = optimizer_bytes(optimizer, device)
+        if counted is None or new.state_bytes > counted.state_bytes \
+                or new.step_bytes > counted.step_bytes:
+            raise InputError(
+                "count_optimizer must be called before the module's first training step: its "
+                "plans were made without this optimizer (or with one holding less). Pass it "
+                "as memopt.compile(..., optimizer=...) or count it before training.")
+        backend.optimizer_source = optimizer  # the plans count at least as much
+        return
     backend.optimizer_source, backend.optimizer = optimizer, None
 
 

@@ -169,3 +169,25 @@ def test_state_larger_than_predicted_is_warned():
     with pytest.warns(UserWarning, match="first step made"):
         opt.step()
     assert compiled.memopt_plan.optimizer_state_bytes == 0
+
+
+def test_count_optimizer_later():
+    """memopt.api.count_optimizer: an optimizer made after the module is counted from the
+    first step; after it, a new optimizer holding no more (a second trainer.train())
+    replaces it, and one holding more, or one given to a module that planned without an
+    optimizer, is refused."""
+    from memopt.api import count_optimizer
+
+    torch.manual_seed(0)
+    model, x = Blocks(width=64, depth=2), torch.randn(32, 64)
+    compiled = memopt.compile(model)
+    count_optimizer(compiled, torch.optim.AdamW(model.parameters()))
+    compiled(x).backward()
+    assert compiled.memopt_plan.optimizer == "AdamW"
+    count_optimizer(compiled, torch.optim.AdamW(model.parameters()))  # the same bytes
+    with pytest.raises(InputError, match="before the module's first training step"):
+        count_optimizer(compiled, torch.optim.Adam(model.parameters(), amsgrad=True))
+    plain = memopt.compile(Blocks(width=64, depth=2))
+    plain(x).backward()
+    with pytest.raises(InputError, match="before the module's first training step"):
+        count_optimizer(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9))
