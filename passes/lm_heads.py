@@ -225,10 +225,12 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
     ``autocast``: {device type: dtype} of the autocast regions the graph is traced in
     (``torch.autocast`` around the forward). There eager runs the projection in that
     dtype (``linear`` is on autocast's lower-precision list) and the loss in float32, so
-    the op is given ``h``, the weight and the bias cast to it, as explicit nodes that
-    AOTAutograd differentiates (their backward casts the gradients back, as autocast's
-    casts do), and upcasts the logits for the loss; the op then runs the same kernels
-    with autocast on or off (the backward runs outside it).
+    the op is given ``h`` cast to it, an explicit node that AOTAutograd differentiates (its
+    backward casts the gradient back, as autocast's cast does), and upcasts the logits for
+    the loss. The op computes in ``h``'s dtype: it casts the weight and bias for its
+    matmuls and sums their gradients over the chunks in their own dtype
+    (memopt.lm_head._as), so it runs the same kernels with autocast on or off (the
+    backward runs outside it).
 
     Logits the graph only returns (a Hugging Face model's ``outputs.logits``) leave it
     without a gradient, and the projection's input becomes one more output, after the
@@ -264,8 +266,8 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
         with graph.inserting_before(loss):
             flat = graph.call_function(torch.reshape, (h, (rows, _example(h).shape[-1])))
             args = [flat, weight, bias]
-            if cast is not None:  # autocast's casts, made explicit (the docstring)
-                args = [a if a is None else graph.call_method("to", (a, cast)) for a in args]
+            if cast is not None:  # autocast's cast of h, made explicit (the docstring)
+                args[0] = graph.call_method("to", (flat, cast))
             op = graph.call_function(fwd_op, (
                 rows, True, bool(others), returned is None, match.upcast or cast is not None,
                 match.ignore_index, match.reduction, *args, match.target))
@@ -385,7 +387,7 @@ def head_costs(joint: fx.GraphModule, site: HeadSite) -> HeadCosts:
     b = fake_value(a[_FWD_B]) if a[_FWD_B] is not None else None
     device = h.device
     if not can_track(device):
-        return _estimated_costs(site, w.element_size(), bool(a[_UPCAST]))
+        return _estimated_costs(site, h.element_size(), bool(a[_UPCAST]))
     tracked = True
 
     def measure(chunk: int) -> tuple[int, int]:

@@ -183,3 +183,41 @@ def test_zoo_model_trains_under_inductor_kernels(name: str, budget_of: str) -> N
     the aten budget=None plan's predicted peak, as there): eager's gradients, the plan
     ran inductor, the allocated peak within the budget and not above the prediction."""
     _check(name, budget_of, kernels="inductor")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "t5"])
+def test_zoo_language_model_under_bf16_autocast(name: str) -> None:
+    """The zoo's language models under torch.autocast (bf16) at 1.02x memopt's smallest
+    budget there (heads chunked under autocast: passes.lm_heads): every gradient within
+    bf16 rounding of eager's under the same autocast and dropout masks (2% of its size; a gradient that is zero in exact arithmetic, as an attention key's bias, against
+    the floor of 1% of the model's largest), and the measured step within the budget and
+    within 1% of the plan."""
+    from memopt.errors import BudgetError
+
+    eager_case = build(name)
+    case = ZooCase(name, copy.deepcopy(eager_case.model), eager_case.args,
+                   eager_case.kwargs, eager_case.loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(BudgetError) as err:
+            memopt.plan(case.model, *case.args, example_kwargs=case.kwargs, budget=1)
+    budget = int(1.02 * err.value.minimum_bytes)
+    compiled = memopt.compile(case.model, budget=budget)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _step(eager_case, None, seed=1)
+        _step(case, compiled, seed=1)  # plans
+    expected = _gradients(eager_case)
+    got = _gradients(case)
+    plan = compiled.memopt_plan
+    assert plan.heads and plan.fits
+    floor = 1e-2 * max(w.abs().max().item() for w in expected if w is not None)
+    for (pname, _), want, have in zip(case.model.named_parameters(), expected, got):
+        if want is None:
+            assert have is None, pname
+            continue
+        scale = max(want.abs().max().item(), floor)
+        assert (have - want).abs().max().item() <= 2e-2 * scale, (name, pname)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        peak = allocated_peak(compiled, case)
+    assert peak <= budget, (name, peak, budget)
+    assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * peak, (name, peak, plan)
