@@ -191,3 +191,26 @@ def test_count_optimizer_later():
     plain(x).backward()
     with pytest.raises(InputError, match="before the module's first training step"):
         count_optimizer(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9))
+
+
+def test_accumulation_step_with_optimizer_within_its_plan():
+    """Gradient accumulation with optimizer=: the second micro-batch (its .grad kept,
+    memopt's kept-gradient step) measures what its plan predicts, the state resident."""
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(512, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    compiled = memopt.compile(model, budget=0.9, optimizer=opt)
+    for _ in range(2):  # plans both steps, makes the state
+        compiled(x).backward()
+        compiled(x).backward()
+        opt.step()
+        opt.zero_grad()
+    compiled(x).backward()
+    kept = [*model.parameters(), x, *(p.grad for p in model.parameters())]
+    resident = sum(t.untyped_storage().nbytes() for t in kept) + _real_state(opt)
+    with allocation_peak("cpu") as seen:
+        compiled(x).backward()
+    plan = compiled.memopt_plan
+    assert plan.existing_grad_bytes > 0 and plan.optimizer_state_bytes == _real_state(opt)
+    assert resident + seen.peak <= plan.predicted_peak_bytes + 1024
+    assert resident + seen.peak <= plan.budget_bytes
