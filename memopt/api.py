@@ -290,13 +290,17 @@ def _has_grads(grad_state: list[int]) -> bool:
     return 3 in grad_state
 
 
+def _training_device(model: nn.Module) -> torch.device:
+    """The device of the model's trainable parameters (the CPU when it has none)."""
+    return next((p.device for p in model.parameters() if p.requires_grad), torch.device("cpu"))
+
+
 def _count_optimizer(backend: MemoptBackend, model: nn.Module) -> None:
     """The optimizer's state and step bytes, for the budget (memopt.optimizer), on the
     device of the model's parameters; checked against its real state after its first
     step when they were predicted."""
     source = backend.optimizer_source
-    device = next((p.device for p in model.parameters() if p.requires_grad),
-                  torch.device("cpu"))
+    device = _training_device(model)
     backend.optimizer = optimizer_bytes(source, device)
     if backend.optimizer.predicted and device.type != "meta":
         check_after_first_step(source, backend.optimizer, device)
@@ -318,9 +322,7 @@ def count_optimizer(compiled: CompiledModule, optimizer: torch.optim.Optimizer) 
     check_optimizer(optimizer, compiled.original_module)
     if backend.plans:
         counted = backend.optimizer
-        device = next((p.device for p in compiled.original_module.parameters()
-                       if p.requires_grad), torch.device("cpu"))
-        new = optimizer_bytes(optimizer, device)
+        new = optimizer_bytes(optimizer, _training_device(compiled.original_module))
         if counted is None or new.state_bytes > counted.state_bytes \
                 or new.step_bytes > counted.step_bytes:
             raise InputError(
