@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,9 +230,3 @@ def check_after_first_step(optimizer: torch.optim.Optimizer, expected: Optimizer
 
     return optimizer.register_step_post_hook(hook)
 
-
-def describe(parts: Iterable[OptimizerBytes]) -> str:
-    """One line per optimizer for a plan's summary."""
-    return "; ".join(f"{o.name}: state {format_bytes(o.state_bytes)}"
-                     f"{' (predicted)' if o.predicted else ''}, step "
-                     f"{format_bytes(o.step_bytes)}" for o in parts)
