@@ -367,7 +367,12 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             memopt.kernels and docs/kernels.md); `optimizer=opt` (the
             torch.optim.Optimizer the loop steps, over the model's parameters) puts its
             state, held through the step, and what its `step()` allocates in the
-            budget (memopt.optimizer; predicted before its first step, then checked).
+            budget (memopt.optimizer; predicted before its first step, then checked);
+            with it, where the budget cannot be met otherwise, the optimizer steps each
+            parameter inside the backward as its gradient completes and frees the
+            gradient (memopt.stepper; `step_in_backward=True` always, `False` never;
+            loops that read gradients after backward, such as accumulation, clipping
+            or GradScaler, then raise memopt.stepper.GradientConsumedError).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or
@@ -390,6 +395,9 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
         raise ValueError(f"fullgraph must be True or False, got {fullgraph!r}")
     optimizer = options.pop("optimizer", None)
     backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
+    if backend.step_in_backward and optimizer is None:
+        raise InputError("step_in_backward=True steps the optimizer inside the backward: "
+                         "pass the optimizer the loop steps as optimizer=")
     if optimizer is not None:
         check_optimizer(optimizer, model)
         backend.optimizer_source = optimizer

@@ -97,7 +97,7 @@ class MemoptBackend:
                  existing_grads: bool = False, progress: bool = True,
                  solver: str | None = None, solver_seconds: float = 30.0,
                  drop_outputs: bool = False, workspaces: WorkspaceCache | None = None,
-                 kernels: str = "aten") -> None:
+                 kernels: str = "aten", step_in_backward: bool | None = None) -> None:
         self.budget: Budget | None = parse_budget(budget)
         #: what runs the planned graphs (memopt.kernels)
         self.kernels = Kernels.parse(kernels)
@@ -137,6 +137,12 @@ class MemoptBackend:
         #: memopt.compile / memopt.plan from `optimizer=`), None: not counted
         self.optimizer: OptimizerBytes | None = None
         self.optimizer_source: torch.optim.Optimizer | None = None
+        if step_in_backward not in (None, True, False):
+            raise ValueError(f"step_in_backward must be None (where the budget needs it), "
+                             f"True or False, got {step_in_backward!r}")
+        #: the optimizer stepped inside the backward (memopt.stepper): None where the
+        #: budget needs it, True always, False never
+        self.step_in_backward = step_in_backward
 
     @property
     def plans(self) -> list[MemoryPlan]:
@@ -245,6 +251,9 @@ class MemoptBackend:
         if grads is None:
             self.plan_log.call = None
             return
+        for graph in self.plan_log.last_runs:  # consumed gradients left: accumulation
+            if graph.steps_in_backward:
+                graph.stepping.stepper.check_forward()
         opt = self.optimizer
         call = StepCall(tensors, grads, args, kwargs,
                         ddp.counted_bytes if ddp is not None else 0, tuple(held), after_backward,

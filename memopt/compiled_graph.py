@@ -25,7 +25,7 @@ from memopt.passes.lm_heads import Attach
 
 from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
-from .errors import BudgetError
+from .errors import BudgetError, InputError
 from .grads import GradSink
 from .kernels import Kernels, compile_with_inductor, schedule_excess
 from .graph_breaks import ReplanPolicy
@@ -33,6 +33,7 @@ from .memory_plan import GraphBreak, MemoryPlan
 from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
 from .steps import Outside
+from .stepper import Stepping, stepping_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backend import MemoptBackend
@@ -66,6 +67,18 @@ class CompiledGraph:
         self.sink, self.grads = None, None
         if backend.existing_grads:
             self.sink, self.grads = _grad_sink(self.kinds, [*self.attributes, *example_inputs])
+        #: the optimizer stepped inside the backward (memopt.stepper): what planning it
+        #: needs, or why it cannot be (""; None: not asked, no optimizer= or a kept-.grad
+        #: step); whether the plan in use steps in the backward
+        self.stepping: Stepping | str | None = None
+        if backend.optimizer is not None and backend.optimizer_source is not None \
+                and backend.step_in_backward is not False and not backend.existing_grads:
+            self.stepping = stepping_for(
+                backend.optimizer_source, backend.optimizer, self.kinds,
+                [*self.attributes, *example_inputs], alone=alone,
+                ddp=backend.plan_log.ddp is not None,
+                kernels_inductor=backend.kernels is Kernels.INDUCTOR)
+        self.steps_in_backward = False
         self.outside_grads = aliased_output_grad_bytes(gm)
         self.outside, self.policy, self.step_baseline = Outside(), ReplanPolicy.GREEDY, None
         self.provisional = False  # planned with a guess for the graphs after it
@@ -119,7 +132,7 @@ class CompiledGraph:
                 must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
                 fraction_floor=plans.fraction_floor if self.alone else 0)
             try:
-                fw, bw, plan = plan_joint(request)
+                fw, bw, plan = self._plan_joint(request)
             except BudgetError as err:
                 err.capture_seconds = captured
                 raise
@@ -173,6 +186,36 @@ class CompiledGraph:
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside
         self.policy, self.step_baseline = policy, step_baseline
         return self.run
+
+    def _plan_joint(self, request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule,
+                                                         MemoryPlan]:
+        """plan_joint, with the optimizer stepped inside the backward where asked
+        (step_in_backward=True) or where the budget needs it (the default): a plan that
+        misses the budget is made again with it, for the same bytes (memopt.stepper)."""
+        stepping, asked = self.stepping, self.backend.step_in_backward
+        if asked and not isinstance(stepping, Stepping):
+            raise InputError(f"step_in_backward=True, but the optimizer cannot step inside "
+                             f"this backward: {stepping or 'no optimizer= was given'}")
+        if not asked:
+            try:
+                self.steps_in_backward = False
+                return plan_joint(request)
+            except BudgetError as err:
+                if not isinstance(stepping, Stepping):
+                    raise
+                baseline = request.step_baseline or err.baseline_bytes
+        else:
+            baseline = request.step_baseline
+        outside = request.outside
+        if stepping.all_stepped:  # the user's optimizer.step() then allocates nothing
+            outside = Outside(outside.forward, outside.backward, max(
+                0, outside.after_backward - self.backend.optimizer.step_bytes))
+        planned = plan_joint(dataclasses.replace(request, grads=stepping.grads,
+                                                 outside=outside, step_baseline=baseline))
+        if not self.backend.plan_only:
+            stepping.stepper.activate()
+        self.steps_in_backward = True
+        return planned
 
     def _inductor_or_aten(self, example_inputs: Sequence[Any], partition_fn: Callable,
                           planned: list[MemoryPlan], aten: Callable[[], Callable]) -> Callable:
@@ -236,9 +279,13 @@ class CompiledGraph:
                 record = call.trace().start_run(self, flat, self.plan.held_bytes)
         if self.sink is not None:
             self.sink.bind(flat)
+        elif self.steps_in_backward:
+            self.stepping.stepper.bind(flat)
         out = self.compiled(*args)
         if self.dropped is not None:
             self.dropped.watch(out)
+        if self.steps_in_backward:
+            self.stepping.stepper.watch(out)
         if record is not None:
             record.record_outputs(out)
         elif skipped:

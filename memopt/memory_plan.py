@@ -349,6 +349,10 @@ class MemoryPlan(BaseModel):
     optimizer: str = ""
     optimizer_state_bytes: Bytes = 0
     optimizer_step_bytes: Bytes = 0
+    #: How many parameters the optimizer steps inside the backward, each as its gradient
+    #: completes, freeing the gradient there (memopt.stepper; 0: none, optimizer.step()
+    #: steps them after the backward)
+    steps_in_backward: Count = 0
     #: what runs the planned graphs (memopt.kernels): "aten" or "inductor", and why a
     #: graph asked for inductor runs aten
     kernels: str = "aten"
@@ -457,10 +461,12 @@ class MemoryPlan(BaseModel):
                 f"  after backward   {b(self.outside_after_backward_bytes):>12}   allocated as "
                 f"the backward ends, outside the graph ({' and '.join(what)})")
         if self.optimizer:
+            step = (f"{self.steps_in_backward} parameters stepped inside the backward as each "
+                    f"gradient completes, which is then freed" if self.steps_in_backward else
+                    f"its step() allocates {b(self.optimizer_step_bytes)} more")
             lines.append(
                 f"  optimizer        {b(self.optimizer_state_bytes):>12}   {self.optimizer} state, "
-                f"held through the step; its step() allocates "
-                f"{b(self.optimizer_step_bytes)} more (both in the predicted peak)")
+                f"held through the step; {step} (both in the predicted peak)")
         if self.graph_break is not None:
             lines.append(f"  ends at break    {self.graph_break.where()}")
         if self.ddp_bucket_bytes:

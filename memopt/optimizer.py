@@ -58,6 +58,13 @@ class OptimizerBytes:
     state_bytes: int        # resident through the step once it has stepped
     step_bytes: int         # allocated above that while optimizer.step() runs
     predicted: bool         # the state was predicted (no real state existed yet)
+    #: what stepping one parameter alone allocates, per byte of the parameter (the step
+    #: inside the backward, memopt.stepper): the largest over groups and dtypes
+    alone_per_byte: float = 0.0
+
+    def alone_bytes(self, nbytes: int) -> int:
+        """What stepping one parameter of `nbytes` alone allocates above its state."""
+        return int(self.alone_per_byte * nbytes + 0.5)
 
 
 def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
@@ -80,7 +87,7 @@ def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
 def optimizer_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> OptimizerBytes:
     """The state and step bytes of `optimizer` for its parameters on `device`."""
     device = torch.device(device)
-    state, predicted, step = 0, False, 0
+    state, predicted, step, alone = 0, False, 0, 0.0
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if _on(p, device)]
         if not params:
@@ -93,8 +100,10 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> O
             mine += _predicted_state(optimizer, group, todo)
         state += mine
         measured = _step_bytes(optimizer, group, params, device)
-        step = max(step, mine if measured is None else measured)
-    return OptimizerBytes(type(optimizer).__name__, state, step, predicted)
+        if measured is None:  # not trackable: charged the state's bytes (Adam's two moments)
+            measured = (mine, 2.0)
+        step, alone = max(step, measured[0]), max(alone, measured[1])
+    return OptimizerBytes(type(optimizer).__name__, state, step, predicted, alone)
 
 
 def _on(p: torch.Tensor, device: torch.device) -> bool:
@@ -167,17 +176,18 @@ def _predicted_state(optimizer: torch.optim.Optimizer, group: dict,
 
 
 def _step_bytes(optimizer: torch.optim.Optimizer, group: dict, params: list[torch.Tensor],
-                device: torch.device) -> int | None:
-    """What one step of `group` allocates above its state (the module docstring), on the
-    CPU's probes for a meta device; None where allocations cannot be tracked (a profiler
-    is recording: the group's state bytes are charged instead, counted high for Adam's
-    steps, which allocate at most as much as its two moments)."""
+                device: torch.device) -> tuple[int, float] | None:
+    """What one step of `group` allocates above its state (the module docstring), and what
+    stepping one parameter alone allocates per byte of it, on the CPU's probes for a meta
+    device; None where allocations cannot be tracked (a profiler is recording: the group's
+    state bytes are charged instead, counted high for Adam's steps, which allocate at most
+    as much as its two moments)."""
     where = device if device.type in ("cpu", "cuda") else torch.device("cpu")
     if not can_track(where):
         log.warning("memopt: cannot track allocations while planning (a profiler is "
                     "recording); the optimizer's step is charged its state's bytes")
         return None
-    largest = 0
+    largest, alone = 0, 0.0
     for dtype in sorted({p.dtype for p in params}, key=str):
         one, two, three = (_probe(type(optimizer), group, dtype, where, n) for n in (1, 2, 3))
         probe = PROBE_ELEMENTS * torch.empty((), dtype=dtype).element_size()
@@ -187,7 +197,8 @@ def _step_bytes(optimizer: torch.optim.Optimizer, group: dict, params: list[torc
         nbytes = [p.untyped_storage().nbytes() for p in params if p.dtype == dtype]
         window = max(this * b + last * a for a, b in zip([0, *nbytes], nbytes))
         largest = max(largest, int(per_total * sum(nbytes) + window))
-    return largest
+        alone = max(alone, one / probe)
+    return largest, alone
 
 
 def _probe(cls: type, group: dict, dtype: torch.dtype, device: torch.device, count: int

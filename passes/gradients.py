@@ -1,4 +1,5 @@
-"""Add each parameter's gradient into its existing `.grad` as soon as it is complete.
+"""Add each parameter's gradient into its existing `.grad`, or step the optimizer on it,
+as soon as it is complete.
 
 Requires: the joint graph of a step (AOTAutograd's convention: its output returns the
 `num_fwd_outputs` forward outputs, then one gradient per non-tangent placeholder, in
@@ -18,22 +19,31 @@ it instead of g; and how many such nodes it placed. Liveness then ends g at its 
 reader instead of holding it to the end of the step (the step where `.grad` exists:
 memopt.grads). The input graph is not changed.
 
+With `step_bytes` (the optimizer step inside the backward, memopt.stepper; PyTorch's
+tutorial "How to save memory by fusing the optimizer step into the backward pass", and
+Lv et al. 2023, LOMO) the node updates the parameter in place, so it must also come after
+every node that reads the parameter's storage (its own and its views': a backward matmul
+reads the weight, a recomputed view of it too): it sits after the later of g and that
+last reader, and allocates `step_bytes[primal]` while it runs (its workspace).
+
 Algorithm:
     Step 1: pair the output's gradients with the primals, by position.
-    Step 2: after each parameter gradient's producing node, insert the `add` node
-        (marked with ACCUMULATES so that plans can name it), reading the primal.
+    Step 2: after each parameter gradient's producing node (with `step_bytes`: or the
+        parameter's last reader, if later), insert the `add` node (marked with
+        ACCUMULATES, or STEPS_IN_BACKWARD, so that plans can name it), reading the primal.
     Step 3: the output returns the `add` nodes' values in those positions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from torch import fx
 
-from ._torch_compat import is_tangent
+from ._torch_compat import is_tangent, storage_key
 
-from .meta import ACCUMULATES
+from .meta import ACCUMULATES, STEPS_IN_BACKWARD, WORKSPACE_BYTES, fake_value, value_tensors
 from .partition import Cut
 from .recompute import copy_graph_module
 
@@ -44,8 +54,23 @@ def save_parameters(cut: Cut, params: frozenset[str]) -> Cut:
     return Cut(saved=cut.saved + extra, saved_symbols=cut.saved_symbols)
 
 
+def last_readers(nodes: list[fx.Node]) -> dict[Any, fx.Node]:
+    """Each storage (passes._torch_compat.storage_key of a traced value) mapped to the last
+    of `nodes` that reads it (reads a node whose value lives in it: views share it)."""
+    last: dict[Any, fx.Node] = {}
+    for node in nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        for arg in node.all_input_nodes:
+            for t in value_tensors(fake_value(arg)):
+                last[storage_key(t)] = node
+    return last
+
+
 def accumulate_in_place(joint: fx.GraphModule, num_fwd_outputs: int, params: frozenset[str],
-                        add: Callable[[Any, Any], Any]) -> tuple[fx.GraphModule, int]:
+                        add: Callable[[Any, Any], Any],
+                        step_bytes: Mapping[str, int] | None = None
+                        ) -> tuple[fx.GraphModule, int]:
     gm = copy_graph_module(joint)
     output = next(iter(gm.graph.find_nodes(op="output")))
     outs = list(output.args[0])
@@ -57,15 +82,26 @@ def accumulate_in_place(joint: fx.GraphModule, num_fwd_outputs: int, params: fro
     if len(grads) != len(primals):
         return joint, 0
     placed = 0
+    nodes = list(gm.graph.nodes)
+    position = {n: k for k, n in enumerate(nodes)}
+    readers = last_readers(nodes) if step_bytes is not None else {}
     for i, (primal, grad) in enumerate(zip(primals, grads)):
         if primal.name not in params or not isinstance(grad, fx.Node):
             continue
         # Step 2: right after the gradient is produced (after the inputs, for a gradient
-        # that is a tangent as it came in).
+        # that is a tangent as it came in), and a step after the parameter's last reader.
         where = placeholders[-1] if grad.op == "placeholder" else grad
+        values = value_tensors(fake_value(primal))
+        reader = readers.get(storage_key(values[0])) if values and readers else None
+        if reader is not None and position[reader] > position[where]:
+            where = reader
         with gm.graph.inserting_after(where):
             node = gm.graph.call_function(add, (grad, primal))
-        node.meta[ACCUMULATES] = primal.name
+        if step_bytes is None:
+            node.meta[ACCUMULATES] = primal.name
+        else:
+            node.meta[STEPS_IN_BACKWARD] = primal.name
+            node.meta[WORKSPACE_BYTES] = step_bytes.get(primal.name, 0)
         node.meta["val"] = None
         outs[num_fwd_outputs + i] = node
         placed += 1

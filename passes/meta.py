@@ -41,6 +41,9 @@ KEPT_ARGS = "memopt.kept_args"
 #: Name of the parameter primal whose existing `.grad` a backward node adds a gradient
 #: into (str). Set by passes.gradients.
 ACCUMULATES = "memopt.accumulates_into"
+#: Name of the parameter primal a backward node steps the optimizer on, freeing its
+#: gradient (str). Set by passes.gradients (memopt.stepper).
+STEPS_IN_BACKWARD = "memopt.steps_in_backward"
 
 #: Keys written by PyTorch's tracers that memopt reads.
 VAL = "val"
@@ -115,6 +118,11 @@ def preset_workspace_bytes(node: fx.Node) -> int | None:
 def accumulates_into(node: fx.Node) -> str | None:
     """The parameter primal whose `.grad` this node adds a gradient into, if any."""
     return node.meta.get(ACCUMULATES)
+
+
+def steps_in_backward(node: fx.Node) -> str | None:
+    """The parameter primal this node steps the optimizer on (memopt.stepper), if any."""
+    return node.meta.get(STEPS_IN_BACKWARD)
 
 
 def inplace_source(node: fx.Node) -> str | None:

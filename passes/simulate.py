@@ -60,7 +60,7 @@ from ._torch_compat import OpOverload, is_sym_node, is_tangent, storage_key
 
 from .liveness import kept_by_caller
 from .inplace import inplace_overload, is_whole_dense, opaque_output, out_overload
-from .meta import OpBytes, fake_value, tensor_value, value_tensors
+from .meta import WORKSPACE_BYTES, OpBytes, fake_value, tensor_value, value_tensors
 from .partition import forward_region
 from .simulate_steps import Candidate
 from .step_data import Proto, Simulated
@@ -74,7 +74,8 @@ class StepModel:
     def __init__(self, joint: fx.GraphModule, num_fwd_outputs: int, *,
                  mutable_inputs: frozenset[str], primal_kinds: dict[str, str] | None = None,
                  existing_grads: dict[str, int] | None = None,
-                 accumulate: Callable[..., Any] | None = None, outside_grad_bytes: int = 0,
+                 accumulate: Callable[..., Any] | None = None,
+                 step_bytes: dict[str, int] | None = None, outside_grad_bytes: int = 0,
                  outside: tuple[int, ...] = (0, 0), granularity: int = 1,
                  impure_random: bool = False, outputs_dropped: bool = False,
                  workspaces: WorkspaceCache | None = None) -> None:
@@ -85,6 +86,10 @@ class StepModel:
         self.primal_kinds = primal_kinds or {}  # parameter / buffer / input, by primal name
         self.existing_grads = existing_grads
         self.accumulate = accumulate
+        #: the optimizer steps each parameter in `existing_grads` inside the backward and
+        #: frees its gradient (memopt.stepper): the bytes each step allocates; no `.grad`
+        #: is then resident (passes.gradients)
+        self.step_bytes = step_bytes
         self.outside_grad_bytes = outside_grad_bytes
         self.outside = outside
         self.granularity = granularity
@@ -136,18 +141,21 @@ class StepModel:
         self.by_name = {n.name: i for i, n in enumerate(nodes)}
         self._nodes = nodes
         self._twins: dict[tuple[int, str], tuple[list[tuple[Proto, tuple]], dict]] = {}
-        self._accumulate: Proto | None = None
+        self._accumulate: dict[int | None, Proto] = {}
         #: kernels' workspaces are measured on CPU and CUDA only (passes.workspace)
         self.measures = any(t.device.type in ("cpu", "cuda")
                             for n in nodes for t in value_tensors(fake_value(n))[:1])
 
-    def accumulate_proto(self) -> Proto:
-        """passes.gradients' `add(grad, parameter)` node: it reads, returns nothing."""
-        if self._accumulate is None:
+    def accumulate_proto(self, step_bytes: int | None = None) -> Proto:
+        """passes.gradients' `add(grad, parameter)` node: it reads, returns nothing; an
+        optimizer step's allocates `step_bytes` while it runs (its workspace)."""
+        if step_bytes not in self._accumulate:
             node = fx.Graph().call_function(self.accumulate, ())
             node.meta["val"] = None
-            self._accumulate = self._proto(node)
-        return self._accumulate
+            if step_bytes is not None:
+                node.meta[WORKSPACE_BYTES] = step_bytes
+            self._accumulate[step_bytes] = self._proto(node)
+        return self._accumulate[step_bytes]
 
     # Step 1 -------------------------------------------------------------------------
 

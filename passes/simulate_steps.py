@@ -163,7 +163,8 @@ class Candidate:
 
     def _accumulate(self, order: list[int], saved: list[int]) -> tuple[list[int], list[int]]:
         """passes.gradients: save the parameters, and add each parameter's gradient into
-        its `.grad` right after it is produced (after the inputs, for a tangent)."""
+        its `.grad` right after it is produced (after the inputs, for a tangent), or step
+        the optimizer on it (`step_bytes`), also after the parameter's last reader."""
         m = self.m
         params = frozenset(m.existing_grads)
         names = {self.P[i].name for i in saved}
@@ -172,11 +173,25 @@ class Candidate:
         if len(self.bw_outputs) != len(m.primals):
             return order, saved
         after: dict[int, list[int]] = {}
+        steps = m.step_bytes
+        position = {i: k for k, i in enumerate(order)}
+        readers: dict[int, int] = {}  # storage -> its last reader (an optimizer step's)
+        if steps is not None:
+            for i in order:
+                for a in self.I[i]:
+                    for raw in self.P[a].raw:
+                        readers[raw] = i
         for k, (primal, grad) in enumerate(zip(m.primals, self.bw_outputs)):
-            if m.protos[primal].name not in params or grad is None:
+            name = m.protos[primal].name
+            if name not in params or grad is None:
                 continue
             where = -1 if self.P[grad].kind in ("primal", "tangent") else grad
-            add = self._new(m.accumulate_proto(), (grad, primal), (grad, primal))
+            raw = self.P[primal].raw
+            reader = readers.get(raw[0], -1) if raw and steps is not None else -1
+            if reader >= 0 and position[reader] > position.get(where, -1):
+                where = reader
+            proto = m.accumulate_proto(None if steps is None else steps.get(name, 0))
+            add = self._new(proto, (grad, primal), (grad, primal))
             self.recomputed.discard(add)
             after.setdefault(where, []).insert(0, add)
             self.bw_outputs[k] = add
@@ -426,7 +441,8 @@ class Candidate:
         extras = [(size, step, step, timeline_kind("activation", workspace=True, chain=opaque))
                   for size, step, opaque in workspaces]
         extras += [(h.nbytes, h.start, h.end, timeline_kind(h.kind)) for h in held_outside(
-            shape, existing_grads=m.existing_grads, outside_bytes=m.outside,
+            shape, existing_grads=m.existing_grads if m.step_bytes is None else None,
+            outside_bytes=m.outside,
             outside_grad_bytes=m.outside_grad_bytes, has_backward=True)]
         intervals += [extra[:3] for extra in extras]
         kinds: tuple[str, ...] = ()

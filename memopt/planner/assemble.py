@@ -18,7 +18,8 @@ from memopt.allocator import Interval, assign_offsets, no_sharing_bytes, peak_li
 from memopt.allocator import share_by_tags
 from memopt.allocator.timeline import downsample, live_by_kind
 from memopt.passes.liveness import RESIDENT_KINDS, StepSchedule
-from memopt.passes.meta import accumulates_into, op_name, source_module, tensor_value, \
+from memopt.passes.meta import accumulates_into, op_name, source_module, steps_in_backward, \
+    tensor_value, \
     user_module
 from memopt.passes.simulate import Simulated
 
@@ -119,7 +120,7 @@ def assemble(final: Built, request: PlanRequest, decisions: Decisions, device: s
         reversible=by_field.get("reversible", ()),
         headroom_bytes=(decisions.budget_bytes - decisions.fits
                         if decisions.fits is not None else 0),
-        existing_grad_bytes=sum(grads.nbytes.values()) if grads is not None else 0,
+        existing_grad_bytes=sum((grads.resident or {}).values()) if grads is not None else 0,
         outside_forward_bytes=outside.forward,
         outside_backward_bytes=outside.backward,
         outside_after_backward_bytes=outside.after_backward,
@@ -128,6 +129,7 @@ def assemble(final: Built, request: PlanRequest, decisions: Decisions, device: s
         baseline_timeline=timeline(decisions.baseline,
                                    {"fw": request.joint, "bw": request.joint}, gran),
         grads_added_in_place=sum(1 for n in final.bw.graph.nodes if accumulates_into(n)),
+        steps_in_backward=sum(1 for n in final.bw.graph.nodes if steps_in_backward(n)),
     )
 
 

@@ -99,7 +99,8 @@ def build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
 
     Step 1: Chen Alg. 2: a mirror node for each value of `mirror` (passes.recompute),
         then the forward/backward cut; with kept `.grad` tensors the backward adds into
-        them (passes.gradients). The extraction drops saved values backward never reads.
+        them, with the optimizer stepped in the backward it steps on each gradient
+        (passes.gradients). The extraction drops saved values backward never reads.
     Step 2: Chen Sec. 3's in-place rewrites in both graphs (passes.inplace).
     Step 3: each op's kernel workspace, measured once per op and shape (passes.workspace).
     Step 4: liveness over the whole step (passes.liveness) and its peak.
@@ -114,7 +115,8 @@ def build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
             with stage("gradient accumulation", done):
                 cut = save_parameters(cut, frozenset(step.grads.nbytes))
                 joint, _ = accumulate_in_place(joint, num_fwd_outputs,
-                                               frozenset(step.grads.nbytes), step.grads.add)
+                                               frozenset(step.grads.nbytes), step.grads.add,
+                                               step.grads.step_bytes)
         fw, bw = partition(joint, num_fwd_outputs, cut)
         recomputed = frozenset(n.name for n in bw.graph.nodes if recomputed_from(n))
         saved_names = frozenset(cut.saved) & {n.name for n in bw.graph.find_nodes(op="placeholder")}

@@ -125,8 +125,10 @@ class _Planning:
         with stage("step model", self.done):
             self.model = StepModel(
                 self.joint, self.n, mutable_inputs=self.step.mutable_inputs,
-                primal_kinds=r.primal_kinds, existing_grads=self.step.existing_grad_bytes,
+                primal_kinds=r.primal_kinds,
+                existing_grads=r.grads.nbytes if r.grads is not None else None,
                 accumulate=r.grads.add if r.grads is not None else None,
+                step_bytes=r.grads.step_bytes if r.grads is not None else None,
                 outside_grad_bytes=r.outside_grad_bytes, outside=r.outside.bytes(),
                 granularity=self.gran, impure_random=dce_impure_random(),
                 outputs_dropped=self.step.outputs_dropped, workspaces=r.workspaces)
@@ -241,7 +243,9 @@ class _Planning:
     def budget_error(self, peak: int) -> BudgetError:
         r = self.request
         words = [r.label] if r.label else []
-        if r.grads is not None:
+        if r.grads is not None and r.grads.step_bytes is not None:
+            words.append("the optimizer stepped inside the backward")
+        elif r.grads is not None:
             words.append("the step that finds .grad kept from earlier steps: gradient "
                          "accumulation, zero_grad(set_to_none=False)")
         err = BudgetError(

@@ -31,6 +31,15 @@ class ExistingGrads:
 
     nbytes: dict[str, int]
     add: Callable[[str, Any], Any]
+    #: The optimizer steps each of these parameters inside the backward instead
+    #: (memopt.stepper): `add` is the stepper's, no `.grad` is resident, and each step
+    #: allocates `step_bytes[primal]` while it runs. None: gradients kept in `.grad`.
+    step_bytes: dict[str, int] | None = None
+
+    @property
+    def resident(self) -> dict[str, int] | None:
+        """The `.grad` bytes held for the whole step, by parameter primal."""
+        return self.nbytes if self.step_bytes is None else None
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,7 @@ class StepContext:
 
     @property
     def existing_grad_bytes(self) -> dict[str, int] | None:
-        return self.grads.nbytes if self.grads is not None else None
+        return self.grads.resident if self.grads is not None else None
 
     def liveness(self, fw: fx.GraphModule, bw: fx.GraphModule, saved: frozenset[str],
                  num_user_outputs: int) -> StepSchedule:
