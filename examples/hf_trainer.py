@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="0: no clipping, so the optimizer may step inside the backward "
+                             "where the budget needs it")
     args = parser.parse_args(argv)
 
     ids, vocab = load_corpus()
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         training = TrainingArguments(
             output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.steps,
             gradient_accumulation_steps=args.accumulate, learning_rate=1e-3,
+            max_grad_norm=args.max_grad_norm,
             logging_steps=max(1, args.steps // 6), report_to=[], save_strategy="no",
             disable_tqdm=True, seed=0)
         trainer = MemoptTrainer(model=model, args=training, train_dataset=Chunks(ids, args.seq),
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(trainer.model.memopt_plan.summary(max_rows=5))
     return {"losses": losses, "peaks": peaks.peaks, "reloaded": same,
             "steps": result.global_step, "plan": trainer.model.memopt_plan,
-            "optimizer": trainer.optimizer}
+            "optimizer": trainer.optimizer, "history": trainer.state.log_history}
 
 
 if __name__ == "__main__":

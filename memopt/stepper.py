@@ -136,6 +136,9 @@ class ParamStepper(GradSink):
         self._hook: Any = None
         #: the outputs of the last training forward whose backward has not run yet
         self._pending: list[weakref.ref] = []
+        #: the 2-norm of each gradient stepped since the last training forward (for the
+        #: global gradient norm a loop logs: `grad_norm`)
+        self._norms: list[torch.Tensor] = []
 
     def activate(self) -> None:
         """The plan steps in the backward: clear the consumed gradients before each of
@@ -174,6 +177,14 @@ class ParamStepper(GradSink):
         forward would save parameters that backward updates."""
         self._pending = [weakref.ref(t) for t in pytree.tree_leaves(out)
                          if isinstance(t, torch.Tensor) and t.requires_grad]
+        self._norms = []
+
+    def grad_norm(self) -> torch.Tensor | None:
+        """The global 2-norm of the gradients the last backward stepped with (what
+        `clip_grad_norm_(params, inf)` returns in eager, for logging), None if none."""
+        if not self._norms:
+            return None
+        return torch.linalg.vector_norm(torch.stack(self._norms))
 
     def check_forward(self) -> None:
         """A training forward begins: raise where the last forward's output still waits
@@ -212,6 +223,7 @@ class ParamStepper(GradSink):
         group["params"] = [param]
         shadow.param_groups = [group]
         param.grad = grad
+        self._norms.append(torch.linalg.vector_norm(grad))
         try:
             self._step(shadow)
         finally:
@@ -315,3 +327,17 @@ def stepping_for(optimizer: torch.optim.Optimizer, counted: OptimizerBytes,
     grads = ExistingGrads(nbytes=nbytes, add=stepper.add,
                           step_bytes={n: counted.alone_bytes(b) for n, b in nbytes.items()})
     return Stepping(stepper, grads, all_stepped)
+
+
+def last_grad_norm(module: Any) -> torch.Tensor | None:
+    """The global 2-norm of the gradients the last backward of a memopt module stepped the
+    optimizer with inside the backward (what a loop logs as its gradient norm; memopt
+    computes it as each gradient completes, since the gradients are freed), or None where
+    its last step did not step in the backward."""
+    backend = getattr(module, "_memopt_backend", None)
+    if backend is None:
+        raise TypeError(f"last_grad_norm expects a memopt module, got {type(module).__name__}")
+    norms = [g.stepping.stepper.grad_norm() for g in backend.plan_log.last_runs
+             if g.steps_in_backward]
+    norms = [n for n in norms if n is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else None

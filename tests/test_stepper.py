@@ -253,3 +253,21 @@ def test_the_step_in_backward_simulates_as_it_builds(name):
                             step_in_backward=True)
             except BudgetError:
                 pass
+
+
+def test_last_grad_norm_is_eagers():
+    """The gradients are gone after the backward; memopt.stepper.last_grad_norm is the
+    global norm eager's clip_grad_norm_(params, inf) reports for them."""
+    from memopt.stepper import last_grad_norm
+
+    model, opt, compiled = _stepping()
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 32)
+    torch.manual_seed(1)
+    compiled(x).backward()
+    torch.manual_seed(1)
+    eager(x).backward()
+    expected = torch.nn.utils.clip_grad_norm_(eager.parameters(), float("inf"))
+    torch.testing.assert_close(last_grad_norm(compiled), expected)
+    with pytest.raises(TypeError):
+        last_grad_norm(eager)

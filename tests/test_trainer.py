@@ -58,3 +58,20 @@ def test_a_plain_trainer_keeps_the_columns_and_trains(tmp_path) -> None:
     result = trainer.train()
     assert result.global_step == 3
     assert compiled.memopt_plan is not None and compiled.memopt_plan.budget_bytes
+
+
+def test_memopt_trainer_steps_in_the_backward_where_its_loop_allows() -> None:
+    """No clipping (max_grad_norm=0), no accumulation: at a budget below the smallest one
+    without it, the optimizer steps inside the backward, the measured steps hold the
+    budget, the loss goes down, and the Trainer logs memopt's gradient norm. With the
+    Trainer's default clipping the same budget is refused, naming the minimum."""
+    result = hf_trainer.main(["--steps", "4", "--budget", "0.627", "--max-grad-norm", "0"])
+    plan = result["plan"]
+    assert plan.steps_in_backward > 0 and plan.optimizer == "AdamW"
+    assert result["losses"][-1] < result["losses"][0]
+    for step, measured, predicted, budget in result["peaks"]:
+        assert measured <= min(predicted, budget), (step, measured, predicted, budget)
+    assert all(h.get("grad_norm", 1.0) > 0 for h in result["history"])
+    with pytest.raises(memopt.BudgetError) as refused:
+        hf_trainer.main(["--steps", "1", "--budget", "0.627"])
+    assert refused.value.smallest_fraction > 0.627

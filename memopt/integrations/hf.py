@@ -14,7 +14,9 @@ module saves its state dict only: the same keys, no config). Gradient accumulati
 micro-batch; `memopt_options={"drop_outputs": True}` plans for what the Trainer does (it
 keeps only the loss past the forward, so a language model's logits are freed before
 backward; not the default: see the README's Known limits); `gradient_checkpointing=True` is ignored with a warning (memopt plans
-recomputation itself).
+recomputation itself). The optimizer steps inside the backward (memopt.stepper) where the
+budget needs it only when the Trainer's loop allows it: no gradient accumulation,
+`max_grad_norm=0` (global-norm clipping reads every gradient after backward), no fp16.
 
 `PeakMemoryCallback` measures the allocated peak of the forward and backward of chosen
 steps (from the start of an optimizer step to just before `optimizer.step()`, so
@@ -35,8 +37,21 @@ from memopt.api import CompiledModule
 from memopt.api import compile as memopt_compile
 from memopt.api import count_optimizer
 from memopt.measure import AllocationTracker, can_track
+from memopt.stepper import last_grad_norm
 
 log = logging.getLogger("memopt")
+
+
+def _no_step_in_backward(args: Any) -> str:
+    """Why this Trainer's loop cannot step the optimizer inside the backward
+    (memopt.stepper), or "": it accumulates gradients, clips their global norm, or scales
+    the loss for fp16."""
+    why = [w for w, on in (
+        ("gradient_accumulation_steps > 1", getattr(args, "gradient_accumulation_steps", 1) > 1),
+        ("max_grad_norm clips the global norm (set it to 0 to allow it)",
+         bool(getattr(args, "max_grad_norm", 0))),
+        ("fp16 uses a GradScaler", bool(getattr(args, "fp16", False)))) if on]
+    return "; ".join(why)
 
 
 class MemoptTrainer(Trainer):
@@ -53,6 +68,20 @@ class MemoptTrainer(Trainer):
             self.model = memopt_compile(self.model, memopt_budget, **(memopt_options or {}))
         self.model_wrapped = self.model
         self.memopt_count_optimizer = memopt_count_optimizer
+        backend = self.model._memopt_backend
+        refusal = _no_step_in_backward(self.args)
+        if refusal and backend.step_in_backward is None:
+            log.info("memopt: the optimizer does not step inside the backward: %s", refusal)
+            backend.step_in_backward = False
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        """The gradient norm the Trainer logs: where memopt stepped the optimizer inside
+        the backward, the gradients are gone, and memopt's norm of them is returned."""
+        if grad_norm is None and isinstance(self.model, CompiledModule):
+            norm = last_grad_norm(self.model)
+            if norm is not None:
+                return norm.item()
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         optimizer = super().create_optimizer(*args, **kwargs)
