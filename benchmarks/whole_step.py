@@ -14,10 +14,12 @@ interleaved; the table gives each one's median step time over eager float32's.
 
 memopt runs with `drop_outputs=True`, as this loop keeps only the loss past the forward
 (`model(**batch).loss`, as the HF Trainer does). memopt's budgets: "min" is the smallest byte budget memopt accepts for the float32 step with
-the optimizer counted (from memopt.compile's BudgetError at budget=1), and one halfway between it and the
-baseline; the bf16 row is planned at that same
-float32 minimum (issue 26: under bf16 autocast a model accepts a budget no higher than
-float32's minimum). Absolute times are not reported (a shared 2-core CPU unless a GPU is
+the optimizer counted (from memopt.compile's BudgetError at budget=1, with
+`step_in_backward=False`), and one halfway between it and the baseline; "step in backward"
+is the smallest with the optimizer stepped inside the backward (memopt.stepper:
+`step_in_backward=True`, each gradient freed as its parameter steps). The bf16 row without
+it is planned at float32's minimum (issue 26: under bf16 autocast a model accepts a budget
+no higher than float32's minimum); the bf16 row with it at its own minimum. Absolute times are not reported (a shared 2-core CPU unless a GPU is
 named).
 """
 
@@ -113,17 +115,27 @@ def _configs(model: torch.nn.Module, kwargs: dict) -> list[Config]:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
         return Config(name, wrap(m, opt) if wrap else m, m, opt, autocast)
 
-    probe = copy.deepcopy(model)
-    try:  # the smallest budget memopt.compile accepts for this step (its trace's count)
-        memopt.compile(probe, budget=1, optimizer=torch.optim.AdamW(probe.parameters()),
-                       drop_outputs=True)(**kwargs)
+    def smallest(stepping: bool, autocast: bool = False) -> BudgetError:
+        """The smallest budget memopt.compile accepts for this step (its trace's count),
+        with or without the optimizer stepped inside the backward."""
+        probe = copy.deepcopy(model)
+        device = kwargs["input_ids"].device.type
+        try:
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                memopt.compile(probe, budget=1, optimizer=torch.optim.AdamW(probe.parameters()),
+                               drop_outputs=True, step_in_backward=stepping)(**kwargs)
+        except BudgetError as err:
+            return err
         raise RuntimeError("budget=1 byte was accepted")
-    except BudgetError as err:
-        minimum, middle = err.minimum_bytes, (err.minimum_bytes + err.baseline_bytes) // 2
 
-    def at(budget: object) -> Callable:
+    err = smallest(False)
+    minimum, middle = err.minimum_bytes, (err.minimum_bytes + err.baseline_bytes) // 2
+    lowest = smallest(True).minimum_bytes
+    lowest_bf16 = smallest(True, autocast=True).minimum_bytes
+
+    def at(budget: object, stepping: bool = False) -> Callable:
         return lambda m, opt: memopt.compile(m, budget=budget, optimizer=opt,
-                                             drop_outputs=True)
+                                             drop_outputs=True, step_in_backward=stepping)
 
     return [
         fresh("eager fp32"),
@@ -131,8 +143,11 @@ def _configs(model: torch.nn.Module, kwargs: dict) -> list[Config]:
         fresh("memopt none, optimizer= fp32", at(None)),
         fresh(f"memopt {format_bytes(middle)}, optimizer= fp32", at(middle)),
         fresh(f"memopt min {format_bytes(minimum)} fp32", at(minimum)),
+        fresh(f"memopt min {format_bytes(lowest)}, step in backward fp32", at(lowest, True)),
         fresh("eager bf16", autocast=True),
         fresh(f"memopt {format_bytes(minimum)} bf16", at(minimum), autocast=True),
+        fresh(f"memopt min {format_bytes(lowest_bf16)}, step in backward bf16",
+              at(lowest_bf16, True), autocast=True),
     ]
 
 
