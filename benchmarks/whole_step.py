@@ -75,6 +75,11 @@ MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
     "gpt2": _gpt2, "llama": _llama, "tiny": _tiny}
 
 
+#: the smallest budgets found for a model: fp32 without and with the step in the backward,
+#: then bf16 without and with (by id of the model given to _configs)
+SMALLEST: dict[int, tuple[int, int, int, int]] = {}
+
+
 @dataclass
 class Config:
     """One row: a model copy, its optimizer, and how its step runs."""
@@ -132,6 +137,8 @@ def _configs(model: torch.nn.Module, kwargs: dict) -> list[Config]:
     minimum, middle = err.minimum_bytes, (err.minimum_bytes + err.baseline_bytes) // 2
     lowest = smallest(True).minimum_bytes
     lowest_bf16 = smallest(True, autocast=True).minimum_bytes
+    SMALLEST[id(model)] = (minimum, lowest, smallest(False, autocast=True).minimum_bytes,
+                           lowest_bf16)
 
     def at(budget: object, stepping: bool = False) -> Callable:
         return lambda m, opt: memopt.compile(m, budget=budget, optimizer=opt,
@@ -154,6 +161,10 @@ def _configs(model: torch.nn.Module, kwargs: dict) -> list[Config]:
 def run(name: str, device: str, rounds: int) -> list[Config]:
     model, kwargs = MODELS[name](device)
     configs = _configs(model, kwargs)
+    f32, f32_in, bf16, bf16_in = SMALLEST[id(model)]
+    print(f"{name}: smallest budgets, without / with the optimizer step in the backward: "
+          f"fp32 {format_bytes(f32)} / {format_bytes(f32_in)}, bf16 {format_bytes(bf16)} / "
+          f"{format_bytes(bf16_in)}", flush=True)
     for c in configs:  # warm-up: memopt plans at the first step; the state then exists
         for _ in range(2):
             c.step(kwargs)

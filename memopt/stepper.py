@@ -308,7 +308,8 @@ def stepping_for(optimizer: torch.optim.Optimizer, counted: OptimizerBytes,
         return "DistributedDataParallel all-reduces the gradients after the backward"
     if kernels_inductor:
         return 'kernels="inductor" cannot call the optimizer from its generated code'
-    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.float16:
+    if any(torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16
+           for d in ("cpu", "cuda")):
         return "fp16 autocast needs GradScaler, which decides to skip a step after the backward"
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
     slots = {name: i for i, (name, kind) in enumerate(kinds.items())
