@@ -92,7 +92,7 @@ class MemoptBackend:
     """
 
     def __init__(self, budget: object = None, *, inplace: bool = True,
-                 mirror: object = None, headroom: float = Options.headroom,
+                 mirror: object = None, headroom: float | None = None,
                  plan_only: bool = False, loops: bool = True,
                  existing_grads: bool = False, progress: bool = True,
                  solver: str | None = None, solver_seconds: float = 30.0,
@@ -118,9 +118,11 @@ class MemoptBackend:
         self.workspaces = workspaces if workspaces is not None else SHARED
         if mirror is not None and mirror != "all":
             mirror = frozenset(mirror)
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
-                or not 0 <= headroom < 1:
-            raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+        if headroom is not None and (isinstance(headroom, bool)
+                                     or not isinstance(headroom, (int, float))
+                                     or not 0 <= headroom < 1):
+            raise ValueError(f"headroom must be None (the device's default) or a fraction in "
+                             f"[0, 1), got {headroom!r}")
         if solver not in (None, "milp"):
             raise ValueError(f'solver must be None or "milp", got {solver!r}')
         if solver == "milp" and importlib.util.find_spec("highspy") is None:
@@ -128,7 +130,8 @@ class MemoptBackend:
                               '(or pip install highspy)')
         # Under inductor, buffer reuse and in-place updates are inductor's (memopt.kernels)
         inplace = inplace and self.kernels is Kernels.ATEN
-        self.options = Options(inplace=inplace, mirror=mirror, headroom=float(headroom),
+        self.options = Options(inplace=inplace, mirror=mirror,
+                               headroom=None if headroom is None else float(headroom),
                                progress=progress, solver=solver,
                                solver_seconds=float(solver_seconds),
                                drop_outputs=drop_outputs)

@@ -29,6 +29,21 @@ _BYTESIZE = TypeAdapter(ByteSize)
 _SIZE = re.compile(r"^\s*\d+(\.\d+)?\s*[a-zA-Z]*\s*$")
 
 
+#: The fraction of every budget, in bytes or as a fraction, kept free for what a plan does
+#: not model (allocations outside PyTorch's allocator, fragmentation, kernel workspaces
+#: that depend on values), by device type: the worst excess of a measured peak over its
+#: prediction on that device, rounded up (docs/budgets.md, "Headroom"). CPU: 1.1% (the
+#: fuzzer's 200 models; the zoo's are within 8 bytes). CUDA (H100): 2.3% (a Llama
+#: under a budget), 1.4% (EfficientNet under inductor). Other devices (meta: a plan of
+#: shapes for any of them) take the largest.
+HEADROOM = {"cpu": 0.015, "cuda": 0.03}
+
+
+def default_headroom(device: str) -> float:
+    """The headroom a budget keeps on `device` ("cpu", "cuda:0", "meta") by default."""
+    return HEADROOM.get(str(device).split(":")[0], max(HEADROOM.values()))
+
+
 @dataclass(frozen=True)
 class Budget:
     """A parsed budget: absolute bytes, or a fraction of the baseline peak."""

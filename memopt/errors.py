@@ -45,13 +45,13 @@ class BudgetError(MemoptError):
     """The requested budget is below the smallest peak memopt can reach for this step.
 
     Fields: `budget_bytes` (the budget, resolved to bytes); `minimum_bytes` (the smallest
-    budget memopt accepts for this step in the form given, resolved to bytes: headroom
-    included for a byte budget); `baseline_bytes` (memopt's *predicted* peak of the same
-    step with no recomputation and no in-place rewrites, `MemoryPlan.baseline_peak_bytes`;
+    budget memopt accepts for this step, in bytes, the headroom every budget keeps free
+    included: memopt.budget.HEADROOM); `baseline_bytes` (memopt's *predicted* peak of the
+    same step with no recomputation and no in-place rewrites, what a fraction is of;
     not a measurement of eager PyTorch, whose peak can differ from it by 10-20%); and the
-    two ways to pass a budget that fits: `smallest_byte_budget` (an int of bytes, the
-    headroom a byte budget keeps free included) and `smallest_fraction` (a float budget,
-    None when no fraction in (0, 1] fits). `step` names the kind of step that did not fit
+    two ways to pass a budget that fits: `smallest_byte_budget` (an int of bytes, equal to
+    `minimum_bytes`) and `smallest_fraction` (a float budget resolving to at least those
+    bytes, None when no fraction in (0, 1] fits). `step` names the kind of step that did not fit
     when it is not a first step: a step that finds `.grad` kept from earlier steps holds
     those gradients from its start, so it can need more than the first step did.
     `plan_seconds` and `capture_seconds`: how long the search that found the minimum ran,
@@ -68,20 +68,16 @@ class BudgetError(MemoptError):
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes
         self.baseline_bytes = baseline_bytes
-        self.headroom = headroom  # kept free of this budget (0 for a fraction budget)
+        self.headroom = headroom  # kept free of every budget (memopt.budget.HEADROOM)
         self._budget = budget
-        self._byte_headroom = byte_headroom
+        self._byte_headroom = byte_headroom  # (unused: one headroom rule for both forms)
         self.step = step  # which kind of step did not fit ("" for a first step)
-        # A byte budget keeps `headroom` free, a fraction budget nothing (memopt.planner):
-        # the step's peak fits in minimum_bytes * (1 - headroom) bytes.
-        peak = math.floor(minimum_bytes * (1 - headroom) + 1e-6)  # rounding: never below
-        self.smallest_byte_budget = (
-            minimum_bytes if headroom or not byte_headroom
-            else math.ceil(peak / (1 - byte_headroom)))
-        self.smallest_fraction = _smallest_fraction(peak, baseline_bytes)
+        # Both forms keep `headroom` free of the bytes they resolve to (memopt.planner): a
+        # fraction fits where it resolves to minimum_bytes or more.
+        self.smallest_byte_budget = minimum_bytes
+        self.smallest_fraction = _smallest_fraction(minimum_bytes, baseline_bytes)
         asked = f"{budget} = " if budget and not budget.startswith(str(budget_bytes)) else ""
-        kept = (f", with {headroom:.0%} of it kept free as headroom" if headroom
-                else ", as a fraction budget, which keeps no headroom" if byte_headroom else "")
+        kept = f", with {headroom:.1%} of it kept free as headroom" if headroom else ""
         how = f"budget={self.smallest_byte_budget} (bytes) or more"
         if self.smallest_fraction is not None:
             how += f", or a fraction budget from {self.smallest_fraction!r} to 1.0,"

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import memopt
+from memopt.budget import default_headroom
 from models import CASES, CORPUS
 from support import check_matches_eager
 
@@ -172,12 +173,33 @@ def test_the_minimum_a_budget_error_names_is_accepted_and_keeps_the_headroom() -
     minimum = info.value.minimum_bytes
     assert "headroom" in str(info.value)
     plan = memopt.plan(model, x, budget=minimum)
-    assert plan.budget_bytes == minimum and plan.headroom_bytes == math.ceil(minimum * 0.06)
+    headroom = default_headroom("cpu")
+    assert plan.budget_bytes == minimum
+    assert plan.headroom_bytes == math.ceil(minimum * headroom)
     assert plan.predicted_peak_bytes <= minimum - plan.headroom_bytes
     with pytest.raises(memopt.BudgetError):
         memopt.plan(model, x, budget=minimum - 4096)
     # without headroom the same plan fits a smaller budget
     assert memopt.plan(model, x, budget=plan.predicted_peak_bytes, headroom=0).recomputed
+
+
+def test_a_fraction_and_the_bytes_it_resolves_to_are_one_budget() -> None:
+    """Issue 26: both forms keep the same headroom, so the fraction a BudgetError names,
+    and the bytes that fraction resolves to, are accepted alike with the same plan; a
+    fraction's bytes less one are refused as bytes, and the fraction below it too."""
+    torch.manual_seed(0)
+    model, x = _deep_mlp(), _inputs()[0]
+    with pytest.raises(memopt.BudgetError) as info:
+        memopt.plan(model, x, budget=0.01)
+    err = info.value
+    assert err.smallest_byte_budget == err.minimum_bytes
+    by_fraction = memopt.plan(model, x, budget=err.smallest_fraction)
+    by_bytes = memopt.plan(model, x, budget=by_fraction.budget_bytes)
+    assert by_fraction.budget_bytes >= err.minimum_bytes
+    assert by_bytes.headroom_bytes == by_fraction.headroom_bytes > 0
+    assert by_bytes.predicted_peak_bytes == by_fraction.predicted_peak_bytes
+    with pytest.raises(memopt.BudgetError):
+        memopt.plan(model, x, budget=round(err.smallest_fraction - 0.001, 3))
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, "3%", True])
@@ -234,6 +256,8 @@ def test_the_peak_path_recomputes_less_than_alg3_near_the_peak(name: str, budget
     torch.manual_seed(0)
     with pytest.raises(memopt.BudgetError) as below:
         memopt.plan(case.make_model(), *case.make_inputs(), budget=0.01)
+    # the same target as before fractions kept headroom (issue 26: one rule for both)
+    budget = min(1.0, round(budget / (1 - default_headroom("cpu")), 3))
     budget = max(budget, (below.value.smallest_fraction or 0.0) + 0.005)
     torch.manual_seed(0)
     plan = memopt.plan(case.make_model(), *case.make_inputs(), budget=budget)

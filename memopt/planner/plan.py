@@ -25,7 +25,7 @@ from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops
 from memopt.passes.simulate import Simulated, StepModel
 
-from ..budget import format_bytes
+from ..budget import default_headroom, format_bytes
 from ..errors import BudgetError
 from ..memory_plan import MemoryPlan, SearchCandidate
 from .assemble import Decisions, assemble
@@ -168,10 +168,12 @@ class _Planning:
             if r.budget is not None else None
         if r.budget is not None and r.budget.fraction is not None:
             self.budget_bytes = max(self.budget_bytes, r.fraction_floor)
-        # Headroom guards byte budgets against what the plan does not model; a fraction
-        # is of memopt's own predicted baseline, which leaves that out too (1.0 fits).
-        self.headroom = self.options.headroom \
-            if r.budget is not None and r.budget.nbytes is not None else 0.0
+        # Headroom guards every budget against what the plan does not model, by the worst
+        # measured prediction error on the device (memopt.budget.HEADROOM)
+        headroom = self.options.headroom
+        if headroom is None:
+            headroom = default_headroom(device_of(self.joint))
+        self.headroom = headroom if r.budget is not None else 0.0
         self.fits = self.budget_bytes - math.ceil(self.budget_bytes * self.headroom) \
             if self.budget_bytes else None  # what the plan must fit
         self.target = 1 if r.lowest_peak else self.fits  # what the search aims at
@@ -250,8 +252,8 @@ class _Planning:
                          "accumulation, zero_grad(set_to_none=False)")
         err = BudgetError(
             budget_bytes=self.budget_bytes, minimum_bytes=math.ceil(peak / (1 - self.headroom)),
-            baseline_bytes=self.baseline.peak_bytes, budget=str(r.budget),
-            headroom=self.headroom, byte_headroom=self.options.headroom,
+            baseline_bytes=r.step_baseline or self.baseline.peak_bytes, budget=str(r.budget),
+            headroom=self.headroom,
             step=f" ({'; '.join(words)})" if words else "")
         err.plan_seconds = time.perf_counter() - self.t0
         return err
