@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from memopt.passes._torch_compat import engine_will_accumulate, pytree
+from memopt.passes._torch_compat import (disabled_torch_function, engine_will_accumulate,
+                                         foreach_zero_, pytree)
 
 from .errors import InputError
 from .grads import GradSink, _storage
@@ -84,7 +85,7 @@ class ConsumedGradient(torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(
             cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function
 
     def __repr__(self) -> str:
         return f"ConsumedGradient(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -98,7 +99,7 @@ class ConsumedGradient(torch.Tensor):
         if name == "_foreach_zero_":
             real = [t for t in args[0] if not isinstance(t, ConsumedGradient)]
             if real:
-                torch._foreach_zero_(real)
+                foreach_zero_(real)
             return None
         why = _READERS.get(name, f"{func} read it after backward")
         raise GradientConsumedError(

@@ -466,3 +466,13 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
     with functorch_cfg.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile,
                           config_patches=patches, decompositions=inductor_decompositions())
+
+
+#: A tensor subclass's `__torch_function__` that leaves ops to `__torch_dispatch__`
+#: (memopt.stepper.ConsumedGradient).
+disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def foreach_zero_(tensors: list[torch.Tensor]) -> None:
+    """`torch._foreach_zero_`: zero every tensor of the list in place."""
+    torch._foreach_zero_(tensors)
