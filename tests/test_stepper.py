@@ -14,6 +14,7 @@ from memopt.measure import allocation_peak
 from memopt.planner import verifying
 from memopt.stepper import ConsumedGradient, GradientConsumedError
 from models import CASES
+from test_optimizer import Blocks
 
 
 class Net(nn.Module):
@@ -91,17 +92,6 @@ def test_eager_parameters_after_several_steps(name):
     for k, state in theirs["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(mine["state"][k][key], value, rtol=1e-5, atol=1e-6)
-
-
-class Blocks(nn.Module):
-    def __init__(self, width: int = 256, depth: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(
-            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-            for _ in range(depth)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x).square().mean()
 
 
 def test_chosen_where_the_budget_needs_it_and_measured():
@@ -299,3 +289,27 @@ def test_a_llama_7b_shape_on_meta_falls_below_half_its_baseline():
     # the default tries the step in the backward at the same baseline
     assert found[None].baseline_bytes == found[False].baseline_bytes
     assert found[None].smallest_fraction < 0.5
+
+
+def test_under_bf16_autocast_parameters_stay_eagers():
+    """The step inside the backward under bf16 autocast: the parameters after three steps
+    are eager's (bf16 tolerances), every trainable parameter stepped in the backward."""
+    torch.manual_seed(0)
+    model = Net()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    compiled = memopt.compile(model, optimizer=opt, step_in_backward=True)
+    batches = [torch.randn(32, 64) for _ in range(3)]
+    for module, o in ((compiled, opt), (eager, eager_opt)):
+        for i, x in enumerate(batches):
+            torch.manual_seed(i)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = module(x)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    assert compiled.memopt_plan.steps_in_backward == sum(
+        p.requires_grad for p in model.parameters())
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-3)
