@@ -171,7 +171,7 @@ class Accepted:
 @dataclass
 class Outcome:
     accepted: list[Accepted] = field(default_factory=list)
-    refused: list[tuple[object, int]] = field(default_factory=list)   # (budget, its bytes)
+    refused: list[tuple[object, int]] = field(default_factory=list)   # (budget, its target)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -330,7 +330,9 @@ def check_budget(spec: ModelSpec, budget: object, outcome: Outcome, tally: Tally
             raise AssertionError(f"budget {budget!r} refused ({refusal})") from refusal
         assert refusal.budget_bytes < refusal.minimum_bytes, refusal  # names a higher minimum
         tally.refused += 1
-        outcome.refused.append((budget, refusal.budget_bytes))
+        # what it left the plan, less the headroom every budget keeps (memopt.budget)
+        outcome.refused.append((budget, refusal.budget_bytes
+                                - math.ceil(refusal.budget_bytes * refusal.headroom)))
         return
     tally.plans += 1
     tally.accepted[_label(budget)] = tally.accepted.get(_label(budget), 0) + 1
@@ -394,7 +396,8 @@ def torch_traces_differently(spec: ModelSpec, budget: object, tally: Tally,
 
 def check_monotonic(outcome: Outcome, tally: Tally) -> None:
     """(c): over the accepted budgets, largest first, the predicted peak never rises; and
-    no budget is refused while one at fewer bytes (less its headroom) was accepted."""
+    no budget is refused while one planned within fewer bytes (each less its headroom)
+    was accepted."""
     order = sorted(outcome.accepted, key=lambda a: -math.inf if a.budget_bytes is None
                    else -a.budget_bytes)
     for higher, lower in itertools.pairwise(order):
@@ -410,7 +413,7 @@ def check_monotonic(outcome: Outcome, tally: Tally) -> None:
         if below:
             tally.non_monotonic += 1
             raise AssertionError(
-                f"budget {budget!r} ({nbytes} B) refused, but budget {below[0].budget!r} "
+                f"budget {budget!r} (within {nbytes} B) refused, but budget {below[0].budget!r} "
                 f"planned within {below[0].target_bytes} B was accepted")
 
 
