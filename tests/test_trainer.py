@@ -61,17 +61,25 @@ def test_a_plain_trainer_keeps_the_columns_and_trains(tmp_path) -> None:
 
 
 def test_memopt_trainer_steps_in_the_backward_where_its_loop_allows() -> None:
-    """No clipping (max_grad_norm=0), no accumulation: at a budget below the smallest one
-    without it, the optimizer steps inside the backward, the measured steps hold the
-    budget, the loss goes down, and the Trainer logs memopt's gradient norm. With the
-    Trainer's default clipping the same budget is refused, naming the minimum."""
-    result = hf_trainer.main(["--steps", "4", "--budget", "0.64", "--max-grad-norm", "0"])
+    """No clipping (max_grad_norm=0), no accumulation: at a budget between the smallest
+    one with the optimizer stepped inside the backward and the smallest one without it
+    (the Trainer's default clipping), the optimizer steps inside the backward, the
+    measured steps hold the budget, the loss goes down, and the Trainer logs memopt's
+    gradient norm; with the default clipping the same budget is refused."""
+    def smallest(*options: str) -> float:
+        with pytest.raises(memopt.BudgetError) as refused:
+            hf_trainer.main(["--steps", "1", "--budget", "0.01", *options])
+        return refused.value.smallest_fraction
+
+    clipped, stepping = smallest(), smallest("--max-grad-norm", "0")
+    assert stepping < clipped
+    budget = str(round((stepping + clipped) / 2, 3))
+    result = hf_trainer.main(["--steps", "4", "--budget", budget, "--max-grad-norm", "0"])
     plan = result["plan"]
     assert plan.steps_in_backward > 0 and plan.optimizer == "AdamW"
     assert result["losses"][-1] < result["losses"][0]
-    for step, measured, predicted, budget in result["peaks"]:
-        assert measured <= min(predicted, budget), (step, measured, predicted, budget)
+    for step, measured, predicted, limit in result["peaks"]:
+        assert measured <= min(predicted, limit), (step, measured, predicted, limit)
     assert all(h.get("grad_norm", 1.0) > 0 for h in result["history"])
-    with pytest.raises(memopt.BudgetError) as refused:
-        hf_trainer.main(["--steps", "1", "--budget", "0.64"])
-    assert refused.value.smallest_fraction > 0.64
+    with pytest.raises(memopt.BudgetError):
+        hf_trainer.main(["--steps", "1", "--budget", budget])
