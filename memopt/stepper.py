@@ -200,7 +200,8 @@ class ParamStepper(GradSink):
                 "that backward would update the parameters this forward saves, and each "
                 "backward would step on part of the gradient (gradient accumulation, a "
                 "loss summed over several forwards). Pass step_in_backward=False to "
-                "memopt.compile, or run backward before the next forward.")
+                "memopt.compile, or run backward before the next forward (or drop an output "
+                "that will never be differentiated before the next forward).")
         if not self._marked:
             return
         if any(isinstance(getattr(ref(), "grad", None), ConsumedGradient)
