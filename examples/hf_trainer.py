@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="0: no clipping, so the optimizer may step inside the backward "
                              "where the budget needs it")
+    parser.add_argument("--step-in-backward", action="store_true",
+                        help="always step the optimizer inside the backward (needs "
+                             "--max-grad-norm 0 and --accumulate 1)")
     args = parser.parse_args(argv)
 
     ids, vocab = load_corpus()
@@ -74,7 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
             logging_steps=max(1, args.steps // 6), report_to=[], save_strategy="no",
             disable_tqdm=True, seed=0)
         trainer = MemoptTrainer(model=model, args=training, train_dataset=Chunks(ids, args.seq),
-                                memopt_budget=budget_from_arg(args.budget), callbacks=[peaks])
+                                memopt_budget=budget_from_arg(args.budget), callbacks=[peaks],
+                                memopt_options={"step_in_backward": True}
+                                if args.step_in_backward else None)
         result = trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         print(f"loss: {' -> '.join(f'{x:.3f}' for x in losses)}")

@@ -64,11 +64,15 @@ class MemoptTrainer(Trainer):
                  memopt_options: dict | None = None, memopt_count_optimizer: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        options = dict(memopt_options or {})
+        asked = options.pop("step_in_backward", None)  # the optimizer comes later
         if not isinstance(self.model, CompiledModule):
-            self.model = memopt_compile(self.model, memopt_budget, **(memopt_options or {}))
+            self.model = memopt_compile(self.model, memopt_budget, **options)
         self.model_wrapped = self.model
         self.memopt_count_optimizer = memopt_count_optimizer
         backend = self.model._memopt_backend
+        if asked is not None:
+            backend.step_in_backward = bool(asked)
         refusal = _no_step_in_backward(self.args)
         if refusal and backend.step_in_backward is None:
             log.info("memopt: the optimizer does not step inside the backward: %s", refusal)
