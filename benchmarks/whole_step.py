@@ -12,8 +12,9 @@ optimizer's state): the memory the GPU would need. Beside it memopt's predicted 
 budget. Then `--rounds` rounds of one timed step per configuration, configurations
 interleaved; the table gives each one's median step time over eager float32's.
 
-memopt runs with `drop_outputs=True`, as this loop keeps only the loss past the forward
-(`model(**batch).loss`, as the HF Trainer does). memopt's budgets: "min" is the smallest byte budget memopt accepts for the float32 step with
+memopt runs with `drop_outputs=True` and `skip_logits=True`, as this loop keeps only the
+loss past the forward and never reads the logits (`model(**batch).loss`, as the HF Trainer
+does): a head whose loss is computed inside the model then never forms its logits. memopt's budgets: "min" is the smallest byte budget memopt accepts for the float32 step with
 the optimizer counted (from memopt.compile's BudgetError at budget=1, with
 `step_in_backward=False`), and one halfway between it and the baseline; "step in backward"
 is the smallest with the optimizer stepped inside the backward (memopt.stepper:
@@ -128,7 +129,8 @@ def _configs(model: torch.nn.Module, kwargs: dict) -> list[Config]:
         try:
             with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                 memopt.compile(probe, budget=1, optimizer=torch.optim.AdamW(probe.parameters()),
-                               drop_outputs=True, step_in_backward=stepping)(**kwargs)
+                               drop_outputs=True, skip_logits=True,
+                               step_in_backward=stepping)(**kwargs)
         except BudgetError as err:
             return err
         raise RuntimeError("budget=1 byte was accepted")
@@ -142,7 +144,8 @@ def _configs(model: torch.nn.Module, kwargs: dict) -> list[Config]:
 
     def at(budget: object, stepping: bool = False) -> Callable:
         return lambda m, opt: memopt.compile(m, budget=budget, optimizer=opt,
-                                             drop_outputs=True, step_in_backward=stepping)
+                                             drop_outputs=True, skip_logits=True,
+                                             step_in_backward=stepping)
 
     return [
         fresh("eager fp32"),

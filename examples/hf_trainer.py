@@ -61,7 +61,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-in-backward", action="store_true",
                         help="always step the optimizer inside the backward (needs "
                              "--max-grad-norm 0 and --accumulate 1)")
+    parser.add_argument("--skip-logits", action="store_true",
+                        help="the Trainer's loop never reads the logits in training: the "
+                             "head computes its loss without forming them")
     args = parser.parse_args(argv)
+    options = {"step_in_backward": True} if args.step_in_backward else {}
+    if args.skip_logits:
+        options["skip_logits"] = True
 
     ids, vocab = load_corpus()
     torch.manual_seed(0)
@@ -78,8 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
             disable_tqdm=True, seed=0)
         trainer = MemoptTrainer(model=model, args=training, train_dataset=Chunks(ids, args.seq),
                                 memopt_budget=budget_from_arg(args.budget), callbacks=[peaks],
-                                memopt_options={"step_in_backward": True}
-                                if args.step_in_backward else None)
+                                memopt_options=options)
         result = trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         print(f"loss: {' -> '.join(f'{x:.3f}' for x in losses)}")

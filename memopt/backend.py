@@ -68,15 +68,17 @@ def _chain_loops(gm: fx.GraphModule) -> None:
         raise PassError("recurrent loops", ("capture",), exc) from exc
 
 
-def _chunk_heads(gm: fx.GraphModule) -> list[Attach]:
+def _chunk_heads(gm: fx.GraphModule, skip_logits: bool = False) -> list[Attach]:
     """Run language-model heads chunk by chunk over the tokens (memopt.passes.lm_heads), in
     graphs that record gradients, under autocast too (its casts made explicit). Returns
-    where the graph now returns logits without a gradient (memopt.compiled_graph.attach_logits)."""
+    where the graph now returns logits without a gradient, or (`skip_logits`) without
+    computing them (memopt.compiled_graph.attach_logits)."""
     if not torch.is_grad_enabled():
         log.debug("memopt heads: an inference graph: heads left as they are")
         return []
     try:
-        return [s.attach for s in chunk_heads(gm, _autocast_dtypes()) if s.attach is not None]
+        return [s.attach for s in chunk_heads(gm, _autocast_dtypes(), skip_logits)
+                if s.attach is not None]
     except Exception as exc:
         raise PassError("language-model heads", ("capture",), exc) from exc
 
@@ -97,7 +99,8 @@ class MemoptBackend:
                  existing_grads: bool = False, progress: bool = True,
                  solver: str | None = None, solver_seconds: float = 30.0,
                  drop_outputs: bool = False, workspaces: WorkspaceCache | None = None,
-                 kernels: str = "aten", step_in_backward: bool | None = None) -> None:
+                 kernels: str = "aten", step_in_backward: bool | None = None,
+                 skip_logits: bool = False) -> None:
         self.budget: Budget | None = parse_budget(budget)
         #: what runs the planned graphs (memopt.kernels)
         self.kernels = Kernels.parse(kernels)
@@ -107,10 +110,13 @@ class MemoptBackend:
                              'kernels="aten"')
         for name, flag in (("loops", loops), ("existing_grads", existing_grads),
                            ("inplace", inplace), ("progress", progress),
-                           ("drop_outputs", drop_outputs)):
+                           ("drop_outputs", drop_outputs), ("skip_logits", skip_logits)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loops = loops
+        #: training calls do not compute the logits their language-model heads only
+        #: return (memopt.markers.SkippedLogits)
+        self.skip_logits = skip_logits
         self.existing_grads = existing_grads
         self.plan_log = PlanLog()
         #: the measured kernel workspaces its plans read (passes.workspace): the process's
@@ -193,8 +199,9 @@ class MemoptBackend:
         self.plan_log.by_key[key] = graph
         if self.loops:
             _chain_loops(gm)
-        if self.budget is not None:  # with no budget the head stays eager's (nothing to gain)
-            graph.attaches = _chunk_heads(gm)
+        # with no budget the head stays eager's (nothing to gain) unless its logits go
+        if self.budget is not None or self.skip_logits:
+            graph.attaches = _chunk_heads(gm, self.skip_logits)
             if graph.attaches:  # an output more: what autograd sums outside the graph
                 graph.outside_grads = aliased_output_grad_bytes(gm)
         opt = self.optimizer  # memopt.plan: no trace, the optimizer's bytes alone

@@ -28,11 +28,12 @@ from .ddp import DDPBuckets
 from .errors import BudgetError, InputError
 from .grads import GradSink
 from .kernels import Kernels, compile_with_inductor, schedule_excess
+from .markers import SkippedLogits
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
 from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
-from .steps import Outside
+from .steps import Outside, holds_memory
 from .stepper import Stepping, stepping_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -306,7 +307,7 @@ class DroppedOutputs:
         self.refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().data_ptr(),
                       t.untyped_storage().nbytes(), tuple(t.shape))
                      for t in pytree.tree_leaves(out)
-                     if isinstance(t, torch.Tensor) and t.dim() > 0]
+                     if holds_memory(t) and t.dim() > 0]
 
     def check(self, backward_inputs: list[Any]) -> None:
         """At the backward's start: outputs still alive that backward does not read
@@ -360,15 +361,19 @@ def _cuda_devices() -> list[int]:
 def attach_logits(compiled: Callable, attaches: list[Attach]) -> Callable:
     """`compiled` returning what dynamo expects: the graph's extra outputs (each head's
     projection input, memopt.passes.lm_heads) stripped, and each head's logits given their
-    gradient through the projection (memopt.lm_head.attach_logits)."""
+    gradient through the projection (memopt.lm_head.attach_logits), or, where they were
+    not computed (skip_logits), a memoryless placeholder in their place."""
     from .lm_head import attach_logits as attach  # noqa: PLC0415
 
-    extra = len(attaches)
+    extra = sum(a.h is not None for a in attaches)
 
     def run(*args: Any) -> Any:
         out = list(compiled(*args))
         own = out[:len(out) - extra]
         for a in attaches:
+            if a.skipped is not None:  # skip_logits: not computed (memopt.markers)
+                own[a.logits] = SkippedLogits(*a.skipped)
+                continue
             bias = args[a.bias] if a.bias is not None else None
             own[a.logits] = attach(own[a.logits], out[a.h], args[a.weight], bias)
         return own

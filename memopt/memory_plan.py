@@ -176,6 +176,9 @@ class HeadRecord(BaseModel):
     workspace_bytes: Bytes         # allocated by the backward op while it runs
     recompute_flops: Count         # the projection again in backward, when chunked
     reason: str
+    #: the whole logits are formed in the forward for a reader besides the loss (a model
+    #: returning them); False: never formed (memopt.compile's skip_logits, or no reader)
+    returns_logits: bool = False
 
 
 class ReversibleRecord(BaseModel):

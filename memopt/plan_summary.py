@@ -104,7 +104,9 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
     for h in plan.heads:
         lines.append(
             f"  head {h.module}: {h.tokens} tokens x vocabulary {h.vocab} in {h.chunks} "
-            f"chunk(s) of {h.chunk}, holds {b(h.held_bytes)} (+ "
+            f"chunk(s) of {h.chunk}, "
+            f"{'its logits formed whole for the caller' if h.returns_logits else 'no logits formed'}"
+            f", holds {b(h.held_bytes)} (+ "
             f"{b(h.forward_workspace_bytes)} while its forward runs, + "
             f"{b(h.workspace_bytes)} while its backward runs); {h.reason}")
     for r in plan.reversible:

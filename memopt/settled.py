@@ -51,7 +51,8 @@ from torch import nn
 from memopt.passes._torch_compat import pytree
 
 from .graph_breaks import ReplanPolicy
-from .steps import ForwardTrace, GraphRun, Outside, StorageId, storage_id, storages
+from .steps import (ForwardTrace, GraphRun, Outside, StorageId, holds_memory, storage_id,
+                    storages)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .compiled_graph import CompiledGraph
@@ -126,7 +127,7 @@ def call_bytes(leaves: list[Any], taken: frozenset[int]) -> int:
     own = {storage_id(leaves[i]) for i in taken}
     found: dict[StorageId, int] = {}
     for i, leaf in enumerate(leaves):
-        if i in taken or not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
+        if i in taken or not holds_memory(leaf):
             continue
         sid = storage_id(leaf)
         if sid not in own:
@@ -205,11 +206,11 @@ def settle(call: StepCall, run: GraphRun, base: Outside) -> Settled | None:
         return None
     trace, t = call.trace(), call.tensors
     model = [*t.params, *t.buffers, *(p.grad for p in t.params if p.grad is not None)]
-    model = [m for m in model if m.device.type != "meta"]
+    model = [m for m in model if holds_memory(m)]
     ids = {storage_id(m) for m in model}
     leaves, spec = call.flat()
     tensors = [i for i, leaf in enumerate(leaves)
-               if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"]
+               if holds_memory(leaf)]
     if any(storage_id(leaves[i]) in ids for i in tensors):
         return None
     own = run.inputs

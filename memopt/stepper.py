@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
-from memopt.passes._torch_compat import (disabled_torch_function, engine_will_accumulate,
-                                         foreach_zero_, pytree)
+from memopt.passes._torch_compat import engine_will_accumulate, foreach_zero_, pytree
 
 from .errors import InputError
 from .grads import GradSink, _storage
+from .markers import Memoryless
 from .optimizer import OptimizerBytes
 from .planner import ExistingGrads
 
@@ -75,24 +75,17 @@ _READERS = {
 }
 
 
-class ConsumedGradient(torch.Tensor):
+class ConsumedGradient(Memoryless):
     """The `.grad` of a parameter memopt stepped inside the backward: the parameter's shape,
-    dtype and device, no memory. `zero_()` and `detach_()` do nothing (zero_grad with
-    set_to_none=False); any other op raises GradientConsumedError."""
-
-    @staticmethod
-    def __new__(cls, like: torch.Tensor) -> "ConsumedGradient":
-        return torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=False)
-
-    __torch_function__ = disabled_torch_function
-
-    def __repr__(self) -> str:
-        return f"ConsumedGradient(shape={tuple(self.shape)}, dtype={self.dtype})"
+    dtype and device, no memory (memopt.markers). `zero_()` and `detach_()` do nothing
+    (zero_grad with set_to_none=False); any other op raises GradientConsumedError."""
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
+    def like(cls, param: torch.Tensor) -> "ConsumedGradient":
+        return cls(param.shape, param.dtype, param.device)
+
+    @classmethod
+    def _on_op(cls, func: Any, args: Any) -> Any:
         name = func.overloadpacket.__name__
         if name in ("zero_", "detach_"):
             return args[0]
@@ -239,7 +232,7 @@ class ParamStepper(GradSink):
         marker = self._markers.get(id(param))
         if marker is None or marker.shape != param.shape or marker.dtype != param.dtype \
                 or marker.device != param.device:
-            marker = self._markers[id(param)] = ConsumedGradient(param)
+            marker = self._markers[id(param)] = ConsumedGradient.like(param)
         return marker
 
     def _group_of(self, param: torch.Tensor) -> dict | None:

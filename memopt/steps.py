@@ -36,6 +36,8 @@ import torch
 
 from memopt.passes._torch_compat import pytree, storage_ref
 
+from .markers import Memoryless
+
 StorageId = tuple[str, int]
 
 
@@ -46,6 +48,13 @@ DDP_BUCKETS: StorageId = ("ddp buckets", 0)
 OPTIMIZER_STATE: StorageId = ("optimizer state", 0)
 
 
+def holds_memory(t: Any) -> bool:
+    """A tensor with memory of its own to count: not on the meta device, not one of memopt's
+    memoryless placeholders (memopt.markers)."""
+    return isinstance(t, torch.Tensor) and t.device.type != "meta" \
+        and not isinstance(t, Memoryless)
+
+
 def storage_id(t: torch.Tensor) -> StorageId:
     return (str(t.device), t.untyped_storage().data_ptr())
 
@@ -54,7 +63,7 @@ def storages(values: Iterable[Any]) -> dict[StorageId, int]:
     """{storage: bytes} of the tensors among `values` (nested containers flattened)."""
     found: dict[StorageId, int] = {}
     for leaf in pytree.tree_leaves(list(values)):
-        if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+        if holds_memory(leaf):
             found[storage_id(leaf)] = leaf.untyped_storage().nbytes()
     return found
 
@@ -105,7 +114,7 @@ class GraphRun:
 
     def record_outputs(self, outputs: Any) -> None:
         for t in pytree.tree_leaves(outputs):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if holds_memory(t):
                 storage = t.untyped_storage()
                 self.outputs.append((storage_ref(storage), storage_id(t), storage.nbytes()))
 

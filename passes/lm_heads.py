@@ -76,12 +76,15 @@ class Attach:
     """Where a graph returns a head's logits without a gradient, and what gives them one
     outside it (memopt.lm_head.attach_logits): positions in the graph's flat output tuple
     (the projection's input is an extra output, after the graph's own) and among its
-    placeholders (the projection's weight and bias)."""
+    placeholders (the projection's weight and bias). With ``skip_logits`` the logits are
+    not computed: ``h`` is None (no extra output) and ``skipped`` their (shape, dtype,
+    device), for the caller's memoryless placeholder (memopt.markers.SkippedLogits)."""
 
     logits: int
-    h: int
+    h: int | None
     weight: int
     bias: int | None
+    skipped: tuple[tuple[int, ...], torch.dtype, torch.device] | None = None
 
 
 @dataclass(frozen=True)
@@ -216,8 +219,8 @@ def _returned_only(gm: fx.GraphModule, linear: fx.Node, others: list[fx.Node]
             placeholders.index(bias) if bias is not None else None)
 
 
-def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = None
-                ) -> list[ChunkedHeadSite]:
+def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = None,
+                skip_logits: bool = False) -> list[ChunkedHeadSite]:
     """Replace every head pattern of ``gm`` (see the module docstring) by ``head_fwd``
     with one chunk (the planner chooses the chunk later); returns what it replaced. A
     pattern it cannot prove equal is left as it is, with one debug line saying why.
@@ -236,7 +239,10 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
     without a gradient, and the projection's input becomes one more output, after the
     graph's own: the caller strips it and attaches the logits' gradient outside the graph
     (``ChunkedHeadSite.attach``, memopt.lm_head.attach_logits). Otherwise autograd would
-    make a (tokens, V) zero gradient for them at every backward that does not read them."""
+    make a (tokens, V) zero gradient for them at every backward that does not read them.
+    With ``skip_logits`` such logits are not computed at all: the op returns the loss
+    alone and the graph an empty tensor in their place, which the caller replaces by a
+    placeholder of their shape (``Attach.skipped``)."""
     runtime("heads")
     fwd_op, _ = _ops()
     done = []
@@ -262,6 +268,9 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
         logits = _example(linear)
         rows, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
         cast = (autocast or {}).get(logits.device.type)
+        skip = skip_logits and returned is not None
+        if skip:
+            others = []
         graph = gm.graph
         with graph.inserting_before(loss):
             flat = graph.call_function(torch.reshape, (h, (rows, _example(h).shape[-1])))
@@ -286,9 +295,18 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
             graph.erase_node(node)
         if others:
             linear.replace_all_uses_with(out)
+        elif skip:  # nothing computed: an empty tensor holds the output's place
+            with graph.inserting_before(output):
+                empty = graph.call_function(torch.empty, ((0,),), {
+                    "dtype": logits.dtype, "device": logits.device})
+            linear.replace_all_uses_with(empty)
         graph.erase_node(linear)
         attach = None
-        if returned is not None:
+        if skip:
+            position, w_at, b_at = returned
+            attach = Attach(logits=position, h=None, weight=w_at, bias=b_at,
+                            skipped=(tuple(logits.shape), logits.dtype, logits.device))
+        elif returned is not None:
             position, w_at, b_at = returned
             outputs = list(output.args[0])
             attach = Attach(logits=position, h=len(outputs), weight=w_at, bias=b_at)
@@ -318,6 +336,9 @@ class HeadSite:
     #: where the forward op returns its handle, which holds what the op keeps for backward
     #: (its last output; -1 for a site made by hand)
     handle: int = -1
+    #: the op forms the whole logits for a reader besides the loss (a model returning
+    #: them); False: never formed (the loss is the only reader, or skip_logits)
+    returns_logits: bool = False
 
     @property
     def matmul_flops(self) -> int:
@@ -344,7 +365,8 @@ def find_heads(joint: fx.GraphModule) -> list[HeadSite]:
                               name=paths[-1] if paths and paths[-1] else "head", rows=rows,
                               vocab=vocab, hidden=int(h.shape[1]),
                               log_prob_bytes=rows * vocab * size,
-                              handle=len(fake_value(node)) - 1))
+                              handle=len(fake_value(node)) - 1,
+                              returns_logits=bool(node.args[_WANT_LOGITS])))
     return sites
 
 

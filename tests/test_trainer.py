@@ -85,3 +85,16 @@ def test_memopt_trainer_steps_in_the_backward_where_its_loop_allows() -> None:
     assert all(h.get("grad_norm", 1.0) > 0 for h in result["history"])
     default = hf_trainer.main(["--steps", "1", "--budget", str(clipped)])
     assert default["plan"].steps_in_backward == 0
+
+
+def test_memopt_trainer_skips_the_logits_it_never_reads() -> None:
+    """memopt_options={"skip_logits": True}: the Trainer's loop reads only the loss, so the
+    head (where memopt finds it: transformers versions whose GPT-2 computes its loss in the
+    form memopt chunks) never forms the logits; the loss goes down and the measured steps
+    hold the budget."""
+    result = hf_trainer.main(["--steps", "4", "--budget", "0.5", "--skip-logits"])
+    assert result["losses"][-1] < result["losses"][0]
+    assert result["peaks"]
+    for step, measured, predicted, limit in result["peaks"]:
+        assert measured <= min(predicted, limit), (step, measured, predicted, limit)
+    assert not any(h.returns_logits for h in result["plan"].heads)

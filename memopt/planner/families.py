@@ -249,7 +249,8 @@ class HeadFamily:
             chunks=c.config.chunks, held_bytes=c.config.held_bytes,
             forward_workspace_bytes=c.config.forward_workspace_bytes,
             workspace_bytes=c.config.workspace_bytes,
-            recompute_flops=c.config.recompute_flops, reason=c.reason)
+            recompute_flops=c.config.recompute_flops, reason=c.reason,
+            returns_logits=c.site.returns_logits)
 
     def forward_flops(self, site: head_pass.HeadSite) -> int:
         return site.matmul_flops
