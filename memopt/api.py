@@ -363,6 +363,10 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             backward (`model(**batch).loss.backward()`, the HF Trainer): the plan then
             frees them (a language model's logits) as the forward ends, and memopt warns
             at any backward where one is still alive (for a model that is one graph);
+            `skip_logits=True` says the loop never reads the logits in training: a
+            language-model head whose loss the model computes and whose logits it only
+            returns then never forms them (a memoryless memopt.markers.SkippedLogits is
+            returned in their place, raising when read; no_grad calls return real ones);
             `kernels="inductor"` has TorchInductor generate the kernels of the planned
             graphs instead of running them op by op (`"aten"`, the default; see
             memopt.kernels and docs/kernels.md); `optimizer=opt` (the
