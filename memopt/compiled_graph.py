@@ -26,7 +26,7 @@ from memopt.passes.lm_heads import Attach
 from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError, InputError
-from .grads import GradSink
+from .grads import GradSink, parameter_slots
 from .kernels import Kernels, compile_with_inductor, schedule_excess
 from .markers import SkippedLogits
 from .graph_breaks import ReplanPolicy
@@ -429,9 +429,7 @@ def aliased_output_grad_bytes(gm: fx.GraphModule) -> int:
 def _grad_sink(kinds: dict[str, str], inputs: Sequence[Any]) -> tuple[GradSink, ExistingGrads]:
     """The runtime sink and the plan's view of the `.grad` tensors of every parameter that
     requires grad (primal `primals_{i+1}` is `inputs[i]`)."""
-    slots = {name: i for i, (name, kind) in enumerate(kinds.items())
-             if kind == "parameter" and i < len(inputs)
-             and isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad}
+    slots = parameter_slots(kinds, inputs)
     sink = GradSink(slots)
     nbytes = {name: inputs[i].numel() * inputs[i].element_size() for name, i in slots.items()}
     return sink, ExistingGrads(nbytes=nbytes, add=sink.add)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from operator import is_
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -41,6 +41,16 @@ from memopt.passes._torch_compat import engine_will_accumulate
 
 def _storage(t: torch.Tensor) -> tuple[torch.device, int]:
     return (t.device, t.untyped_storage().data_ptr())
+
+
+def parameter_slots(kinds: dict[str, str], inputs: Sequence[Any],
+                    keep: Callable[[torch.Tensor], bool] = lambda p: True) -> dict[str, int]:
+    """{joint-graph primal name: index among `inputs`} of the parameters that require grad
+    (primal `primals_{i+1}` is `inputs[i]`, its kind in `kinds`), those `keep` accepts."""
+    return {name: i for i, (name, kind) in enumerate(kinds.items())
+            if kind == "parameter" and i < len(inputs)
+            and isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad
+            and keep(inputs[i])}
 
 
 class GradSink:
@@ -83,12 +93,16 @@ class GradSink:
             if isinstance(p, torch.Tensor):
                 self._params[_storage(p)] = weakref.ref(p)
 
+    def _param(self, saved: torch.Tensor) -> torch.Tensor | None:
+        """The live parameter `saved` is (or aliases), among those bound, or None."""
+        ref = self._params.get(_storage(saved))
+        return ref() if ref is not None else None
+
     def add(self, grad: torch.Tensor | None, saved: torch.Tensor) -> torch.Tensor | None:
         """Add `grad` into the `.grad` of the parameter `saved` is (or aliases: what the
         forward saved of it) and return None, or return `grad` for autograd to accumulate
         (see the module docstring for when)."""
-        ref = self._params.get(_storage(saved))
-        param = ref() if ref is not None else None
+        param = self._param(saved)
         if grad is None or param is None or not _can_add(param, grad):
             self.returned += grad is not None
             return grad

@@ -49,7 +49,7 @@ import torch
 from memopt.passes._torch_compat import engine_will_accumulate, foreach_zero_, pytree
 
 from .errors import InputError
-from .grads import GradSink, _storage
+from .grads import GradSink, parameter_slots
 from .markers import Memoryless
 from .optimizer import OptimizerBytes
 from .planner import ExistingGrads
@@ -144,8 +144,7 @@ class ParamStepper(GradSink):
 
     def add(self, grad: torch.Tensor | None, saved: torch.Tensor) -> torch.Tensor | None:
         self._pending = []
-        ref = self._params.get(_storage(saved))
-        param = ref() if ref is not None else None
+        param = self._param(saved)
         if grad is None or param is None or torch.is_grad_enabled() \
                 or not engine_will_accumulate(param):
             self.returned += grad is not None
@@ -307,11 +306,8 @@ def stepping_for(optimizer: torch.optim.Optimizer, counted: OptimizerBytes,
            for d in ("cpu", "cuda")):
         return "fp16 autocast needs GradScaler, which decides to skip a step after the backward"
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    slots = {name: i for i, (name, kind) in enumerate(kinds.items())
-             if kind == "parameter" and i < len(inputs)
-             and isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad
-             and id(inputs[i]) in owned and not inputs[i]._backward_hooks
-             and not getattr(inputs[i], "_post_accumulate_grad_hooks", None)}
+    slots = parameter_slots(kinds, inputs, lambda p: id(p) in owned and not p._backward_hooks
+                            and not getattr(p, "_post_accumulate_grad_hooks", None))
     if not slots:
         return "no parameter of this graph is the optimizer's"
     nbytes = {name: inputs[i].untyped_storage().nbytes() for name, i in slots.items()}
