@@ -43,6 +43,7 @@ from .graph_breaks import ReplanPolicy, replan_forward, step_baseline
 from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import OptimizerBytes
+from .optimizer_step import ChunkedStep
 from .plan_log import PlanLog
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
@@ -152,6 +153,18 @@ class MemoptBackend:
         #: the optimizer stepped inside the backward (memopt.stepper): None where the
         #: budget needs it, True always, False never
         self.step_in_backward = step_in_backward
+        #: optimizer.step() run in chunks, where a plan needs it (memopt.optimizer_step)
+        self.chunked_step: ChunkedStep | None = None
+
+    def chunk_optimizer_step(self, chunk_bytes: int) -> None:
+        """A plan needs the user's optimizer.step() in chunks of at most `chunk_bytes` of
+        parameters (the smallest any plan asked for is kept)."""
+        if self.chunked_step is None or self.chunked_step.optimizer is not self.optimizer_source:
+            if self.chunked_step is not None:  # another optimizer counted since
+                self.chunked_step.remove()
+            self.chunked_step = ChunkedStep(self.optimizer_source, chunk_bytes)
+        else:
+            self.chunked_step.narrow(chunk_bytes)
 
     @property
     def plans(self) -> list[MemoryPlan]:

@@ -143,7 +143,8 @@ class CompiledGraph:
                                            "graph_break": self.graph_break(),
                                            "capture_seconds": captured,
                                            **_ddp_fields(plans.ddp),
-                                           **_optimizer_fields(backend.optimizer)})
+                                           **_optimizer_fields(backend.optimizer,
+                                                               self.step_chunk)})
             planned.append(plan)
             plans.record(plan)
             if self.alone and plan.fits and budget is not None and budget.fraction is not None:
@@ -190,21 +191,31 @@ class CompiledGraph:
 
     def _plan_joint(self, request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule,
                                                          MemoryPlan]:
-        """plan_joint, with the optimizer stepped inside the backward where asked
-        (step_in_backward=True) or where the budget needs it (the default): a plan that
-        misses the budget is made again with it, for the same bytes (memopt.stepper)."""
+        """plan_joint, with what the optimizer's step costs lowered where the budget needs
+        it, cheapest first, each for the same bytes: a plan that misses the budget is made
+        again with `optimizer.step()` in chunks (memopt.optimizer_step), then with the
+        optimizer stepped inside the backward (memopt.stepper; always where asked:
+        step_in_backward=True)."""
         stepping, asked = self.stepping, self.backend.step_in_backward
         if asked and not isinstance(stepping, Stepping):
             raise InputError(f"step_in_backward=True, but the optimizer cannot step inside "
                              f"this backward: {stepping or 'no optimizer= was given'}")
+        self.steps_in_backward, self.step_chunk = False, None
         if not asked:
             try:
-                self.steps_in_backward = False
                 return plan_joint(request)
             except BudgetError as err:
-                if not isinstance(stepping, Stepping):
-                    raise
-                baseline = request.step_baseline or err.baseline_bytes
+                failed = err
+            try:
+                planned = self._plan_chunked(request, failed)
+            except BudgetError as err:
+                failed = err  # the leanest chunks' minimum: lower than the whole step's
+            else:
+                if planned is not None:
+                    return planned
+            if not isinstance(stepping, Stepping):
+                raise failed
+            baseline = request.step_baseline or failed.baseline_bytes
         else:
             baseline = request.step_baseline
         outside = request.outside
@@ -217,6 +228,37 @@ class CompiledGraph:
             stepping.stepper.activate()
         self.steps_in_backward = True
         return planned
+
+    def _plan_chunked(self, request: PlanRequest, err: BudgetError
+                      ) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan] | None:
+        """The plan with `optimizer.step()` run in chunks (memopt.optimizer_step.ChunkedStep)
+        after the whole step missed the budget (`err`), or None where chunks would not lower
+        the step (no foreach temporaries to cut). The chunk first tried is the largest whose
+        step is lower by what the budget lacked; then the smallest (one parameter's). Raises
+        the last BudgetError where neither fits."""
+        opt = self.backend.optimizer
+        if opt is None or self.backend.optimizer_source is None:
+            return None
+        lean = opt.chunked_step_bytes(opt.largest_param)
+        if opt.chunk_for(lean) is None or lean >= opt.step_bytes:
+            return None
+        baseline = request.step_baseline or err.baseline_bytes
+        target = opt.step_bytes - (err.minimum_bytes - err.budget_bytes)
+        for chunk in dict.fromkeys(c for c in (opt.chunk_for(target), opt.largest_param) if c):
+            saved = opt.step_bytes - opt.chunked_step_bytes(chunk)
+            outside = dataclasses.replace(request.outside, after_backward=max(
+                0, request.outside.after_backward - saved))
+            try:
+                planned = plan_joint(dataclasses.replace(request, outside=outside,
+                                                         step_baseline=baseline))
+            except BudgetError as failed:
+                err = failed
+                continue
+            self.step_chunk = chunk
+            if not self.backend.plan_only:
+                self.backend.chunk_optimizer_step(chunk)
+            return planned
+        raise err
 
     def _inductor_or_aten(self, example_inputs: Sequence[Any], partition_fn: Callable,
                           planned: list[MemoryPlan], aten: Callable[[], Callable]) -> Callable:
@@ -389,13 +431,14 @@ def _ddp_fields(ddp: DDPBuckets | None) -> dict[str, int]:
     return {"ddp_bucket_bytes": ddp.nbytes, "ddp_bucket_counted_bytes": ddp.counted_bytes}
 
 
-def _optimizer_fields(opt: OptimizerBytes | None) -> dict[str, object]:
+def _optimizer_fields(opt: OptimizerBytes | None, chunk: int | None) -> dict[str, object]:
     """The plan's record of the optimizer the budget counts (memopt.optimizer; its bytes
-    are in the outside bytes)."""
+    are in the outside bytes), its step run in chunks of `chunk` bytes where not None."""
     if opt is None:
         return {}
     return {"optimizer": opt.name, "optimizer_state_bytes": opt.state_bytes,
-            "optimizer_step_bytes": opt.step_bytes}
+            "optimizer_step_bytes": opt.step_bytes if chunk is None
+            else opt.chunked_step_bytes(chunk), "optimizer_step_chunk_bytes": chunk or 0}
 
 
 def aliased_output_grad_bytes(gm: fx.GraphModule) -> int:

@@ -352,6 +352,9 @@ class MemoryPlan(BaseModel):
     optimizer: str = ""
     optimizer_state_bytes: Bytes = 0
     optimizer_step_bytes: Bytes = 0
+    #: `optimizer.step()` runs in chunks of at most this many bytes of parameters per
+    #: group, where the budget needs it (memopt.optimizer_step.ChunkedStep; 0: whole)
+    optimizer_step_chunk_bytes: Bytes = 0
     #: How many parameters the optimizer steps inside the backward, each as its gradient
     #: completes, freeing the gradient there (memopt.stepper; 0: none, optimizer.step()
     #: steps them after the backward)

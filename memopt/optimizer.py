@@ -61,10 +61,33 @@ class OptimizerBytes:
     #: what stepping one parameter alone allocates, per byte of the parameter (the step
     #: inside the backward, memopt.stepper): the largest over groups and dtypes
     alone_per_byte: float = 0.0
+    #: per group and dtype: (what a foreach step allocates per byte of the list, the
+    #: list's bytes, the for-loop window's bytes): what a step in chunks allocates
+    parts: tuple[tuple[float, int, int], ...] = ()
+    #: the largest parameter's bytes: the smallest chunk a chunked step can take
+    largest_param: int = 0
 
     def alone_bytes(self, nbytes: int) -> int:
         """What stepping one parameter of `nbytes` alone allocates above its state."""
         return int(self.alone_per_byte * nbytes + 0.5)
+
+    def chunked_step_bytes(self, chunk_bytes: int) -> int:
+        """What `optimizer.step()` allocates above the state run in chunks of at most
+        `chunk_bytes` of parameters (memopt.optimizer_step.ChunkedStep): one chunk's
+        foreach temporaries and the for-loop window, the largest over the groups."""
+        if not self.parts:
+            return self.step_bytes
+        return max(int(per * min(chunk_bytes, total) + window)
+                   for per, total, window in self.parts)
+
+    def chunk_for(self, step_bytes: int) -> int | None:
+        """The largest chunk whose step allocates at most `step_bytes`, or None where no
+        chunk (one parameter at least) does, or chunks do not lower the step."""
+        foreach = [(per, window) for per, _, window in self.parts if per > 0]
+        if not foreach or self.largest_param <= 0:
+            return None
+        chunk = min(int((step_bytes - window) / per) for per, window in foreach)
+        return chunk if chunk >= self.largest_param else None
 
 
 def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
@@ -87,7 +110,7 @@ def check_optimizer(optimizer: Any, model: torch.nn.Module) -> None:
 def optimizer_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> OptimizerBytes:
     """The state and step bytes of `optimizer` for its parameters on `device`."""
     device = torch.device(device)
-    state, predicted, step, alone = 0, False, 0, 0.0
+    state, predicted, step, alone, parts, largest = 0, False, 0, 0.0, [], 0
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if _on(p, device)]
         if not params:
@@ -99,11 +122,14 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> O
             predicted = True
             mine += _predicted_state(optimizer, group, todo)
         state += mine
+        largest = max([largest, *(p.untyped_storage().nbytes() for p in params)])
         measured = _step_bytes(optimizer, group, params, device)
         if measured is None:  # not trackable: charged the state's bytes (Adam's two moments)
-            measured = (mine, 2.0)
+            measured = (mine, 2.0, ())
         step, alone = max(step, measured[0]), max(alone, measured[1])
-    return OptimizerBytes(type(optimizer).__name__, state, step, predicted, alone)
+        parts.extend(measured[2])
+    return OptimizerBytes(type(optimizer).__name__, state, step, predicted, alone,
+                          tuple(parts), largest)
 
 
 def _on(p: torch.Tensor, device: torch.device) -> bool:
@@ -176,9 +202,10 @@ def _predicted_state(optimizer: torch.optim.Optimizer, group: dict,
 
 
 def _step_bytes(optimizer: torch.optim.Optimizer, group: dict, params: list[torch.Tensor],
-                device: torch.device) -> tuple[int, float] | None:
-    """What one step of `group` allocates above its state (the module docstring), and what
-    stepping one parameter alone allocates per byte of it, on the CPU's probes for a meta
+                device: torch.device) -> tuple[int, float, list] | None:
+    """What one step of `group` allocates above its state (the module docstring), what
+    stepping one parameter alone allocates per byte of it, and per dtype (OptimizerBytes.
+    parts) the foreach bytes per byte, the list's bytes and the window, on the CPU's probes for a meta
     device; None where allocations cannot be tracked (a profiler is recording: the group's
     state bytes are charged instead, counted high for Adam's steps, which allocate at most
     as much as its two moments)."""
@@ -187,7 +214,7 @@ def _step_bytes(optimizer: torch.optim.Optimizer, group: dict, params: list[torc
         log.warning("memopt: cannot track allocations while planning (a profiler is "
                     "recording); the optimizer's step is charged its state's bytes")
         return None
-    largest, alone = 0, 0.0
+    largest, alone, parts = 0, 0.0, []
     for dtype in sorted({p.dtype for p in params}, key=str):
         one, two, three = (_probe(type(optimizer), group, dtype, where, n) for n in (1, 2, 3))
         probe = PROBE_ELEMENTS * torch.empty((), dtype=dtype).element_size()
@@ -198,7 +225,8 @@ def _step_bytes(optimizer: torch.optim.Optimizer, group: dict, params: list[torc
         window = max(this * b + last * a for a, b in zip([0, *nbytes], nbytes))
         largest = max(largest, int(per_total * sum(nbytes) + window))
         alone = max(alone, one / probe)
-    return largest, alone
+        parts.append((per_total, sum(nbytes), int(window)))
+    return largest, alone, parts
 
 
 def _probe(cls: type, group: dict, dtype: torch.dtype, device: torch.device, count: int

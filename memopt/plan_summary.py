@@ -67,7 +67,9 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
     if plan.optimizer:
         step = (f"{plan.steps_in_backward} parameters stepped inside the backward as each "
                 f"gradient completes, which is then freed" if plan.steps_in_backward else
-                f"its step() allocates {b(plan.optimizer_step_bytes)} more")
+                f"its step() allocates {b(plan.optimizer_step_bytes)} more"
+                + (f", run in chunks of at most {b(plan.optimizer_step_chunk_bytes)} of "
+                   f"parameters" if plan.optimizer_step_chunk_bytes else ""))
         lines.append(
             f"  optimizer        {b(plan.optimizer_state_bytes):>12}   {plan.optimizer} state, "
             f"held through the step; {step} (both in the predicted peak)")

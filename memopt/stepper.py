@@ -52,6 +52,7 @@ from .errors import InputError
 from .grads import GradSink, parameter_slots
 from .markers import Memoryless
 from .optimizer import OptimizerBytes
+from .optimizer_step import SubsetStep
 from .planner import ExistingGrads
 
 
@@ -122,11 +123,7 @@ class ParamStepper(GradSink):
         self._markers: dict[int, ConsumedGradient] = {}
         self._marked: list[weakref.ref] = []
         self._warned = False
-        step = type(optimizer).step
-        # the class's step below torch's hook wrapper: the user's step hooks (and the LR
-        # scheduler's step counter) run once, on the user's optimizer.step()
-        self._step = step.__wrapped__ if getattr(step, "hooked", False) else step
-        self._shadow = object.__new__(type(optimizer))
+        self._subset = SubsetStep(optimizer)  # memopt.optimizer_step
         self._hook: Any = None
         #: the outputs of the last training forward whose backward has not run yet
         self._pending: list[weakref.ref] = []
@@ -208,22 +205,12 @@ class ParamStepper(GradSink):
         self._marked = []
 
     def _step_one(self, param: torch.Tensor, group: dict, grad: torch.Tensor) -> None:
-        opt, shadow = self.optimizer, self._shadow
-        shadow.__dict__.update(opt.__dict__)  # the live state, defaults (load_state_dict)
-        shadow.__dict__.pop("step", None)     # an LR scheduler's wrapper of the bound step
-        shadow._optimizer_step_pre_hooks = {}
-        shadow._optimizer_step_post_hooks = {}
-        params = group["params"]
-        group["params"] = [param]
-        shadow.param_groups = [group]
         param.grad = grad
         self._norms.append(torch.linalg.vector_norm(grad))
         try:
-            self._step(shadow)
+            self._subset(group, [param])
         finally:
-            group["params"] = params
             param.grad = self._marker(param)
-            shadow.__dict__.clear()
         self._marked.append(weakref.ref(param))
         self.stepped += 1
 
