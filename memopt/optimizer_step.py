@@ -94,8 +94,9 @@ class ChunkedStep:
             handle.remove()
 
     def _before(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # (torch passes the step's own arguments, `self` first)
-        if args[1:] or kwargs:  # a closure: the step re-evaluates the model, whole
+        # torch passes the step's own arguments, `self` first (accelerate passes closure=None)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is not None:  # the step re-evaluates the model: it runs whole
             return
         stepped = False
         for group in opt.param_groups:

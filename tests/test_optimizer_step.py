@@ -58,7 +58,7 @@ def test_chunked_step_lowers_the_minimum_and_keeps_eagers_training():
         for module, o, s in ((compiled, opt, sched), (eager, eager_opt, eager_sched)):
             with allocation_peak("cpu") as seen:
                 module(x).backward()
-                o.step()
+                o.step(None)  # closure=None, as accelerate's optimizer wrapper calls it
             if module is compiled:
                 plan = compiled.memopt_plan
                 measured = resident + seen.peak + (plan.optimizer_state_bytes if step else 0)
