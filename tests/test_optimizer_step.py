@@ -12,7 +12,7 @@ import torch
 import memopt
 from memopt.measure import allocation_peak
 from memopt.optimizer import optimizer_bytes
-from memopt.optimizer_step import chunks
+from memopt.optimizer_step import ChunkedStep, chunks
 from test_optimizer import Blocks, _train
 
 
@@ -98,3 +98,25 @@ def test_a_for_loop_step_is_not_chunked():
     counted = optimizer_bytes(torch.optim.AdamW(model.parameters(), foreach=False),
                               torch.device("cpu"))
     assert counted.chunk_for(counted.step_bytes // 2) is None
+
+
+def test_a_step_given_a_closure_runs_whole():
+    """A closure re-evaluates the model inside the step: the pre-hook leaves it alone."""
+    torch.manual_seed(0)
+    model = Blocks(width=64, depth=2)
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
+    chunked = ChunkedStep(opt, 1)
+    for module, o in ((model, opt), (eager, eager_opt)):
+        def closure(module=module, o=o):
+            o.zero_grad()
+            loss = module(x)
+            loss.backward()
+            return loss
+        o.step(closure)
+    assert chunked.steps == 0
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q)
+    chunked.remove()
