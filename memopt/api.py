@@ -18,6 +18,7 @@ at the first call). See README.md, "Bad input".
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any
 
@@ -477,9 +478,10 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
         # compiled step accepts (a Llama's rotary inv_freq: 136 bytes refused)
         backend.forward_begins(tensors, tensors.grad_state(), example_inputs,
                                example_kwargs or {})
+    kwargs = _without_meta_cache(model, example_inputs, example_kwargs or {})
     compiled = _compile_step(traced, _never_run(backend), fullgraph=True)
     try:
-        _run_captured(compiled, example_inputs, example_kwargs or {}, backend, model)
+        _run_captured(compiled, example_inputs, kwargs, backend, model)
     except PlanOnly as ready:
         if ready.plan is not None:
             return ready.plan
@@ -490,6 +492,35 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
         "parameter with requires_grad=True, and make forward return the loss or an output "
         "tensor; memopt.compile runs such a forward as eager does, with no plan."
     )
+
+
+def _without_meta_cache(model: nn.Module, args: tuple, kwargs: dict[str, Any]
+                        ) -> dict[str, Any]:
+    """`kwargs` with `use_cache=False` for a Hugging Face model planned on the meta device
+    with its default cache (`config.use_cache`, not passed): its forward then builds a
+    key/value cache from `torch.tensor([])`, which dynamo does not turn into a FakeTensor on
+    meta (capture fails inside transformers' cache_utils), and a training step never reads
+    the cache. Warns with what the plan then leaves out."""
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or not getattr(config, "use_cache", False):
+        return kwargs
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not any(t.device.type == "meta" for t in tensors):
+        return kwargs
+    try:
+        accepts = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if not accepts:
+        return kwargs
+    warnings.warn(
+        "memopt.plan on the meta device planned this model with use_cache=False: its "
+        "config builds a key/value cache in every forward, which dynamo cannot capture on "
+        "meta, and training never reads it. A step run with use_cache=True also holds that "
+        "cache (a copy of every layer's keys and values) while its output is kept: pass "
+        "use_cache=False to the training forward (or set model.config.use_cache = False), "
+        "as the plan assumes.", UserWarning, stacklevel=3)
+    return {**kwargs, "use_cache": False}
 
 
 def _never_run(backend: MemoptBackend) -> Any:

@@ -562,3 +562,22 @@ def test_messages_name_the_fix() -> None:
     with pytest.raises(memopt.InputError) as nothing:
         memopt.plan(model, x)
     assert "return the loss" in str(nothing.value)
+
+
+def test_plan_of_a_hf_model_on_meta_with_its_default_cache() -> None:
+    """A Hugging Face model's default config builds a key/value cache in every forward,
+    which dynamo cannot capture on meta: memopt.plan plans it with use_cache=False and says
+    so; on a real device the cache is planned as it is built."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=100, max_position_embeddings=64)
+    assert config.use_cache
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 100, (1, 16), device="meta")
+    with pytest.warns(UserWarning, match="planned this model with use_cache=False"):
+        meta = memopt.plan(model, example_kwargs={"input_ids": ids, "labels": ids})
+    explicit = memopt.plan(model, example_kwargs={"input_ids": ids, "labels": ids,
+                                                  "use_cache": False})
+    assert meta.predicted_peak_bytes == explicit.predicted_peak_bytes
