@@ -95,6 +95,32 @@ class Appends(nn.Module):
         return self.b(h).square().mean()
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.drop(torch.relu(self.up(x)))) + x
+
+
+class LoopBreaks(nn.Module):
+    """A break in the loop over its blocks (an early-exit check on `.item()`): dynamo
+    compiles each block's frame, one graph run by five of the six blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            if x.norm().item() > 1e9:
+                break
+        return x
+
+
 def _input(k: int) -> torch.Tensor:
     return torch.randn(512, WIDTH, generator=torch.Generator().manual_seed(k))
 
@@ -231,6 +257,23 @@ def test_a_fraction_budget_is_of_the_whole_step() -> None:
     assert len({g.budget_bytes for g in plan.graphs}) == 1  # one budget for every graph
     for peak in peaks:
         assert peak <= plan.budget_bytes
+
+
+def test_a_graph_run_by_several_blocks_settles_within_the_budget() -> None:
+    """A graph that runs several times a forward holds its own saved bytes around its
+    later runs: its re-plans must not flip between a lean plan and a greedier one its
+    later runs cannot hold (they did: steps measured 4% over 0.95 of the
+    unplanned peak). Every step after the first within the budget and the plan, with
+    eager's parameters (dropout on)."""
+    eager, model, compiled = _compiled(LoopBreaks, 0.95)
+    peaks = _train(compiled, model, steps=5, measure=1)
+    _train(eager, eager, steps=5)
+    _assert_same_parameters(model, eager)
+    plan = compiled.memopt_plan
+    assert isinstance(plan, StepPlan) and len(plan.runs) > len(plan.graphs)
+    for peak, predicted in zip(peaks, compiled.predicted, strict=True):
+        assert peak <= plan.budget_bytes, (peaks, plan.budget_bytes)
+        assert peak <= predicted, (peaks, compiled.predicted)
 
 
 def test_a_budget_that_cannot_hold_names_the_graph() -> None:
