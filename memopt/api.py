@@ -33,7 +33,7 @@ from .backend import MemoptBackend
 from .compiled_graph import PlanOnly
 from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
-from .fsdp import fsdp_unit, refuse_fsdp, refuse_sharded_inside
+from .fsdp import fsdp_sharded_params, fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
 from .recurrent.modules import substitute_rnns
@@ -218,10 +218,8 @@ class CompiledModule(nn.Module):
         unit = fsdp_unit(self)  # fully_shard(memopt.compile(model)): what FSDP holds
         if unit is not None:
             refuse_sharded_inside(self, model)
-            if backend.optimizer_source is not None:
-                raise InputError("optimizer= is not supported under fully_shard yet (its "
-                                 "state is sharded with the parameters): leave it out, and "
-                                 "the budget does not count the optimizer")
+            if backend.optimizer_source is not None and backend.optimizer is None:
+                _check_sharded_optimizer(backend.optimizer_source, fsdp_sharded_params(self))
             self.__dict__["_memopt_fsdp"] = unit.record
         if grads is not None and backend.optimizer_source is not None \
                 and backend.optimizer is None:
@@ -294,6 +292,18 @@ def _has_grads(grad_state: list[int]) -> bool:
 def _training_device(model: nn.Module) -> torch.device:
     """The device of the model's trainable parameters (the CPU when it has none)."""
     return next((p.device for p in model.parameters() if p.requires_grad), torch.device("cpu"))
+
+
+def _check_sharded_optimizer(optimizer: torch.optim.Optimizer, sharded: list | None) -> None:
+    """Under fully_shard the optimizer must step FSDP2's sharded parameters (DTensors,
+    `sharded`), which replace the ones the model had when it was compiled."""
+    own = {id(p) for p in sharded or ()}
+    if sharded and any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+        raise InputError(
+            "the optimizer given to memopt (optimizer= or count_optimizer) steps parameters "
+            "fully_shard has since replaced by its sharded ones: build the optimizer after "
+            "fully_shard, on sharded.parameters(), and count it with "
+            "memopt.api.count_optimizer(sharded, optimizer) before the first step")
 
 
 def _count_optimizer(backend: MemoptBackend, model: nn.Module) -> None:

@@ -119,8 +119,8 @@ def fsdp_unit(module: nn.Module) -> FsdpUnit | None:
     params = fsdp_sharded_params(module)
     if not params:
         return None
-    shards = [_local(p) for p in params]
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    shards = [local_tensor(p) for p in params]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     kept = _kept_all_gather_output(module)
     world = params[0].device_mesh.size()
     sharded, grad_bytes = _storage_bytes(shards), _storage_bytes(grads)
@@ -179,7 +179,9 @@ def fsdp_sharded_params(module: nn.Module) -> list[Any] | None:
         return None
 
 
-def _local(t: Any) -> torch.Tensor:
+def local_tensor(t: Any) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters, gradients and optimizer state); any
+    other tensor as it is."""
     dtensor = _dtensor_type()
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 

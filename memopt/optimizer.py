@@ -41,6 +41,7 @@ import torch
 
 from .budget import format_bytes
 from .errors import InputError
+from .fsdp import local_tensor
 from .passes.allocated import allocation_peak, can_track
 
 log = logging.getLogger("memopt")
@@ -117,11 +118,13 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> O
             continue
         have = [p for p in params if optimizer.state.get(p)]
         mine = sum(_state_bytes(optimizer.state[p], p.device) for p in have)
-        todo = [p for p in params if not optimizer.state.get(p)]
+        # FSDP2's parameters are DTensors: the state and the step are of their local shards
+        todo = [local_tensor(p) for p in params if not optimizer.state.get(p)]
         if todo:
             predicted = True
             mine += _predicted_state(optimizer, group, todo)
         state += mine
+        params = [local_tensor(p) for p in params]
         largest = max([largest, *(p.untyped_storage().nbytes() for p in params)])
         measured = _step_bytes(optimizer, group, params, device)
         if measured is None:  # not trackable: charged the state's bytes (Adam's two moments)
@@ -152,8 +155,8 @@ def _state_bytes(state: dict, device: torch.device, meta_for: torch.device | Non
             return t.device.type == "meta" or (meta_for.type == "cpu" == t.device.type)
         return t.device == device
 
-    return sum(t.untyped_storage().nbytes() for t in state.values()
-               if isinstance(t, torch.Tensor) and counted(t))
+    local = [local_tensor(t) for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(t.untyped_storage().nbytes() for t in local if counted(t))
 
 
 def _run(cls: type, group: dict, params: list[torch.Tensor], steps: int = 2

@@ -95,6 +95,7 @@ def _results(rank: int) -> dict:
         opt.step()
     plan = sharded.memopt_plan
     return {
+        **_with_adamw(rank, mesh),
         "params": [p.full_tensor().tolist() for p in sharded.parameters()],
         "measured": measured, "predicted": plan.predicted_peak_bytes,
         "budget": plan.budget_bytes, "fsdp": plan.fsdp.model_dump(),
@@ -104,10 +105,47 @@ def _results(rank: int) -> dict:
     }
 
 
-def _eager_reference() -> list[torch.Tensor]:
+def _with_adamw(rank: int, mesh) -> dict:
+    """AdamW over the sharded parameters counted in the budget (count_optimizer after
+    fully_shard): the whole step, optimizer.step() and its sharded state included, measured
+    at the second step against the plan and the budget."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    import memopt  # noqa: PLC0415
+    from memopt.api import count_optimizer  # noqa: PLC0415
+    from memopt.measure import allocation_peak  # noqa: PLC0415
+
+    sharded = fully_shard(memopt.compile(_model(), budget=0.92), mesh=mesh)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    count_optimizer(sharded, opt)
+    measured = None
+    for step in range(STEPS):
+        opt.zero_grad()
+        x = _batch(step, rank)
+        if step == STEPS - 1:
+            state = sum((t.to_local() if hasattr(t, "to_local") else t)  # (step: a scalar)
+                        .untyped_storage().nbytes() for st in opt.state.values()
+                        for t in st.values() if isinstance(t, torch.Tensor))
+            before = _local_bytes(sharded, x) + state
+            with allocation_peak("cpu") as seen:
+                _loss(sharded(x)).backward()
+                opt.step()
+            measured = seen.peak + before
+        else:
+            _loss(sharded(x)).backward()
+            opt.step()
+    plan = sharded.memopt_plan
+    return {"adamw_params": [p.full_tensor().tolist() for p in sharded.parameters()],
+            "adamw_measured": measured, "adamw_predicted": plan.predicted_peak_bytes,
+            "adamw_budget": plan.budget_bytes, "adamw_state": state,
+            "adamw_counted": plan.optimizer_state_bytes, "adamw_optimizer": plan.optimizer}
+
+
+def _eager_reference(adamw: bool = False) -> list[torch.Tensor]:
     """One process, the whole batch: FSDP averages the ranks' gradients."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adamw \
+        else torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         opt.zero_grad()
         for rank in range(WORLD):
@@ -138,3 +176,13 @@ def test_fsdp2_of_compiled_matches_eager_within_budget(tmp_path) -> None:
         # most those.
         slack = got["after_backward"] + fsdp["kept_all_gather_bytes"]
         assert got["predicted"] - slack <= got["measured"] <= got["predicted"], got
+    # AdamW counted under fully_shard: its state is of the local shards, the whole step
+    # (optimizer.step() included) within the budget and the plan, eager's parameters
+    adamw = _eager_reference(adamw=True)
+    for got in results:
+        for p, q in zip(got["adamw_params"], adamw):
+            torch.testing.assert_close(torch.tensor(p), q, rtol=1e-4, atol=1e-5)
+        assert got["adamw_optimizer"] == "AdamW"
+        assert got["adamw_counted"] == got["adamw_state"] > 0
+        assert got["adamw_measured"] <= got["adamw_budget"], got
+        assert got["adamw_measured"] <= got["adamw_predicted"], got
