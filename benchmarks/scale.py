@@ -10,7 +10,9 @@ memopt's own passes), its predicted peak, and the smallest budget memopt accepts
 (`memopt.plan(budget=1)`'s BudgetError, one more capture) with the seconds that took.
 The model is transformers' LlamaForCausalLM (32 heads, MLP 11,008, vocabulary 32,000;
 `use_cache=False`: a training step never reads a key/value cache). The 32-layer row is
-the Llama-7B shape of issue 27, whose goal is <= 15 s for capture and plan.
+the Llama-7B shape of issue 27, whose goal is <= 15 s for capture and plan. Needs
+transformers 5: 4.x's Llama does not trace on the meta device (its rotary embedding enters
+autocast on "meta").
 """
 
 from __future__ import annotations
