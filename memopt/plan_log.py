@@ -39,6 +39,8 @@ class PlanLog:
     forward_code: CodeType | None = None
     pending: BudgetError | None = None
     warned_eager: bool = False
+    #: a plan saved levels of a parallel scan (passes.scans): said once
+    warned_scan: bool = False
     #: every graph built, by what makes two of dynamo's graphs the same step to plan
     #: (memopt.backend.graph_key), and how many times dynamo handed over one already built
     by_key: dict[tuple, CompiledGraph] = field(default_factory=dict)
