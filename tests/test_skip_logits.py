@@ -118,3 +118,29 @@ def test_logits_read_inside_the_model_are_computed():
 def test_skip_logits_must_be_a_bool():
     with pytest.raises(ValueError, match="skip_logits must be True or False"):
         memopt.compile(nn.Linear(2, 2), skip_logits="yes")
+
+
+def test_skipped_logits_with_gradients_kept_between_micro_steps():
+    """Gradient accumulation: a micro-step after the first finds `.grad` kept (memopt's
+    kept-gradient step) and skips the logits too; eager's summed gradients, and that step
+    measured within its plan and the budget."""
+    model, tokens, targets = _setup()
+    eager = copy.deepcopy(model)
+    for _ in range(3):
+        eager(tokens, targets)[0].backward()
+    compiled = memopt.compile(model, budget=0.6, skip_logits=True)
+    for _ in range(2):  # plans both steps outside the measurement
+        compiled(tokens, targets)[0].backward()
+    resident = sum(t.untyped_storage().nbytes() for t in
+                   (*model.parameters(), *(p.grad for p in model.parameters()), tokens, targets))
+    with allocation_peak("cpu") as seen:
+        loss, placeholder = compiled(tokens, targets)
+        loss.backward()
+    assert isinstance(placeholder, SkippedLogits)
+    plan = compiled.memopt_plan
+    assert plan.existing_grad_bytes > 0  # the kept-gradient step's own plan
+    measured = seen.peak + resident
+    assert measured <= plan.budget_bytes and measured <= plan.predicted_peak_bytes * 1.02, (
+        measured, plan.predicted_peak_bytes, plan.budget_bytes)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
