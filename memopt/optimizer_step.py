@@ -100,8 +100,8 @@ class ChunkedStep:
             return
         stepped = False
         for group in opt.param_groups:
-            params = [p for p in group["params"] if isinstance(p.grad, torch.Tensor)
-                      and type(p.grad) is torch.Tensor]
+            # plain tensors only: not None, not a consumed gradient, not a DTensor
+            params = [p for p in group["params"] if type(p.grad) is torch.Tensor]
             parts = chunks(params, self.chunk_bytes)
             if len(parts) < 2:
                 continue
