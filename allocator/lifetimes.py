@@ -90,14 +90,18 @@ class HeldOutside:
 
 def held_outside(shape: StepShape, *, existing_grads: Mapping[str, int] | None,
                  outside_bytes: Sequence[int], outside_grad_bytes: int,
-                 has_backward: bool) -> list[HeldOutside]:
+                 has_backward: bool, saved_bytes: int = 0) -> list[HeldOutside]:
     """What the step holds beside its graph's storages, in this order:
 
     - each `.grad` kept from earlier steps (`existing_grads`: bytes by parameter primal),
       for the whole step;
     - what the rest of the step holds (`outside_bytes`: (forward, backward[,
       after_backward]), memopt.steps) over the forward, over the backward, and as the
-      backward ends (FSDP2's reduce-scatter, on top of what is live then);
+      backward ends (FSDP2's reduce-scatter, on top of what is live then); a fourth,
+      for a graph that runs several times in the forward (a repeated block,
+      memopt.blocks), (n, forward, backward) for each of its runs: what the rest holds
+      around that run besides its n own earlier runs, each holding what this plan saves
+      (`saved_bytes`); the largest over its runs is held;
     - the output gradients autograd holds at once outside the compiled backward just
       before it starts (`outside_grad_bytes`), at the first backward step.
     """
@@ -105,8 +109,11 @@ def held_outside(shape: StepShape, *, existing_grads: Mapping[str, int] | None,
     held = [HeldOutside(f"grad.{primal}", nbytes, -1, end, "existing_grad")
             for primal, nbytes in (existing_grads or {}).items()]
     after = outside_bytes[2] if len(outside_bytes) > 2 else 0
-    for name, nbytes, start, stop in (("outside.forward", outside_bytes[0], 0, nf - 1),
-                                      ("outside.backward", outside_bytes[1], nf, end),
+    own = outside_bytes[3] if len(outside_bytes) > 3 else ()
+    forward = max([outside_bytes[0]] + [f + n * saved_bytes for n, f, _ in own])
+    backward = max([outside_bytes[1]] + [b + n * saved_bytes for n, _, b in own])
+    for name, nbytes, start, stop in (("outside.forward", forward, 0, nf - 1),
+                                      ("outside.backward", backward, nf, end),
                                       ("outside.after_backward", after, max(nf, end), end)):
         if nbytes and start <= stop:
             held.append(HeldOutside(name, nbytes, start, stop, "outside"))

@@ -30,6 +30,7 @@ from memopt.passes._torch_compat import (FailOnRecompileLimitHit, dynamo_config_
                                          is_dynamo_error, pytree, recompile_limit,
                                          unwrap_backend_error)
 from .backend import MemoptBackend
+from .blocks import capturing, find_blocks, mark_blocks
 from .compiled_graph import PlanOnly
 from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
@@ -67,7 +68,7 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
     backend.plan_log.start_clock()  # a plan's capture time counts from here
     try:
         with dynamo_config_patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS,
-                                        **_DYNAMO_DDP, **ignored_logging_config()):
+                                 **_DYNAMO_DDP, **ignored_logging_config()), capturing():
             return fn(*args, **kwargs)
     except (MemoptError, PlanOnly):
         raise
@@ -158,7 +159,8 @@ class CompiledModule(nn.Module):
     `gradient_checkpointing_enable()` does nothing but warn: memopt plans recomputation.
     """
 
-    def __init__(self, model: nn.Module, backend: MemoptBackend, fullgraph: bool = False) -> None:
+    def __init__(self, model: nn.Module, backend: MemoptBackend, fullgraph: bool = False,
+                 blocks: bool = False) -> None:
         super().__init__()
         for name in _SHARED_STATE:
             object.__setattr__(self, name, getattr(model, name))
@@ -171,6 +173,10 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_memopt_traced", traced)
         object.__setattr__(self, "_memopt_fullgraph", fullgraph)
         object.__setattr__(self, "_memopt_fsdp", None)  # FsdpRecord under fully_shard
+        # blocks=True: each repeated block its own graph, captured and planned once
+        groups = find_blocks(traced) if blocks else []
+        object.__setattr__(self, "_memopt_blocks", groups)
+        object.__setattr__(self, "_memopt_block_hooks", mark_blocks(groups))
         # its parameters and buffers, listed again only when the module tree changes
         object.__setattr__(self, "_memopt_tensors", ModelTensors(model))
         # a graph of this code that returns is the whole forward (memopt.steps)
@@ -409,6 +415,12 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
     fullgraph = options.pop("fullgraph", False)
     if not isinstance(fullgraph, bool):
         raise ValueError(f"fullgraph must be True or False, got {fullgraph!r}")
+    blocks = options.pop("blocks", False)
+    if not isinstance(blocks, bool):
+        raise ValueError(f"blocks must be True or False, got {blocks!r}")
+    if blocks and fullgraph:
+        raise ValueError("blocks=True runs each repeated block as its own graph, which "
+                         "fullgraph=True forbids: pass one of them")
     optimizer = options.pop("optimizer", None)
     backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
     if backend.step_in_backward and optimizer is None:
@@ -420,7 +432,7 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
     _refuse_meta(model)
     _refuse_wrappers(model)
     refuse_fsdp(model, "memopt.compile")
-    return CompiledModule(model, backend, fullgraph)
+    return CompiledModule(model, backend, fullgraph, blocks)
 
 
 def _refuse_wrappers(model: nn.Module) -> None:

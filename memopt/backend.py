@@ -39,7 +39,7 @@ from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError, CaptureError, PassError
-from .graph_breaks import ReplanPolicy, replan_forward, step_baseline
+from .graph_breaks import ReplanPolicy, replan_forward, required, step_baseline
 from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import OptimizerBytes
@@ -223,7 +223,8 @@ class MemoptBackend:
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
             if alone:  # the whole forward in one graph: nothing is planned after it
-                outside = Outside(outside.forward, outside.forward, outside.after_backward)
+                outside = Outside(outside.forward, outside.forward, outside.after_backward,
+                                  outside.own)
         if trace is None or alone:
             return graph.compile(example_inputs, outside, ReplanPolicy.GREEDY, self.budget)
         # The forward has graph breaks, and what its other graphs hold is not known
@@ -306,10 +307,11 @@ class MemoptBackend:
 
     def step_plan(self) -> MemoryPlan | StepPlan | None:
         """The plan of the last training forward: its graph's MemoryPlan, or a StepPlan
-        of one per graph when graph breaks split it."""
+        of one per graph when graph breaks split it or its one graph ran several times
+        (a repeated block whose loop dynamo runs eagerly, memopt.blocks)."""
         runs = self.plan_log.last_runs
         graphs = list(dict.fromkeys(runs))
-        if len(graphs) <= 1:
+        if len(runs) <= 1:
             return self.plan_log.last
         return StepPlan(graphs=tuple(g.plan for g in graphs),
                         runs=tuple(graphs.index(g) for g in runs))
@@ -338,7 +340,7 @@ class MemoptBackend:
         runs = [run.graph for run in trace.runs]
         self.plan_log.last_runs = tuple(runs)
         if len(set(map(id, runs))) == 1 and runs[0].policy == ReplanPolicy.GREEDY \
-                and runs[0].outside.covers(bases[0]):
+                and runs[0].outside.covers(required(runs[0], runs, bases)):
             # one graph, planned with what it needed: the usual case; the whole forward
             # alone, it may skip the trace while nothing it counted changes
             runs[0].settled = settle(call, trace.runs[0], bases[0]) \

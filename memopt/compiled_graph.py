@@ -84,6 +84,9 @@ class CompiledGraph:
         self.outside_grads = aliased_output_grad_bytes(gm)
         self.outside, self.policy, self.step_baseline = Outside(), ReplanPolicy.GREEDY, None
         self.provisional = False  # planned with a guess for the graphs after it
+        #: run several times in a forward: its saved bytes counted 2^weight times as often
+        #: as its runs hold them, for the graphs after it (memopt.graph_breaks.required)
+        self.weight = 0
         self.plan: MemoryPlan | None = None
         self.compiled: Callable | None = None
         #: what its last traced step counted, for steps without the trace (memopt.settled)
@@ -224,7 +227,8 @@ class CompiledGraph:
         outside = request.outside
         if stepping.all_stepped:  # the user's optimizer.step() then allocates nothing
             outside = Outside(outside.forward, outside.backward, max(
-                0, outside.after_backward - self.backend.optimizer.step_bytes))
+                0, outside.after_backward - self.backend.optimizer.step_bytes),
+                outside.own)
         planned = plan_joint(dataclasses.replace(request, grads=stepping.grads,
                                                  outside=outside, step_baseline=baseline))
         if not self.backend.plan_only:

@@ -19,6 +19,7 @@ and a DTensor parameter has no storage memopt can count.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ def _fsdp_module_type() -> type | None:
     return FSDPModule
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor  # noqa: PLC0415

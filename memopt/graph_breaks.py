@@ -21,6 +21,7 @@ from .steps import Outside
 
 if TYPE_CHECKING:  # pragma: no cover
     from .compiled_graph import CompiledGraph
+    from .memory_plan import MemoryPlan
 
 log = logging.getLogger("memopt")
 
@@ -67,25 +68,25 @@ def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
     """Plan every graph of a forward again with all of them known: each by its policy in
     `policies` (by id), with what the rest of the step holds around each of its runs
     (`bases`, from memopt.steps, plus the saved bytes of the runs before it as planned
-    now), in rounds until the saved bytes settle. Raises DoesNotFit for the first graph
-    whose plan misses the budget, at its last run's position."""
+    now; a graph that runs several times counts its own earlier runs by its plan's saved
+    bytes, `required`), in rounds until the saved bytes settle. Raises DoesNotFit for the
+    first graph whose plan misses the budget, at its last run's position."""
     order = list(dict.fromkeys(runs))
-    #: within one re-plan a graph's need only grows: a graph that runs several times holds
-    #: its own saved bytes around its later runs, so a leaner plan (for a larger need)
-    #: lowers its need, and planning again for that lower need would flip back to a plan
-    #: whose own saved bytes its later runs cannot hold (measured 9% over a budget)
+    #: within one re-plan a graph's need only grows, so that the rounds settle
     assumed: dict[int, Outside] = {}
     for _ in range(ROUNDS):
         before = {id(g): g.plan.held_bytes for g in order}
         for graph in order:
-            need = _need(graph, runs, bases)
+            need = required(graph, runs, bases, weighted=True)
             need = assumed[id(graph)] = need.max(assumed.get(id(graph), need))
             policy = policies[id(graph)]
             if graph.provisional or graph.outside != need or graph.policy != policy \
                     or graph.step_baseline != step_baseline:
+                held = need.around(graph.plan.held_bytes)
                 log.info("memopt: planning %s again with the whole forward known (%s): %s "
-                         "held around its forward, %s around its backward", graph.label(),
-                         policy.value, format_bytes(need.forward), format_bytes(need.backward))
+                         "held around its forward, %s around its backward%s", graph.label(),
+                         policy.value, format_bytes(held[0]), format_bytes(held[1]),
+                         f" (up to {need.repeats} of its own runs)" if need.repeats else "")
                 graph.replan(need, policy, step_baseline)
         if all(g.plan.held_bytes == before[id(g)] for g in order):
             break
@@ -93,41 +94,147 @@ def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
         last = max(i for i, r in enumerate(runs) if r is graph)
         if not graph.plan.fits:
             raise DoesNotFit(graph, last)
-        if not graph.outside.covers(_need(graph, runs, bases)):  # rounds ran out
+        if not graph.outside.covers(required(graph, runs, bases)):  # rounds ran out
             log.info("memopt: %s did not settle in %d rounds: planned for what its runs "
                      "hold at most", graph.label(), ROUNDS)
-            graph.replan(graph.outside.max(_need(graph, runs, bases)), policies[id(graph)],
-                         step_baseline)
+            graph.replan(graph.outside.max(required(graph, runs, bases, weighted=True)),
+                         policies[id(graph)], step_baseline)
             if not graph.plan.fits:
                 raise DoesNotFit(graph, last)
 
 
-def _need(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outside]) -> Outside:
+def need_of(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outside],
+            own: int | None = None) -> Outside:
     """What the rest of the step holds around `graph`'s runs at most: each run's base
-    plus the saved bytes of every run before it, as the graphs are planned now."""
+    plus the saved bytes of every run before it, as the graphs are planned now (`own`:
+    the saved bytes assumed for `graph`'s own earlier runs instead of its plan's)."""
     need = Outside()
     for i, run in enumerate(runs):
         if run is graph:
-            need = need.max(bases[i].plus(sum(r.plan.held_bytes for r in runs[:i])))
+            held = sum(r.plan.held_bytes if own is None or r is not graph else own
+                       for r in runs[:i])
+            need = need.max(bases[i].plus(held))
     return need
+
+
+def required(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outside],
+             weighted: bool = False) -> Outside:
+    """What `graph`'s plan must count around it: need_of; for a graph that runs several
+    times in the forward (a repeated block, memopt.blocks; one plan for every run), what
+    the rest holds around each of its runs besides its own earlier runs, which the
+    planner counts with the saved bytes of each plan it weighs (Outside.own,
+    allocator.lifetimes.held_outside): a plan that keeps less holds less around its later
+    runs. `weighted`: with its weight for the graphs after it (`CompiledGraph.weight`,
+    replan_forward): its own earlier runs counted (1 + weight / 2) times as often."""
+    if sum(r is graph for r in runs) < 2:
+        return need_of(graph, runs, bases)
+    weight = graph.weight if weighted else 0
+    own, after = [], 0
+    for i, run in enumerate(runs):
+        if run is graph:
+            base = bases[i].plus(sum(r.plan.held_bytes for r in runs[:i] if r is not graph))
+            own.append((len(own) * (2 + weight) // 2, base.forward, base.backward))
+            after = max(after, base.after_backward)
+    return Outside(0, 0, after, tuple(own))
+
+
+#: How often replan_forward raises a repeated graph's weight (its own earlier runs counted
+#: half as often again each time) for a graph after it that misses the budget, before
+#: planning it lean
+MAX_WEIGHT = 4
+
+
+def as_run(graph: CompiledGraph, need: Outside, own_runs_before: int) -> MemoryPlan:
+    """The plan of a graph that runs several times, planned with its own earlier runs
+    weighted (`required`), with its timeline and predicted peak around `need` instead:
+    what its runs hold with this plan's saved bytes (need_of), never more than it was
+    planned around; its outside bytes those of the other graphs, beside
+    `own_runs_before` runs of its own."""
+    plan, timeline = graph.plan, graph.plan.timeline
+    planned_forward, planned_backward = graph.outside.around(plan.held_bytes)
+    cut_forward = planned_forward - need.forward
+    cut_backward = planned_backward - need.backward
+    own_now = own_runs_before * plan.held_bytes
+    fields = {"own_runs_before": own_runs_before,
+              "outside_forward_bytes": max(0, need.forward - own_now),
+              "outside_backward_bytes": max(0, need.backward - own_now)}
+    if timeline is None or "other_graphs" not in timeline.kinds \
+            or (cut_forward <= 0 and cut_backward <= 0):
+        return plan.model_copy(update=fields)
+    k = timeline.kinds.index("other_graphs")
+    column = tuple(max(0, v - max(0, cut_forward if step < timeline.num_forward_steps
+                                  else cut_backward))
+                   for step, v in zip(timeline.steps, timeline.live[k]))
+    new = timeline.model_copy(update={"live": (*timeline.live[:k], column,
+                                               *timeline.live[k + 1:])})
+    lower = max(timeline.totals) - max(new.totals)
+    return plan.model_copy(update={
+        "timeline": new, "predicted_peak_bytes": plan.predicted_peak_bytes - lower, **fields})
 
 
 def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
                    step_baseline: int | None) -> BudgetError | None:
     """Re-plan a forward's graphs (replan_jointly) until they fit: where one misses, the
-    graphs before it that were planned GREEDY become LEAN for it. Policies settled by
-    earlier forwards stay; the first forward's guesses do not. Returns the BudgetError of
-    a graph that misses with every graph before it lean (None: every graph fits)."""
+    graphs before it that were planned GREEDY hold less for it: a repeated graph (whose
+    runs each keep its saved bytes) counts them more often (`weight`, up to MAX_WEIGHT
+    times), the others, and then it, become LEAN. Policies and weights settled
+    by earlier forwards stay; the first forward's guesses do not. Returns the BudgetError
+    of a graph that misses with every graph before it lean (None: every graph fits)."""
     policies = {id(g): ReplanPolicy.GREEDY if g.provisional else g.policy for g in runs}
+    first = any(g.provisional for g in runs)
+    planned = {id(g): g.plan for g in runs}
+    if first:
+        for graph in runs:
+            graph.weight = 0
     while True:
         try:
             replan_jointly(runs, bases, policies, step_baseline)
+            if first:
+                _recompute_less(runs, bases, policies, step_baseline)
+            for graph in dict.fromkeys(runs):  # as it runs: what its runs hold
+                k = sum(r is graph for r in runs)
+                if k > 1 and graph.plan is not planned[id(graph)]:  # planned just now
+                    graph.plan = as_run(graph, need_of(graph, runs, bases), k - 1)
             return None
         except DoesNotFit as miss:
-            # the graphs before the one that misses hold as little as they can for it
             earlier = [g for g in dict.fromkeys(runs[:miss.position])
                        if policies[id(g)] == ReplanPolicy.GREEDY and g is not miss.graph]
             if not earlier:
                 return miss.graph.budget_error()
             for g in earlier:
-                policies[id(g)] = ReplanPolicy.LEAN
+                if sum(r is g for r in runs) > 1 and g.weight < MAX_WEIGHT:
+                    g.weight += 1
+                else:
+                    policies[id(g)] = ReplanPolicy.LEAN
+
+
+def _recompute_flops(runs: list[CompiledGraph]) -> int:
+    return sum(run.plan.recompute_flops for run in runs)
+
+
+def _recompute_less(runs: list[CompiledGraph], bases: list[Outside],
+                    policies: dict[int, ReplanPolicy], step_baseline: int | None) -> None:
+    """After the first fitting re-plan: each graph took the least recomputation that fits
+    around what the graphs before it keep, so a repeated block that keeps all it can may
+    leave a graph after it to recompute much more (a language-model head chunked: its
+    projection twice) than the block would by keeping a little less. Try each repeated
+    GREEDY graph with recomputing graphs after it at a higher weight (up to MAX_WEIGHT),
+    keep the weights with the least recomputation in the whole step."""
+    best = _recompute_flops(runs)
+    for graph in dict.fromkeys(runs):
+        last = max(i for i, r in enumerate(runs) if r is graph)
+        if sum(r is graph for r in runs) < 2 or policies[id(graph)] != ReplanPolicy.GREEDY \
+                or not any(r.plan.recompute_flops for r in runs[last + 1:]):
+            continue
+        kept = graph.weight
+        while graph.weight < MAX_WEIGHT:
+            graph.weight += 1
+            try:
+                replan_jointly(runs, bases, policies, step_baseline)
+            except DoesNotFit:
+                break
+            if _recompute_flops(runs) < best:
+                best, kept = _recompute_flops(runs), graph.weight
+        if graph.weight != kept:
+            graph.weight = kept  # the best again
+            replan_jointly(runs, bases, policies, step_baseline)

@@ -333,6 +333,10 @@ class MemoryPlan(BaseModel):
     #: allocated outside the graph as its backward ends, on top of what is live then
     #: (FSDP2's reduce-scatter of the gradients, memopt.fsdp)
     outside_after_backward_bytes: Bytes = 0
+    #: this graph's own runs before its last one in the forward (a repeated block,
+    #: memopt.blocks), each holding `held_bytes`, which its predicted peak counts as held
+    #: outside it (beside the outside bytes above)
+    own_runs_before: Count = 0
     baseline_saved_bytes: Bytes = 0    # what the baseline (no memopt passes) keeps for backward
     #: Live bytes over the step by kind, as memopt runs it and in the baseline; None in a
     #: plan written before memopt recorded them (plot() then asks to re-plan).

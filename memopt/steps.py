@@ -36,6 +36,7 @@ import torch
 
 from memopt.passes._torch_compat import pytree, storage_ref
 
+from .fsdp import local_tensor
 from .markers import Memoryless
 
 StorageId = tuple[str, int]
@@ -63,6 +64,7 @@ def storages(values: Iterable[Any]) -> dict[StorageId, int]:
     """{storage: bytes} of the tensors among `values` (nested containers flattened)."""
     found: dict[StorageId, int] = {}
     for leaf in pytree.tree_leaves(list(values)):
+        leaf = local_tensor(leaf)  # FSDP2's sharded parameters: their shard's storage
         if holds_memory(leaf):
             found[storage_id(leaf)] = leaf.untyped_storage().nbytes()
     return found
@@ -77,22 +79,45 @@ class Outside:
     forward: int = 0
     backward: int = 0
     after_backward: int = 0
+    #: a graph that runs several times in the forward (a repeated block, memopt.blocks):
+    #: for each of its runs, (n, forward, backward): its n own runs before it, and what
+    #: the rest of the step holds around it besides them. The planner counts each with
+    #: the saved bytes of the plan it weighs (`around`)
+    own: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def repeats(self) -> int:
+        """The most own runs before one of its runs (0: it runs once)."""
+        return max((n for n, _, _ in self.own), default=0)
+
+    def around(self, saved: int) -> tuple[int, int]:
+        """(forward, backward) held around the graph's runs when its plan saves `saved`."""
+        return (max([self.forward] + [f + n * saved for n, f, _ in self.own]),
+                max([self.backward] + [b + n * saved for n, _, b in self.own]))
 
     def covers(self, other: "Outside") -> bool:
+        """It holds at least `other` around every run, whatever the plan saves."""
         return (self.forward >= other.forward and self.backward >= other.backward
-                and self.after_backward >= other.after_backward)
+                and self.after_backward >= other.after_backward
+                and all(any(m >= n and g >= f and c >= b for m, g, c in self.own)
+                        for n, f, b in other.own))
 
     def max(self, other: "Outside") -> "Outside":
+        own = {n: (f, b) for n, f, b in self.own}
+        for n, f, b in other.own:
+            own[n] = (max(f, own[n][0]), max(b, own[n][1])) if n in own else (f, b)
         return Outside(max(self.forward, other.forward), max(self.backward, other.backward),
-                       max(self.after_backward, other.after_backward))
+                       max(self.after_backward, other.after_backward),
+                       tuple((n, f, b) for n, (f, b) in sorted(own.items())))
 
     def plus(self, nbytes: int) -> "Outside":
-        return Outside(self.forward + nbytes, self.backward + nbytes, self.after_backward)
+        return Outside(self.forward + nbytes, self.backward + nbytes, self.after_backward,
+                       tuple((n, f + nbytes, b + nbytes) for n, f, b in self.own))
 
-    def bytes(self) -> tuple[int, int, int]:
-        """(forward, backward, after_backward): what passes.liveness and passes.simulate
-        take as `outside_bytes`."""
-        return self.forward, self.backward, self.after_backward
+    def bytes(self) -> tuple:
+        """(forward, backward, after_backward, own): what passes.liveness and
+        passes.simulate take as `outside_bytes` (allocator.lifetimes.held_outside)."""
+        return self.forward, self.backward, self.after_backward, self.own
 
 
 @dataclass
@@ -149,11 +174,11 @@ class ForwardTrace:
         `optimizer_state_bytes`: the optimizer's state (memopt.optimizer), held like DDP's
         buckets."""
         resident = storages([*params, *buffers, args, kwargs, list(held)])
-        grads = {storage_id(p): p.untyped_storage().nbytes() for p in params
-                 if p.requires_grad and p.grad is None}
-        kept = {storage_id(p): storage_id(p.grad) for p in params
-                if p.requires_grad and p.grad is not None}
-        resident.update(storages(p.grad for p in params if p.grad is not None))
+        local = [(local_tensor(p), p.grad is not None and local_tensor(p.grad))
+                 for p in params if p.requires_grad]  # FSDP2's shards, gradients sharded too
+        grads = {storage_id(p): p.untyped_storage().nbytes() for p, g in local if g is False}
+        kept = {storage_id(p): storage_id(g) for p, g in local if g is not False}
+        resident.update(storages(g for _, g in local if g is not False))
         if ddp_bucket_bytes:
             resident[DDP_BUCKETS] = ddp_bucket_bytes
         if optimizer_state_bytes:

@@ -178,7 +178,8 @@ def analyze_liveness(
     backward) bytes the rest of the step holds while this graph's forward, and its
     backward, run (memopt.steps), one storage over each part of the schedule, and
     optionally a third, bytes allocated as the backward ends on top of what is live then
-    (FSDP2's reduce-scatter), charged at its last step. `outputs_dropped`: the caller
+    (FSDP2's reduce-scatter), charged at its last step, and a fourth, the graph's own
+    earlier runs in the forward, each holding its saved storages (allocator.lifetimes). `outputs_dropped`: the caller
     keeps only its scalar outputs (the loss it calls backward on) past the forward
     (memopt.compile's drop_outputs); the others die as the forward ends, unless backward
     reads them."""
@@ -289,12 +290,13 @@ def analyze_liveness(
             name=names[0] if names else "?", nodes=names, nbytes=stores.nbytes[key],
             start=-1 if key in resident_kind else start,
             end=holds.end(key, start, last[key], shape), kind=holds.kind_of(key, start, shape)))
+    saved_bytes = sum(s.nbytes for s in lives if s.kind == "saved")  # MemoryPlan.held_bytes
     lives += [StorageLife(name=h.name, nodes=(), nbytes=h.nbytes, start=h.start, end=h.end,
                           kind=h.kind)
               for h in held_outside(shape, existing_grads=existing_grads,
                                     outside_bytes=outside_bytes,
                                     outside_grad_bytes=outside_grad_bytes,
-                                    has_backward=bw is not None)]
+                                    has_backward=bw is not None, saved_bytes=saved_bytes)]
     lives.sort(key=lambda s: (s.start, s.name))
     return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives))
 

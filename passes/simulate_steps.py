@@ -443,7 +443,8 @@ class Candidate:
         extras += [(h.nbytes, h.start, h.end, timeline_kind(h.kind)) for h in held_outside(
             shape, existing_grads=m.existing_grads if m.step_bytes is None else None,
             outside_bytes=m.outside,
-            outside_grad_bytes=m.outside_grad_bytes, has_backward=True)]
+            outside_grad_bytes=m.outside_grad_bytes, has_backward=True,
+            saved_bytes=saved_bytes)]
         intervals += [extra[:3] for extra in extras]
         kinds: tuple[str, ...] = ()
         if with_kinds:  # passes.liveness Step 3's kinds, in that order

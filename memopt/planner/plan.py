@@ -225,7 +225,7 @@ class _Planning:
             # breaks its lean plans measured above their prediction
             # (tests/test_graph_breaks); what a whole step holds outside its graph is a
             # constant (DDP's buckets)
-            path = not r.lowest_peak and (r.whole_step or not (
+            path = not r.lowest_peak and (r.whole_step or r.outside.repeats > 0 or not (
                 r.outside.forward or r.outside.backward))
             mirror, search = choose_mirror(self.joint, self.n, target,
                                            self.step.mutable_inputs, self.simulate, path)

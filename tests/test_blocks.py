@@ -1,0 +1,187 @@
+"""`memopt.compile(model, blocks=True)`: each repeated block its own graph, captured once
+and planned under the step's budget (memopt.blocks, memopt.graph_breaks.plan_repeated).
+
+The zoo's transformers train through the block path at budget=None and at a binding
+byte budget: gradients equal eager's, the block graph captured once and run by every
+layer, the measured peak within the budget and near the plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.blocks import find_blocks
+from memopt.memory_plan import StepPlan
+
+from test_zoo import _compare_gradients, _gradients, _step
+
+WIDTH = 64
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = WIDTH, drop: float = 0.1) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class Stack(nn.Module):
+    """An input layer, `depth` identical blocks in a ModuleList, a head; `check=True`
+    reads `.item()` of an activation inside the loop (an early-exit test)."""
+
+    def __init__(self, depth: int = 6, check: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, WIDTH)
+        self.blocks = nn.ModuleList(_Block() for _ in range(depth))
+        self.head = nn.Linear(WIDTH, 10)
+        self.check = check
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+            if self.check and x.norm().item() > 1e9:
+                break
+        return self.head(x).square().mean()
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(2048, 32, generator=torch.Generator().manual_seed(step))
+
+
+def test_find_blocks_groups_copies_and_skips_what_differs() -> None:
+    model = Stack(depth=4)
+    (group,) = find_blocks(model)
+    assert group == list(model.blocks)
+
+    stage = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16),
+                          nn.ReLU(), nn.Linear(16, 16))
+    (group,) = find_blocks(stage)  # the first (8 -> 16) is not one of them; ReLU has none
+    assert group == [stage[1], stage[2], stage[4]]
+    assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5))) == []
+    # blocks inside a repeated block are not units of their own
+    outer = nn.ModuleList(nn.ModuleList(nn.Linear(4, 4) for _ in range(3)) for _ in range(2))
+    assert find_blocks(outer) == [list(outer)]
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="blocks must be True or False"):
+        memopt.compile(Stack(), blocks="yes")
+    with pytest.raises(ValueError, match="fullgraph"):
+        memopt.compile(Stack(), blocks=True, fullgraph=True)
+
+
+def _train(module, model: nn.Module, steps: int) -> list[int]:
+    from memopt.measure import allocation_peak  # noqa: PLC0415
+
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    peaks = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x = _batch(step)
+        torch.manual_seed(step)
+        with allocation_peak("cpu") as seen:
+            module(x).backward()
+        peaks.append(seen.peak + resident + x.numel() * x.element_size())
+        opt.step()
+    return peaks
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["loop", "item-in-loop"])
+def test_a_stack_trains_through_one_block_graph_within_its_budget(check: bool) -> None:
+    torch.manual_seed(0)
+    eager = Stack(check=check)
+    model = copy.deepcopy(eager)
+    probe = memopt.compile(copy.deepcopy(eager), blocks=True)
+    probe(_batch(0)).backward()
+    budget = int(0.8 * probe.memopt_plan.predicted_peak_bytes)
+
+    compiled = memopt.compile(model, budget=budget, blocks=True)
+    peaks = _train(compiled, model, steps=4)
+    _train(eager, eager, steps=4)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    plan = compiled.memopt_plan
+    runs = plan.runs if isinstance(plan, StepPlan) else (0,) * len(model.blocks)
+    assert max(runs.count(i) for i in set(runs)) == len(model.blocks), runs
+    assert sum(g.recompute_flops for g in getattr(plan, "graphs", (plan,))) > 0
+    for peak in peaks[1:]:  # the first step plans (and re-plans when its forward ends)
+        assert peak <= budget, (peaks, budget)
+        assert peak <= 1.02 * plan.predicted_peak_bytes, (peaks, plan.predicted_peak_bytes)
+
+
+def test_the_boundaries_do_nothing_outside_memopt() -> None:
+    """The hooks on the user's blocks break only memopt's capture: the original module
+    still compiles as one graph with torch.compile(fullgraph=True), and runs eagerly."""
+    model = Stack(depth=3)
+    compiled = memopt.compile(model, blocks=True)
+    compiled(_batch(0)).backward()
+    x = _batch(1)
+    model.eval()  # no dropout: the same output twice
+    whole = torch.compile(compiled.original_module, backend="eager", fullgraph=True)
+    torch.testing.assert_close(whole(x), model(x))
+
+
+def test_deeper_stacks_capture_the_same_graphs() -> None:
+    """Depth adds runs, not graphs: one capture of the block for every layer."""
+    counts = []
+    for depth in (2, 5):
+        compiled = memopt.compile(Stack(depth=depth), blocks=True)
+        compiled(_batch(0)).backward()
+        plan = compiled.memopt_plan
+        counts.append((len(getattr(plan, "graphs", (plan,))),
+                       len(getattr(plan, "runs", (0,)))))
+    assert counts[0][0] == counts[1][0], counts
+    assert counts[1][1] - counts[0][1] == 3, counts
+
+
+#: the zoo's transformers (benchmarks/zoo.py); the binding budget is this fraction of the
+#: flat budget=None plan's predicted peak
+ZOO_BLOCKS = ("llama", "gpt2", "bert", "vit")
+BINDING = 0.8
+
+
+@pytest.mark.parametrize("budget_of", ["none", "binding"])
+@pytest.mark.parametrize("name", ZOO_BLOCKS)
+def test_zoo_transformers_train_through_the_block_path(name: str, budget_of: str) -> None:
+    pytest.importorskip("transformers")
+    from benchmarks.zoo import ZooCase, allocated_peak, build  # noqa: PLC0415
+
+    eager_case = build(name)
+    case = ZooCase(name, copy.deepcopy(eager_case.model), eager_case.args,
+                   eager_case.kwargs, eager_case.loss)
+    _step(eager_case, None, seed=1)
+    expected = _gradients(eager_case)
+    budget = None
+    if budget_of == "binding":
+        flat = memopt.plan(copy.deepcopy(eager_case.model), *eager_case.args,
+                           example_kwargs=eager_case.kwargs)
+        budget = int(BINDING * flat.predicted_peak_bytes)
+    compiled = memopt.compile(case.model, budget=budget, blocks=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(case, compiled, seed=1)
+    _compare_gradients(name, case, expected)
+    plan = compiled.memopt_plan
+    assert isinstance(plan, StepPlan)
+    (group,) = find_blocks(case.model)
+    assert max(plan.runs.count(i) for i in set(plan.runs)) == len(group), plan.runs
+    measured = allocated_peak(compiled, case)
+    predicted = plan.predicted_peak_bytes
+    print(f"\nblocks[{name}, {budget_of}]: measured {measured}, predicted {predicted}, "
+          f"budget {budget}, recompute "
+          f"{sum(plan.graphs[i].recompute_flops for i in plan.runs)}")
+    assert abs(measured - predicted) <= 0.02 * predicted, (measured, predicted)
+    if budget is not None:
+        assert measured <= budget, (measured, budget)
