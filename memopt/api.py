@@ -35,6 +35,7 @@ from .compiled_graph import PlanOnly
 from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
 from .fsdp import fsdp_sharded_params, fsdp_unit, refuse_fsdp, refuse_sharded_inside
+from .fsdp_blocks import block_shards, check_sharded_blocks, fsdp_units
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
 from .recurrent.modules import substitute_rnns
@@ -232,7 +233,8 @@ class CompiledModule(nn.Module):
             _count_optimizer(backend, model)
         backend.forward_begins(tensors, grads, args, kwargs, ddp=buckets_of(self, model),
                                held=unit.held if unit else (),
-                               after_backward=unit.after_backward if unit else 0)
+                               after_backward=unit.after_backward if unit else 0,
+                               shards=block_shards(model, self._memopt_blocks))
         try:
             out = _run_captured(compiled, args, kwargs, backend, model)
         except BaseException:
@@ -431,7 +433,10 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
         backend.optimizer_source = optimizer
     _refuse_meta(model)
     _refuse_wrappers(model)
-    refuse_fsdp(model, "memopt.compile")
+    if blocks and fsdp_units(model):  # FSDP2 per block (memopt.fsdp_blocks)
+        check_sharded_blocks(model, find_blocks(model))
+    else:
+        refuse_fsdp(model, "memopt.compile")
     return CompiledModule(model, backend, fullgraph, blocks)
 
 

@@ -263,14 +263,16 @@ class MemoptBackend:
 
     def forward_begins(self, tensors: ModelTensors, grads: list[int] | None, args: tuple,
                        kwargs: dict, ddp: DDPBuckets | None = None,
-                       held: Sequence[torch.Tensor] = (), after_backward: int = 0) -> None:
+                       held: Sequence[torch.Tensor] = (), after_backward: int = 0,
+                       shards: Any = None) -> None:
         """A memopt module's forward starts: when it records gradients (`grads`, the
         parameters' `ModelTensors.grad_state()`, is not None), trace its graphs
         (memopt.steps), or let a settled graph run without the trace (memopt.settled).
         `ddp`: the gradient buckets of the DDP running it (memopt.ddp), which the trace
         counts as held for the whole step; `held`: tensors that are not the model's, held
         for the whole step (FSDP2's shards and all-gather output, memopt.fsdp);
-        `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter)."""
+        `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter);
+        `shards`: FSDP2 on the repeated blocks and the root (memopt.fsdp_blocks)."""
         self.plan_log.ddp = ddp
         if grads is None:
             self.plan_log.call = None
@@ -281,7 +283,7 @@ class MemoptBackend:
         opt = self.optimizer
         call = StepCall(tensors, grads, args, kwargs,
                         ddp.counted_bytes if ddp is not None else 0, tuple(held), after_backward,
-                        opt.state_bytes if opt else 0, opt.step_bytes if opt else 0)
+                        opt.state_bytes if opt else 0, opt.step_bytes if opt else 0, shards)
         if not any(graph.settled is not None for graph in self.plan_log.last_runs):
             call.trace()  # no graph of the last forward may skip it: traced from the start
         self.plan_log.call = call

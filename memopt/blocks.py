@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from memopt.passes._torch_compat import graph_break
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -81,7 +82,7 @@ class capturing:
 def _boundary(module: nn.Module, *args: Any) -> None:
     """A forward pre-hook and hook: dynamo ends memopt's graph here; eager does nothing."""
     if _capturing:
-        torch._dynamo.graph_break()
+        graph_break()
 
 
 def mark_blocks(groups: list[list[nn.Module]]) -> list[RemovableHandle]:

@@ -77,8 +77,10 @@ def refuse_fsdp(model: nn.Module, api: str) -> None:
         f"that runs sharded layers in a loop would run eagerly, with no plan). Compile "
         f"first, then shard the compiled module as one FSDP unit: "
         f"fully_shard(memopt.compile(model, budget=...), mesh=...); the budget then counts "
-        f"one rank's step with the parameters all-gathered. DDP(memopt.compile(model)) "
-        f"works too. memopt.plan the model before fully_shard.")
+        f"one rank's step with the parameters all-gathered. To keep FSDP2's units per block, "
+        f"shard each repeated block and the root, then memopt.compile(model, budget=..., "
+        f"blocks=True) (memopt.fsdp_blocks). DDP(memopt.compile(model)) works too. "
+        f"memopt.plan the model before fully_shard.")
 
 
 def refuse_sharded_inside(compiled: nn.Module, model: nn.Module) -> None:
@@ -91,7 +93,9 @@ def refuse_sharded_inside(compiled: nn.Module, model: nn.Module) -> None:
             f"module {inner[0] or '(the root)'} inside this memopt module was sharded with "
             f"fully_shard after memopt.compile; dynamo does not trace FSDP2's hooks, so "
             f"memopt would plan nothing. Shard only the compiled module, as one FSDP unit: "
-            f"fully_shard(memopt.compile(model, budget=...), mesh=...).")
+            f"fully_shard(memopt.compile(model, budget=...), mesh=...); or, for FSDP2 per "
+            f"block, shard the repeated blocks and the root first, then "
+            f"memopt.compile(model, budget=..., blocks=True).")
 
 
 @dataclass(frozen=True)

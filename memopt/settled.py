@@ -151,6 +151,7 @@ class StepCall:
     #: the optimizer's state and step (memopt.optimizer): constants of the module
     optimizer_state_bytes: int = 0
     optimizer_step_bytes: int = 0
+    shards: Any = None  # FSDP2 on the blocks (memopt.fsdp_blocks.BlockShards)
     traced: ForwardTrace | None = None
     skipped: list[tuple[CompiledGraph, list[Any], Any]] = field(default_factory=list)
     _flat: tuple[list[Any], Any] | None = None
@@ -167,7 +168,8 @@ class StepCall:
             t = self.tensors
             self.traced = ForwardTrace.begin(
                 t.params, t.buffers, self.args, self.kwargs, self.ddp_bucket_bytes, self.held,
-                self.after_backward + self.optimizer_step_bytes, self.optimizer_state_bytes)
+                self.after_backward + self.optimizer_step_bytes, self.optimizer_state_bytes,
+                self.shards)
             for graph, flat, out in self.skipped:
                 self.traced.start_run(graph, flat, graph.plan.held_bytes).record_outputs(out)
             self.skipped = []

@@ -160,11 +160,16 @@ class ForwardTrace:
     #: bytes allocated as the step's backward ends, outside every graph (FSDP2's
     #: reduce-scatter, memopt.fsdp): charged at the last step of each graph's backward
     after_backward: int = 0
+    #: FSDP2 on the repeated blocks and the root (memopt.fsdp_blocks.BlockShards): what
+    #: its hooks hold between the graphs
+    shards: Any = None
+    _root_counted: bool = False
 
     @classmethod
     def begin(cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], args: tuple,
               kwargs: dict, ddp_bucket_bytes: int = 0, held: Iterable[torch.Tensor] = (),
-              after_backward: int = 0, optimizer_state_bytes: int = 0) -> "ForwardTrace":
+              after_backward: int = 0, optimizer_state_bytes: int = 0,
+              shards: Any = None) -> "ForwardTrace":
         """Start the trace of a forward of a model with these parameters and buffers.
         `ddp_bucket_bytes`: what the DDP around it holds besides the model's tensors
         (memopt.ddp.DDPBuckets.counted_bytes), counted like a resident storage that no graph
@@ -172,7 +177,7 @@ class ForwardTrace:
         (FSDP2's parameter shards and all-gather output); `after_backward`: bytes allocated as
         the backward ends (FSDP2's reduce-scatter, the optimizer's step);
         `optimizer_state_bytes`: the optimizer's state (memopt.optimizer), held like DDP's
-        buckets."""
+        buckets; `shards`: FSDP2 on the blocks and the root (memopt.fsdp_blocks)."""
         resident = storages([*params, *buffers, args, kwargs, list(held)])
         local = [(local_tensor(p), p.grad is not None and local_tensor(p.grad))
                  for p in params if p.requires_grad]  # FSDP2's shards, gradients sharded too
@@ -183,11 +188,15 @@ class ForwardTrace:
             resident[DDP_BUCKETS] = ddp_bucket_bytes
         if optimizer_state_bytes:
             resident[OPTIMIZER_STATE] = optimizer_state_bytes
-        return cls(resident, grads, kept,
-                   ddp_bucket_bytes=ddp_bucket_bytes, after_backward=after_backward)
+        return cls(resident, grads, kept, ddp_bucket_bytes=ddp_bucket_bytes,
+                   after_backward=after_backward + (shards.after_backward if shards else 0),
+                   shards=shards)
 
     def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int) -> GraphRun:
         """A graph is about to run: record it, with what the rest holds now."""
+        if self.shards is not None and not self._root_counted:  # gathered by now
+            self.resident.update(storages(self.shards.gathered_root()))
+            self._root_counted = True
         run = GraphRun(graph, storages(inputs), held_bytes)
         run.base = self._base(len(self.runs), run.inputs)
         self.runs.append(run)
@@ -222,8 +231,12 @@ class ForwardTrace:
             later_inputs = set().union(*(run.inputs for run in self.runs[position + 1:]))
             other_grads = sum(n for s, n in self.grads.items()
                               if s in later_inputs and s not in own)
-        return Outside(forward,
-                       forward + other_grads + sum(later.values()))
+        backward = forward + other_grads + sum(later.values())
+        if self.shards is not None:  # what FSDP2's hooks hold between the graphs
+            kept = position * self.shards.per_earlier_run
+            forward += self.shards.forward_extra + kept
+            backward += self.shards.backward_extra + kept
+        return Outside(forward, backward)
 
     def end(self, returned: Any) -> list[Outside]:
         """The forward returned `returned`: every run's base with the whole forward known

@@ -476,3 +476,8 @@ disabled_torch_function = torch._C._disabled_torch_function_impl
 def foreach_zero_(tensors: list[torch.Tensor]) -> None:
     """`torch._foreach_zero_`: zero every tensor of the list in place."""
     torch._foreach_zero_(tensors)
+
+
+def graph_break() -> None:
+    """End dynamo's graph here (a no-op outside dynamo): memopt.blocks' boundaries."""
+    torch._dynamo.graph_break()
