@@ -109,7 +109,9 @@ class CompiledGraph:
         """The break that ends this graph (None: it returns)."""
         if not self.frame.graph_break:
             return None
-        return GraphBreak(reason=self.frame.reason, filename=self.frame.filename,
+        reason = "a block boundary (memopt.compile(..., blocks=True), memopt.blocks)" \
+            if self.frame.at_block_boundary else self.frame.reason
+        return GraphBreak(reason=reason, filename=self.frame.filename,
                           lineno=self.frame.lineno)
 
     def compile(self, example_inputs: Sequence[Any], outside: Outside, policy: ReplanPolicy,

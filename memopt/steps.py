@@ -183,7 +183,7 @@ class ForwardTrace:
                  for p in params if p.requires_grad]  # FSDP2's shards, gradients sharded too
         grads = {storage_id(p): p.untyped_storage().nbytes() for p, g in local if g is False}
         kept = {storage_id(p): storage_id(g) for p, g in local if g is not False}
-        resident.update(storages(g for _, g in local if g is not False))
+        resident.update(storages(p.grad for p in params if p.grad is not None))  # frozen too
         if ddp_bucket_bytes:
             resident[DDP_BUCKETS] = ddp_bucket_bytes
         if optimizer_state_bytes:

@@ -64,7 +64,14 @@ class CompilingFrame:
         return not self.graph_break and forward_code is not None \
             and self.code in (forward_code, _wrap_inline_code())
 
+    @property
+    def at_block_boundary(self) -> bool:
+        """The graph ends at a boundary of memopt.blocks (`graph_break` below)."""
+        return self.graph_break and self.filename == __file__
+
     def where(self) -> str:
+        if self.at_block_boundary:
+            return "ending at a block boundary (blocks=True)"
         reason = self.reason.strip().splitlines()[0] if self.reason.strip() else "a graph break"
         return f"ending at {self.filename}:{self.lineno} ({reason})"
 

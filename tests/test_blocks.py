@@ -146,15 +146,20 @@ def test_deeper_stacks_capture_the_same_graphs() -> None:
     assert counts[1][1] - counts[0][1] == 3, counts
 
 
-#: the zoo's transformers (benchmarks/zoo.py); the binding budget is this fraction of the
-#: flat budget=None plan's predicted peak
-ZOO_BLOCKS = ("llama", "gpt2", "bert", "vit")
+#: the zoo (benchmarks/zoo.py); the binding budget is this fraction of the flat
+#: budget=None plan's predicted peak, or, where that is below the block path's minimum
+#: (ResNet: parameters and gradients are most of its step), halfway from that minimum
 BINDING = 0.8
+#: -m slow: the CNNs (their stages' blocks; 10 to 18 graphs) and T5 (no repeated block:
+#: its first layer holds the relative attention bias, the rest are one: planned flat)
+_SLOW = ("t5", "convnext", "resnet", "efficientnet")
+ZOO_BLOCKS = [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW else n
+              for n in ("llama", "gpt2", "bert", "vit", "distilbert_item", *_SLOW)]
 
 
 @pytest.mark.parametrize("budget_of", ["none", "binding"])
 @pytest.mark.parametrize("name", ZOO_BLOCKS)
-def test_zoo_transformers_train_through_the_block_path(name: str, budget_of: str) -> None:
+def test_zoo_trains_through_the_block_path(name: str, budget_of: str) -> None:
     pytest.importorskip("transformers")
     from benchmarks.zoo import ZooCase, allocated_peak, build  # noqa: PLC0415
 
@@ -171,17 +176,26 @@ def test_zoo_transformers_train_through_the_block_path(name: str, budget_of: str
     compiled = memopt.compile(case.model, budget=budget, blocks=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _step(case, compiled, seed=1)
+        try:
+            _step(case, compiled, seed=1)
+        except memopt.BudgetError as err:  # raised before the step runs: nothing changed
+            assert budget is not None and err.minimum_bytes > budget
+            budget = (err.minimum_bytes + flat.predicted_peak_bytes) // 2
+            compiled = memopt.compile(case.model, budget=budget, blocks=True)
+            _step(case, compiled, seed=1)
     _compare_gradients(name, case, expected)
     plan = compiled.memopt_plan
-    assert isinstance(plan, StepPlan)
-    (group,) = find_blocks(case.model)
-    assert max(plan.runs.count(i) for i in set(plan.runs)) == len(group), plan.runs
+    groups = find_blocks(case.model)
+    if groups:  # each block graph captured once, run by every block of its group
+        assert isinstance(plan, StepPlan)
+        assert max(plan.runs.count(i) for i in set(plan.runs)) \
+            == max(len(g) for g in groups), plan.runs
+    runs = getattr(plan, "runs", (0,))
+    graphs = getattr(plan, "graphs", (plan,))
     measured = allocated_peak(compiled, case)
     predicted = plan.predicted_peak_bytes
     print(f"\nblocks[{name}, {budget_of}]: measured {measured}, predicted {predicted}, "
-          f"budget {budget}, recompute "
-          f"{sum(plan.graphs[i].recompute_flops for i in plan.runs)}")
+          f"budget {budget}, recompute {sum(graphs[i].recompute_flops for i in runs)}")
     assert abs(measured - predicted) <= 0.02 * predicted, (measured, predicted)
     if budget is not None:
         assert measured <= budget, (measured, budget)

@@ -48,8 +48,10 @@ def test_ddp_example_under_torchrun() -> None:
 
 
 @pytest.mark.slow  # 12 s; tests/test_fsdp.py runs its FSDP2 steps on 2 ranks by default
-def test_fsdp_example_runs_on_two_gloo_ranks() -> None:
-    """examples/fsdp.py as documented (`torchrun --nproc_per_node 2`), on a free port."""
+@pytest.mark.parametrize("variant", [[], ["--per-block"]], ids=["unit", "per-block"])
+def test_fsdp_example_runs_on_two_gloo_ranks(variant: list[str]) -> None:
+    """examples/fsdp.py as documented (`torchrun --nproc_per_node 2`, and with
+    --per-block), on a free port."""
     import socket  # noqa: PLC0415
 
     import torch.distributed as dist  # noqa: PLC0415
@@ -64,7 +66,7 @@ def test_fsdp_example_runs_on_two_gloo_ranks() -> None:
             port = s.getsockname()[1]
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master-port", str(port), str(EXAMPLES / "fsdp.py")],
+             "--master-port", str(port), str(EXAMPLES / "fsdp.py"), *variant],
             capture_output=True, text=True, timeout=300,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode == 0 or "terminate called without an active exception" \
@@ -72,4 +74,7 @@ def test_fsdp_example_runs_on_two_gloo_ranks() -> None:
             break
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "equal eager's on the whole batch: True" in proc.stdout
-    assert "FSDP2 shards" in proc.stdout and "refused" in proc.stdout
+    if variant:  # one block graph, run by each of the six blocks
+        assert "runs (0, 0, 0, 0, 0, 0)" in proc.stdout, proc.stdout
+    else:
+        assert "FSDP2 shards" in proc.stdout and "refused" in proc.stdout
