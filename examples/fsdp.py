@@ -96,19 +96,25 @@ def per_block(rank: int, world: int, mesh) -> None:
     probe(batch(0, rank)).square().mean().backward()
     budget = int(0.85 * probe.memopt_plan.predicted_peak_bytes)
     model = memopt.compile(shard_per_block(mesh), budget=budget, blocks=True)
+    same = train_and_compare(model, rank, world, Stack)
+    if rank == 0:
+        plan = model.memopt_plan
+        print(f"budget {budget} bytes per rank; predicted peak {plan.predicted_peak_bytes}; "
+              f"{len(plan.graphs)} graph(s), runs {plan.runs} (the block graph once per block)")
+        print(f"parameters after {STEPS} steps equal eager's on the whole batch: {same}")
+
+
+def train_and_compare(model: nn.Module, rank: int, world: int, make=make_model) -> bool:
+    """STEPS SGD steps on this rank's batches; whether the parameters equal eager's on the
+    whole batch in one process (computed on rank 0; every rank gathers them)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         optimizer.zero_grad()
         model(batch(step, rank)).square().mean().backward()
         optimizer.step()
     trained = [p.full_tensor() for p in model.parameters()]  # a collective: every rank
-    if rank == 0:
-        plan = model.memopt_plan
-        same = all(torch.allclose(p, q, rtol=1e-4, atol=1e-5)
-                   for p, q in zip(trained, eager_parameters(world, Stack)))
-        print(f"budget {budget} bytes per rank; predicted peak {plan.predicted_peak_bytes}; "
-              f"{len(plan.graphs)} graph(s), runs {plan.runs} (the block graph once per block)")
-        print(f"parameters after {STEPS} steps equal eager's on the whole batch: {same}")
+    return rank == 0 and all(torch.allclose(p, q, rtol=1e-4, atol=1e-5)
+                             for p, q in zip(trained, eager_parameters(world, make)))
 
 
 def main() -> None:
@@ -125,15 +131,8 @@ def main() -> None:
             if rank == 0:
                 print(f"memopt.compile(fully_shard(model)) refused: {str(err)[:120]}...")
         model = fully_shard(memopt.compile(make_model(), budget=0.85), mesh=mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            model(batch(step, rank)).square().mean().backward()
-            optimizer.step()
-        trained = [p.full_tensor() for p in model.parameters()]  # a collective: every rank
+        same = train_and_compare(model, rank, world)
         if rank == 0:
-            same = all(torch.allclose(p, q, rtol=1e-4, atol=1e-5)
-                       for p, q in zip(trained, eager_parameters(world)))
             print(model.memopt_plan.summary(max_rows=0))
             print(f"parameters after {STEPS} steps equal eager's on the whole batch: {same}")
     finally:

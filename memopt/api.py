@@ -396,7 +396,13 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             parameter inside the backward as its gradient completes and frees the
             gradient (memopt.stepper; `step_in_backward=True` always, `False` never;
             loops that read gradients after backward, such as accumulation, clipping
-            or GradScaler, then raise memopt.stepper.GradientConsumedError).
+            or GradScaler, then raise memopt.stepper.GradientConsumedError);
+            `blocks=True` runs each of the model's repeated blocks (the layers of a
+            transformer: memopt.blocks.find_blocks) as its own graph, captured once for all
+            of them and planned under the step's budget with the earlier blocks' saved
+            tensors held around the later ones (memopt.blocks); with it the blocks and the
+            root may be FSDP2 units (`fully_shard` on each, before memopt.compile:
+            memopt.fsdp_blocks).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or
@@ -489,6 +495,13 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
     """
     if isinstance(model, CompiledModule):
         model = model.original_module
+    if options.pop("blocks", False):
+        raise InputError(
+            "blocks=True is an option of memopt.compile: each repeated block is its own "
+            "graph, and memopt.plan, which never runs the model, captures the step as one "
+            "graph (it cannot run the code between graphs). memopt.plan the model as one "
+            "graph (the same plan the flat path trains with), or run one step of "
+            "memopt.compile(model, blocks=True) and read its memopt_plan.")
     optimizer = options.pop("optimizer", None)
     backend = MemoptBackend(budget, plan_only=True, **options)
     refuse_fsdp(model, "memopt.plan")

@@ -43,8 +43,13 @@ import torch
 from torch import nn
 
 from .errors import InputError
-from .fsdp import (_backend, _fsdp_module_type, fsdp_sharded_params, local_tensor,
-                   reduce_scatter_extra_bytes)
+from .fsdp import (
+    _backend,
+    _fsdp_module_type,
+    fsdp_sharded_params,
+    local_tensor,
+    reduce_scatter_extra_bytes,
+)
 
 
 def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:

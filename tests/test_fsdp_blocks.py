@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo_ranks import run_on_ranks
+from test_fsdp import _local_bytes
 from torch import nn
 
 STEPS = 2
@@ -63,15 +64,6 @@ def _shard(model: nn.Module, mesh, reshard: bool = True) -> nn.Module:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     return fully_shard(model, mesh=mesh)
-
-
-def _local_bytes(module: nn.Module, x: torch.Tensor) -> int:
-    """Bytes resident on this rank before a step: parameter and gradient shards, input."""
-    tensors = [x]
-    for p in module.parameters():
-        tensors += [p.to_local()] + ([p.grad.to_local()] if p.grad is not None else [])
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors}.values())
 
 
 def _train(module: nn.Module, model: nn.Module, rank: int) -> int:
@@ -197,6 +189,7 @@ def test_fsdp2_per_block_trains_within_the_budget(tmp_path) -> None:
     assert results[0]["refused"] == ["InputError", "InputError", "InputError"]
 
 
+@pytest.mark.slow  # 10 s
 def test_fsdp2_per_block_kept_gathered_after_forward(tmp_path) -> None:
     """reshard_after_forward=False: every block stays gathered until its backward."""
     _check(run_on_ranks(_world2_kept, 2, tmp_path), 2)

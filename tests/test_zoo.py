@@ -23,6 +23,7 @@ import torch
 
 import memopt
 from benchmarks.zoo import ZOO, ZooCase, allocated_peak, build
+from memopt.blocks import find_blocks
 
 pytest.importorskip("transformers")
 
@@ -48,7 +49,11 @@ def _step(case: ZooCase, module: object, seed: int) -> None:
     case.run_step(module)
 
 
-def _check(name: str, budget_of: str, kernels: str = "aten") -> None:
+def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = False) -> None:
+    """`name` trained through memopt.compile (`kernels`, `blocks`) at no budget or a
+    binding one (below the flat no-budget plan's peak): eager's gradients, the measured
+    peak within the budget and near the plan; with `blocks`, each block graph captured
+    once and run by every block of its group (tests/test_blocks.py)."""
     eager_case = build(name)
     case = ZooCase(name, copy.deepcopy(eager_case.model), eager_case.args,
                    eager_case.kwargs, eager_case.loss)
@@ -64,7 +69,7 @@ def _check(name: str, budget_of: str, kernels: str = "aten") -> None:
             _step(probe_case, probe, seed=1)
             _NO_BUDGET_PEAK[name] = probe.memopt_plan.predicted_peak_bytes
         budget = int(BINDING * _NO_BUDGET_PEAK[name])
-    compiled = memopt.compile(case.model, budget=budget, kernels=kernels)
+    compiled = memopt.compile(case.model, budget=budget, kernels=kernels, blocks=blocks)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' own warnings about configs
@@ -73,7 +78,8 @@ def _check(name: str, budget_of: str, kernels: str = "aten") -> None:
         except memopt.BudgetError as err:  # raised before the step runs: nothing changed
             assert budget is not None and err.minimum_bytes > budget
             budget = (err.minimum_bytes + _NO_BUDGET_PEAK[name]) // 2
-            compiled = memopt.compile(case.model, budget=budget, kernels=kernels)
+            compiled = memopt.compile(case.model, budget=budget, kernels=kernels,
+                                      blocks=blocks)
             start = time.perf_counter()
             _step(case, compiled, seed=1)
     first_step_s = time.perf_counter() - start  # plans and, under inductor, compiles
@@ -86,7 +92,7 @@ def _check(name: str, budget_of: str, kernels: str = "aten") -> None:
 
     plan = compiled.memopt_plan  # the plan the next step runs (a forward's end may re-plan)
     predicted = plan.predicted_peak_bytes
-    if budget is None and kernels == "aten":
+    if budget is None and kernels == "aten" and not blocks:
         _NO_BUDGET_PEAK[name] = predicted
     measured = allocated_peak(compiled, case)
     graphs = getattr(plan, "graphs", (plan,))
@@ -98,6 +104,10 @@ def _check(name: str, budget_of: str, kernels: str = "aten") -> None:
           f"{'DIFFER' if mismatch else 'equal'}")
     if mismatch is not None:
         raise mismatch
+    groups = find_blocks(case.model) if blocks else []
+    if groups:  # each block graph captured once, run by every block of its group
+        runs = plan.runs
+        assert max(runs.count(i) for i in set(runs)) == max(len(g) for g in groups), runs
     if kernels == "inductor":  # every graph of the step (distilbert_item has two)
         assert all(g.kernels == "inductor" for g in graphs), [
             (g.kernels, g.kernels_note) for g in graphs]
