@@ -223,9 +223,10 @@ def _recompute_less(runs: list[CompiledGraph], bases: list[Outside],
     best = _recompute_flops(runs)
     for graph in dict.fromkeys(runs):
         last = max(i for i, r in enumerate(runs) if r is graph)
+        later = sum(r.plan.recompute_flops for r in runs[last + 1:])
         if sum(r is graph for r in runs) < 2 or policies[id(graph)] != ReplanPolicy.GREEDY \
-                or not any(r.plan.recompute_flops for r in runs[last + 1:]):
-            continue
+                or later <= sum(r.plan.recompute_flops for r in runs if r is graph):
+            continue  # the graphs after it recompute no more than its runs do: as it is
         kept = graph.weight
         while graph.weight < MAX_WEIGHT:
             graph.weight += 1
