@@ -84,6 +84,27 @@ def _train(module: nn.Module, model: nn.Module, rank: int) -> int:
     return measured
 
 
+def _count_gathered(model: nn.Module) -> dict[str, int]:
+    """Hooks that record the most blocks FSDP2 holds gathered when a block's forward starts
+    and when its output's gradient arrives (just before its backward), as {phase: most}."""
+    most = {"forward": 0, "backward": 0}
+
+    def gathered() -> int:
+        return sum(b._get_fsdp_state()._fsdp_param_group.is_unsharded for b in model.blocks)
+
+    def seen(phase: str) -> None:
+        most[phase] = max(most[phase], gathered())
+
+    def on_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if out.requires_grad:
+            out.register_hook(lambda grad: seen("backward"))
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda module, args: seen("forward"))
+        block.register_forward_hook(on_output)
+    return most
+
+
 def _refusals(mesh) -> list[str]:
     """What memopt.compile says to the orders that do not work (error type names)."""
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
@@ -132,13 +153,14 @@ def _results(rank: int, world: int, reshard: bool) -> dict:
 
     model = _shard(_model(), mesh, reshard)
     compiled = memopt.compile(model, budget=budget, blocks=True)
+    gathered = _count_gathered(model)
     measured = _train(compiled, model, rank)
     plan = compiled.memopt_plan
     params = [p.full_tensor().tolist() for p in model.parameters()]  # a collective: all ranks
     return {
         "params": params if rank == 0 else [],
         "measured": measured, "predicted": plan.predicted_peak_bytes, "budget": budget,
-        "eager": eager_peak, "runs": list(plan.runs),
+        "eager": eager_peak, "runs": list(plan.runs), "gathered": gathered,
         "recompute": sum(plan.graphs[i].recompute_flops for i in plan.runs),
         "refused": _refusals(mesh) if reshard else [],  # every rank: collectives
     }
@@ -157,17 +179,22 @@ def _eager_reference(world: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def _check(results: list[dict], world: int) -> None:
+def _check(results: list[dict], world: int, reshard: bool = True) -> None:
     reference = _eager_reference(world)
     for p, q in zip(results[0]["params"], reference, strict=True):
         torch.testing.assert_close(torch.tensor(p), q, rtol=1e-4, atol=1e-5)
     for got in results:
         print(f"\nfsdp blocks world {world}: measured {got['measured']}, predicted "
-              f"{got['predicted']}, budget {got['budget']}, FSDP2 eager {got['eager']}")
+              f"{got['predicted']}, budget {got['budget']}, FSDP2 eager {got['eager']}, "
+              f"most blocks gathered {got['gathered']}")
         assert max(got["runs"].count(i) for i in set(got["runs"])) == DEPTH, got["runs"]
         assert got["recompute"] > 0, "the budget does not bind"
         assert got["measured"] <= got["budget"], got
         assert got["measured"] <= got["predicted"], got
+        if reshard:  # FSDP2 holds the running block and the one it prefetches, no more
+            assert max(got["gathered"].values()) <= 2, got["gathered"]
+        else:  # every block stays gathered from its forward to its backward
+            assert got["gathered"]["backward"] == DEPTH, got["gathered"]
 
 
 # module-level functions for the spawned ranks (pickled by reference)
@@ -192,7 +219,7 @@ def test_fsdp2_per_block_trains_within_the_budget(tmp_path) -> None:
 @pytest.mark.slow  # 10 s
 def test_fsdp2_per_block_kept_gathered_after_forward(tmp_path) -> None:
     """reshard_after_forward=False: every block stays gathered until its backward."""
-    _check(run_on_ranks(_world2_kept, 2, tmp_path), 2)
+    _check(run_on_ranks(_world2_kept, 2, tmp_path), 2, reshard=False)
 
 
 @pytest.mark.slow
