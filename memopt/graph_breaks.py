@@ -125,7 +125,7 @@ def required(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outsid
     planner counts with the saved bytes of each plan it weighs (Outside.own,
     allocator.lifetimes.held_outside): a plan that keeps less holds less around its later
     runs. `weighted`: with its weight for the graphs after it (`CompiledGraph.weight`,
-    replan_forward): its own earlier runs counted (1 + weight / 2) times as often."""
+    replan_forward): its own earlier runs counted (1 + weight / 4) times as often."""
     if sum(r is graph for r in runs) < 2:
         return need_of(graph, runs, bases)
     weight = graph.weight if weighted else 0
@@ -133,14 +133,14 @@ def required(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outsid
     for i, run in enumerate(runs):
         if run is graph:
             base = bases[i].plus(sum(r.plan.held_bytes for r in runs[:i] if r is not graph))
-            own.append((len(own) * (2 + weight) // 2, base.forward, base.backward))
+            own.append((len(own) * (4 + weight) // 4, base.forward, base.backward))
             after = max(after, base.after_backward)
     return Outside(0, 0, after, tuple(own))
 
 
 #: How often replan_forward raises a repeated graph's weight (its own earlier runs counted
-#: half as often again each time) for a graph after it that misses the budget, before
-#: planning it lean
+#: a quarter as often again each time, up to twice) for a graph after it that misses the
+#: budget, before planning it lean
 MAX_WEIGHT = 4
 
 
