@@ -121,6 +121,36 @@ def test_a_stack_trains_through_one_block_graph_within_its_budget(check: bool) -
         assert peak <= 1.02 * plan.predicted_peak_bytes, (peaks, plan.predicted_peak_bytes)
 
 
+def test_the_simulator_prices_a_block_plan_as_its_build_does() -> None:
+    """Every candidate plan of the block graph, priced with its own earlier runs
+    (Outside.own), simulated as its exact build runs it (memopt.planner.verifying)."""
+    from memopt.planner import verifying  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = Stack()
+    probe = memopt.compile(copy.deepcopy(model), blocks=True)
+    probe(_batch(0)).backward()
+    compiled = memopt.compile(model, budget=int(0.8 * probe.memopt_plan.predicted_peak_bytes),
+                              blocks=True)
+    with verifying():
+        for step in range(2):  # the second step's forward ends in the joint re-plan
+            compiled(_batch(step)).backward()
+    plan = compiled.memopt_plan
+    block = max(plan.graphs, key=lambda g: g.own_runs_before)
+    assert block.own_runs_before == len(model.blocks) - 1
+
+
+def test_held_outside_takes_the_largest_run() -> None:
+    from memopt.allocator.lifetimes import StepShape, held_outside  # noqa: PLC0415
+
+    shape = StepShape(num_forward=3, num_steps=6)
+    own = ((0, 100, 200), (1, 90, 150), (2, 10, 20))  # (runs before, forward, backward)
+    held = {h.name: h.nbytes for h in held_outside(
+        shape, existing_grads=None, outside_bytes=(0, 0, 0, own), outside_grad_bytes=0,
+        has_backward=True, saved_bytes=50)}
+    assert held == {"outside.forward": 140, "outside.backward": 200}  # 90 + 50; 200 + 0
+
+
 def test_the_boundaries_do_nothing_outside_memopt() -> None:
     """The hooks on the user's blocks break only memopt's capture: the original module
     still compiles as one graph with torch.compile(fullgraph=True), and runs eagerly."""
