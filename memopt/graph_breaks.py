@@ -1,5 +1,7 @@
 """A forward split by graph breaks: each graph planned again once the whole forward is
-known, by a ReplanPolicy, in rounds until what each holds for the others settles.
+known, by a ReplanPolicy, in rounds until what each holds for the others settles. A graph
+that runs several times in a forward (a repeated block, memopt.blocks) has one plan for
+every run, priced with its own earlier runs (`required`).
 
 Dynamo calls the backend once per graph of a forward with graph breaks (DESIGN.md,
 "Pitfalls"); each graph's saved tensors stay live while the later graphs run, and what
@@ -103,17 +105,13 @@ def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
                 raise DoesNotFit(graph, last)
 
 
-def need_of(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outside],
-            own: int | None = None) -> Outside:
+def need_of(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outside]) -> Outside:
     """What the rest of the step holds around `graph`'s runs at most: each run's base
-    plus the saved bytes of every run before it, as the graphs are planned now (`own`:
-    the saved bytes assumed for `graph`'s own earlier runs instead of its plan's)."""
+    plus the saved bytes of every run before it, as the graphs are planned now."""
     need = Outside()
     for i, run in enumerate(runs):
         if run is graph:
-            held = sum(r.plan.held_bytes if own is None or r is not graph else own
-                       for r in runs[:i])
-            need = need.max(bases[i].plus(held))
+            need = need.max(bases[i].plus(sum(r.plan.held_bytes for r in runs[:i])))
     return need
 
 
