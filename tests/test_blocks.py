@@ -121,6 +121,43 @@ def test_a_stack_trains_through_one_block_graph_within_its_budget(check: bool) -
         assert peak <= 1.02 * plan.predicted_peak_bytes, (peaks, plan.predicted_peak_bytes)
 
 
+@pytest.mark.parametrize("kernels", ["aten", "inductor"])
+def test_accumulated_gradients_through_blocks_stay_within_the_budget(kernels: str) -> None:
+    """Two micro-steps per step (the second into kept .grad tensors): eager's summed
+    gradients, every micro-step after the first step within the budget and 2% of its plan
+    (the loop's frame, which runs eagerly, is not planned: 1% above the plan measured),
+    also with inductor's kernels running the planned graphs."""
+    from memopt.measure import allocation_peak  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    eager = Stack()
+    model = copy.deepcopy(eager)
+    probe = memopt.compile(copy.deepcopy(eager), blocks=True)
+    probe(_batch(0)).backward()
+    budget = int(0.8 * probe.memopt_plan.predicted_peak_bytes)
+    compiled = memopt.compile(model, budget=budget, blocks=True, kernels=kernels)
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    for step in range(2):
+        for module in (model, eager):
+            module.zero_grad(set_to_none=True)
+        for micro in range(2):
+            x = _batch(micro)
+            kept = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                       if p.grad is not None)
+            torch.manual_seed(10 * step + micro)
+            with allocation_peak("cpu") as seen:
+                compiled(x).backward()
+            torch.manual_seed(10 * step + micro)
+            eager(x).backward()
+            measured = seen.peak + resident + kept + x.numel() * x.element_size()
+            if step:
+                predicted = compiled.memopt_plan.predicted_peak_bytes
+                assert measured <= budget, (micro, measured, budget)
+                assert measured <= 1.02 * predicted, (micro, measured, predicted)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_the_simulator_prices_a_block_plan_as_its_build_does() -> None:
     """Every candidate plan of the block graph, priced with its own earlier runs
     (Outside.own), simulated as its exact build runs it (memopt.planner.verifying)."""
