@@ -94,8 +94,3 @@ def mark_blocks(groups: list[list[nn.Module]]) -> list[RemovableHandle]:
             handles.append(block.register_forward_pre_hook(_boundary))
             handles.append(block.register_forward_hook(_boundary))
     return handles
-
-
-def describe(groups: list[list[nn.Module]]) -> str:
-    """One line per kind of block: its class and how many instances."""
-    return "; ".join(f"{len(g)} x {type(g[0]).__name__}" for g in groups) or "none"
