@@ -11,8 +11,16 @@ device:
 * repeated blocks (``blocks=True``, issue 27), under ``kernels="aten"`` and
   ``"inductor"``: one graph run by every block, eager's parameters after four steps with
   dropout, every step after the first within the budget;
-* beside each allocated peak, the caching allocator's reserved peak (issue 26, item 5),
-  reported, not bounded here: ``python -m benchmarks.reserved`` measures it.
+* the caching allocator's reserved peak (issue 26, item 5) on the corpus models, each
+  measured from an emptied cache: within the budget (or, with none, the prediction) and a
+  stated slack, RESERVED_SLACK; ``python -m benchmarks.reserved`` measures larger models.
+
+A step that compiles inductor's kernels holds more than its plan on a GPU: the first run
+of a Triton kernel with several candidate configurations benchmarks them
+(``CachingAutotuner``), and inductor's benchmarker allocates a buffer of the GPU's L2 size
+to flush the cache between runs (about 60 MiB on an H200). That is the first step, and,
+with graph breaks or blocks, the step after it, which runs the re-planned graphs
+(docs/limits.md); the test bounds those steps by the plan plus that buffer.
 
 Measured peaks are read as tests/test_cuda.py reads them: the rise of
 ``max_memory_allocated`` over what was allocated before the step, plus the tensors that
@@ -36,6 +44,7 @@ from typing import Any
 import pytest
 import torch
 from test_blocks import Stack
+from test_cuda import PEAK_MODELS
 from test_optimizer import Blocks
 
 import memopt
@@ -216,7 +225,66 @@ def test_blocks_on_cuda(kernels: str) -> None:
     _report(test="blocks", kernels=kernels, budget_bytes=budget,
             predicted=plan.predicted_peak_bytes, measured=[a for a, _ in seen],
             reserved=[r for _, r in seen])
-    for allocated, _ in seen[1:]:
+    compiling = 2 if kernels == "inductor" else 1  # the steps that ran new kernels
+    for allocated, _ in seen[1:compiling]:
+        assert allocated <= OVER_PLAN * plan.predicted_peak_bytes + _autotune_bytes(), (
+            seen, plan.predicted_peak_bytes)
+    for allocated, _ in seen[compiling:]:
         assert allocated <= budget, (seen, budget)
         assert allocated <= OVER_PLAN * plan.predicted_peak_bytes, (
             seen, plan.predicted_peak_bytes)
+
+
+def _autotune_bytes() -> int:
+    """What inductor's autotuner may hold on top of a compiling step: its L2-flushing
+    buffer (the device's L2 size) and a margin for clones of the mutated arguments."""
+    if not ON_CUDA:
+        return 0
+    return int(1.1 * torch.cuda.get_device_properties(DEVICE).L2_cache_size)
+
+
+#: Reserved over the budget (or the prediction, with none) at most RESERVED_SLACK[0] times
+#: it plus RESERVED_SLACK[1] bytes: the most python -m benchmarks.reserved measured on an
+#: H200 was 1.39x a 78 MiB Llama's budget (+31 MiB) and +141 MiB over GPT-2's 2.3 GiB.
+RESERVED_SLACK = (1.15, 48 * 2**20)
+
+
+@pytest.mark.parametrize("budget", [None, 0.7])
+@pytest.mark.parametrize("name", sorted(PEAK_MODELS))
+def test_reserved_memory_within_the_budget_and_a_stated_slack(name: str, budget: Any) -> None:
+    """The caching allocator's reserved peak of a steady step (two warm-up steps, the
+    cache emptied before the model was built) less what the process holds outside the
+    step, against the budget or the budget=None prediction."""
+    gc.collect()
+    if ON_CUDA:
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model, inputs = PEAK_MODELS[name]()
+    model = model.to(DEVICE)
+    inputs = tuple(x.to(DEVICE) for x in inputs)
+    compiled = memopt.compile(model, budget=budget)
+    try:
+        _plain_step(compiled, model, inputs)
+    except memopt.BudgetError as err:  # below reach: the smallest budget memopt accepts
+        compiled = memopt.compile(model, budget=int(err.minimum_bytes / 0.96) + 1)
+        _plain_step(compiled, model, inputs)
+    _plain_step(compiled, model, inputs)
+    report: dict[str, Any] = {}
+    with step_peak(report):
+        _plain_step(compiled, model, inputs)
+    allocated, reserved = _counted(report, _bytes([*model.parameters(), *model.buffers(),
+                                                   *inputs]))
+    plan = compiled.memopt_plan
+    limit = plan.budget_bytes or plan.predicted_peak_bytes
+    _report(test="reserved", model=name, budget=budget, budget_bytes=plan.budget_bytes,
+            predicted=plan.predicted_peak_bytes, measured=allocated, reserved=reserved)
+    assert allocated <= OVER_PLAN * plan.predicted_peak_bytes, (allocated, plan)
+    if reserved is not None:
+        assert reserved <= RESERVED_SLACK[0] * limit + RESERVED_SLACK[1], (reserved, limit)
+
+
+def _plain_step(compiled: Callable, model: torch.nn.Module, inputs: tuple) -> None:
+    """One step from no .grad: forward, the sum of the output, backward."""
+    for p in model.parameters():
+        p.grad = None
+    compiled(*inputs).sum().backward()

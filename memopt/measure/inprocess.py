@@ -216,7 +216,9 @@ def measure_in_process(
         torch.cuda.reset_peak_memory_stats(dev)
         seconds = timed_step(compiled, wl, dev)
         peak = int(torch.cuda.max_memory_allocated(dev))
+        reserved = int(torch.cuda.max_memory_reserved(dev)) - (before - resident)
     else:
+        reserved = None
         trim_heap()
         reset_hwm()
         rss_before = read_status_kib("VmRSS")
@@ -258,5 +260,6 @@ def measure_in_process(
         chains=chains,
         heads=heads,
         allocated_peak_bytes=int(allocated),
+        reserved_peak_bytes=reserved,
         warmup_seconds=float(warmup_seconds[0]) if warmup_seconds else None,
     )

@@ -59,6 +59,11 @@ class Measurement:
     allocated before the step, plus the resident tensors (``peak_bytes`` is the raw
     counter, which also holds the library workspaces allocated once per process); on CPU
     read from the profiler's allocation events (see memopt.measure's docstring)."""
+    reserved_peak_bytes: int | None = None
+    """On CUDA, the caching allocator's reserved peak during the step (the segments it
+    holds from the driver, what a GPU runs out of) less what the process had allocated
+    outside the counted tensors (the library workspaces), so that it compares with
+    ``allocated_peak_bytes`` and a budget; None on CPU, which reserves nothing."""
     warmup_seconds: float | None = None
     """Wall time of the first warm-up step, whole: the step that compiles (memopt's plan,
     inductor's kernels) in any mode but eager; None when no warm-up step ran."""
