@@ -104,32 +104,65 @@ def compiling_frame() -> CompilingFrame:
         return CompilingFrame(code=None, graph_break=False, reason="", filename="?", lineno=0)
 
 
+#: ignored_logging_config's last answer per option name: (the user's set, the changes)
+_LOGGING_CHANGES: dict[str, tuple[set[Any], dict[str, Any]]] = {}
+
+
 def ignored_logging_config() -> dict[str, Any]:
     """Keyword arguments for ``torch._dynamo.config.patch`` that make dynamo skip logging
     calls instead of breaking the graph at them: every ``logging.Logger`` method,
     transformers' ``warning_once`` / ``info_once`` (installed on ``logging.Logger`` when
     transformers is imported) and ``warnings.warn``, added to what the user has set.
     The option is ``ignore_logging_functions`` in torch 2.13 (``ignore_logger_methods``,
-    Logger methods only, before it)."""
+    Logger methods only, before it). Called at every step: the answer is kept while the
+    user's own set stays the same."""
     import logging  # noqa: PLC0415
     import warnings  # noqa: PLC0415
 
     config = torch._dynamo.config
     key = ("ignore_logging_functions" if hasattr(config, "ignore_logging_functions")
            else "ignore_logger_methods")
+    user = getattr(config, key)
+    kept = _LOGGING_CHANGES.get(key)
+    if kept is not None and kept[0] == user:
+        return kept[1]
     names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
              "warning_once", "info_once")
     functions = {getattr(logging.Logger, n) for n in names if hasattr(logging.Logger, n)}
     if key == "ignore_logging_functions":
         functions.add(warnings.warn)
-    changes: dict[str, Any] = {key: set(getattr(config, key)) | functions}
+    changes: dict[str, Any] = {key: set(user) | functions}
     if hasattr(config, "log_compilation_metrics") and not _sortable(changes[key]):
         # torch 2.11's compilation-metrics logger sorts every set in dynamo's config, and a
         # set of functions does not sort: it logged "Unexpected exception logging
         # compilation metrics" at every compile (seen on an H100, torch 2.11.0+cu130,
-        # whose option is already ignore_logging_functions).
+        # whose option is already ignore_logging_functions). The option below does not
+        # stop it there (an H200 run still logged it, at runtime autotuning too), so the
+        # filter drops that one record.
         changes["log_compilation_metrics"] = False
+        logging.getLogger("torch._dynamo.metrics_context").addFilter(_UNSORTABLE_CONFIG)
+    _LOGGING_CHANGES[key] = (set(user), changes)
     return changes
+
+
+def _drops_unsortable_config_record(record: Any) -> bool:
+    """False for the record torch 2.11's metrics logger writes when it cannot sort the set
+    of functions memopt gives dynamo (a TypeError from sorting, logged with
+    "Unexpected exception logging ... metrics"); True for every other record."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(error, TypeError) and "not supported between instances" in str(error)
+                and record.getMessage().startswith("Unexpected exception logging"))
+
+
+class _UnsortableConfigFilter:
+    """A logging filter (installed once; adding it twice is a no-op) that drops only the
+    record ``_drops_unsortable_config_record`` names: noise memopt's own patch causes."""
+
+    def filter(self, record: Any) -> bool:
+        return _drops_unsortable_config_record(record)
+
+
+_UNSORTABLE_CONFIG = _UnsortableConfigFilter()
 
 
 def _sortable(values: set[Any]) -> bool:

@@ -72,6 +72,31 @@ def test_logging_inside_forward_is_one_graph_with_eager_gradients() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_the_metrics_loggers_sort_error_from_memopts_patch_is_dropped() -> None:
+    """torch 2.11's compilation-metrics logger cannot sort memopt's set of ignored logging
+    functions and logged the TypeError at every compile: after a memopt step that record
+    is dropped, and any other record of that logger still shows."""
+    compiled = memopt.compile(Logs())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled(torch.randn(4, 8), scale=2.0).sum().backward()
+    metrics = logging.getLogger("torch._dynamo.metrics_context")
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # torch's loggers do not propagate to pytest's caplog
+    metrics.addHandler(handler)
+    try:
+        for error in (TypeError("'<' not supported between instances of 'function' and "
+                                "'function'"), RuntimeError("another failure")):
+            try:
+                raise error
+            except Exception:
+                metrics.exception("Unexpected exception logging compilation metrics")
+    finally:
+        metrics.removeHandler(handler)
+    assert [r.exc_info[1] for r in seen] == [error], seen
+
+
 def test_attributes_methods_and_state_dict_reach_the_model(tmp_path) -> None:
     case, compiled = _llama()
     assert compiled.config is case.model.config
