@@ -68,8 +68,7 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
     backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
     backend.plan_log.start_clock()  # a plan's capture time counts from here
     try:
-        with dynamo_config_patch(fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS,
-                                 **_DYNAMO_DDP, **ignored_logging_config()), capturing():
+        with _dynamo_patch(), capturing():
             return fn(*args, **kwargs)
     except (MemoptError, PlanOnly):
         raise
@@ -94,6 +93,22 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
         if is_dynamo_error(err):
             raise CaptureError(_capture_message(err)) from err
         raise
+
+
+#: (the logging changes it was made with, the patch): one patch object, entered at every
+#: step, while ignored_logging_config gives the same changes (the user's own set of
+#: ignored functions unchanged); making a config patch defines a class, at every call.
+_PATCH: list[tuple[dict, Any]] = []
+
+
+def _dynamo_patch() -> Any:
+    """dynamo's settings for memopt's compiled steps, as one reusable config patch."""
+    logging_changes = ignored_logging_config()
+    if not _PATCH or _PATCH[0][0] is not logging_changes:
+        _PATCH[:] = [(logging_changes, dynamo_config_patch(
+            fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS, **_DYNAMO_DDP,
+            **logging_changes))]
+    return _PATCH[0][1]
 
 
 def _input_mismatch(model: nn.Module, args: tuple, kwargs: dict,
@@ -358,7 +373,9 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
 
     Args:
         model: any nn.Module whose forward traces as one graph.
-        budget: None (no limit: in-place and memory sharing only), "4GB", "4GiB",
+        budget: None (no limit: in-place and memory sharing only; with
+            `kernels="inductor"`, also the pointwise values fused kernels recompute
+            free, memopt.planner.fusible), "4GB", "4GiB",
             "512MB", an int of bytes, or a float fraction in (0, 1] of the
             unoptimized peak. It counts parameters, buffers, inputs, activations,
             temporaries and parameter gradients of one forward+backward step, and with

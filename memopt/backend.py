@@ -141,7 +141,8 @@ class MemoptBackend:
                                headroom=None if headroom is None else float(headroom),
                                progress=progress, solver=solver,
                                solver_seconds=float(solver_seconds),
-                               drop_outputs=drop_outputs)
+                               drop_outputs=drop_outputs,
+                               fusible=self.kernels is Kernels.INDUCTOR)
         self.plan_only = plan_only
         #: the optimizer's state and step bytes the budget counts (memopt.optimizer; set by
         #: memopt.compile / memopt.plan from `optimizer=`), None: not counted

@@ -118,6 +118,54 @@ def test_inductor_plan_holds_its_budget_and_prediction() -> None:
     assert "inductor" in plan.summary()
 
 
+class GeluStack(nn.Module):
+    """Linear, GELU, LayerNorm, with no dropout: values inductor's kernels recompute free."""
+
+    def __init__(self, width: int = 256, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU(),
+                                                    nn.LayerNorm(width))
+                                      for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_no_budget_recomputes_what_fused_kernels_make_free() -> None:
+    """With no budget, inductor mode recomputes the pointwise values its fused kernels
+    make free (memopt.planner.fusible): only pointwise ops and views, eager's gradients,
+    a measured peak at least 15% below the plan that recomputes nothing (`mirror=
+    frozenset()`), and a budget above that peak gives the same plan (never more memory
+    under a budget than with none)."""
+    torch.manual_seed(0)
+    eager = GeluStack()
+    x = torch.randn(512, 256)
+    peaks, plans = {}, {}
+    for name, options in (("free", {}), ("none", {"mirror": frozenset()})):
+        model = copy.deepcopy(eager)
+        compiled = memopt.compile(model, kernels="inductor", **options)
+        for _ in range(2):  # the first step compiles
+            model.zero_grad(set_to_none=True)
+            _square_mean(compiled(x)).backward()
+        peaks[name], plans[name] = _measured_peak(compiled, model, x), compiled.memopt_plan
+        if name == "free":
+            eager_model = copy.deepcopy(eager)
+            _square_mean(eager_model(x)).backward()
+            for (pname, p), q in zip(model.named_parameters(), eager_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=pname)
+    free = plans["free"]
+    assert free.recompute_flops > 0 and plans["none"].recompute_flops == 0
+    # elementwise ops and views only: no matmul, no reduction; a sliver of a forward
+    assert {r.op for r in free.recomputed} <= {"aten.add", "aten.erf", "aten.mul", "aten.sub",
+                                               "aten.permute", "aten.view"}, free.recomputed
+    assert free.recompute_flops <= 0.05 * free.forward_flops
+    assert peaks["free"] <= 0.85 * peaks["none"], peaks
+    assert peaks["free"] <= free.predicted_peak_bytes * 1.02, (peaks, free.predicted_peak_bytes)
+    budget = int(1.05 * free.predicted_peak_bytes)
+    bound = memopt.plan(copy.deepcopy(eager), x, budget=budget, kernels="inductor")
+    assert bound.predicted_peak_bytes <= free.predicted_peak_bytes, (bound, free)
+
+
 def test_kept_gradients_step_runs_aten_and_says_why() -> None:
     """A step into existing .grad adds gradients from Python (memopt.grads): inductor
     cannot call that, so that graph runs op by op, and its plan says so."""

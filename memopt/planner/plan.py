@@ -33,6 +33,7 @@ from .build import Built, Mirror, allocation_granularity, as_simulated, build, d
 from .chain_family import ChainFamily
 from .chen import choose_mirror, solve_exactly
 from .families import ChoiceContext, HeadFamily, ReversibleFamily, Sites, relax
+from .fusible import fusible_mirror
 from .joint_heads import choose_heads_jointly
 from .observe import Observed, is_verifying, notify, verify
 from .request import PlanRequest
@@ -195,8 +196,12 @@ class _Planning:
                 self.joint, self.n, self.step.mutable_inputs)))
         elif self.options.mirror is not None:
             mirror = Mirror(frozenset(self.options.mirror))
-        elif target is not None and self.simulate(Mirror()).peak_bytes > target:
-            mirror, search = self.search(target)
+        else:
+            free = self.fusible() if self.options.fusible else Mirror()
+            mirror = free
+            if target is not None and self.simulate(free).peak_bytes > target:
+                mirror, search = self.search(target)
+                mirror = self.with_free(mirror, free)
         heads = self.found[HEADS]
         if self.options.mirror is None and target is not None and not r.lowest_peak \
                 and self.options.solver != "milp" and heads.choices \
@@ -215,6 +220,26 @@ class _Planning:
                 for found in relaxing:
                     relax(found, peak, target)
         return mirror, search
+
+    def fusible(self) -> Mirror:
+        """Under inductor: the pointwise values its fused kernels recompute for free
+        (planner.fusible), where the simulated peak is no higher than without them."""
+        with stage("fusible recomputation", self.done):
+            saved = self.build(Mirror()).saved_names
+            names = fusible_mirror(self.joint, self.n, saved, self.step.mutable_inputs)
+            if names and self.simulate(Mirror(names)).peak_bytes \
+                    <= self.simulate(Mirror()).peak_bytes:
+                return Mirror(names)
+        return Mirror()
+
+    def with_free(self, mirror: Mirror, free: Mirror) -> Mirror:
+        """The budget search's `mirror` with the free recomputation added where that
+        lowers its simulated peak no less (a budget never keeps more than no budget)."""
+        if not free.names or free.names <= mirror.names:
+            return mirror
+        both = Mirror(mirror.names | free.names, mirror.twice)
+        return both if self.simulate(both).peak_bytes <= self.simulate(mirror).peak_bytes \
+            else mirror
 
     def search(self, target: int) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
         """The mirror set for `target` with every family as it runs now: Chen's search

@@ -105,6 +105,9 @@ class Options:
     #: step that is one graph; memopt warns at backward when such an output is still
     #: alive (memopt.backend). False: every output is held until the step ends.
     drop_outputs: bool = False
+    #: True (kernels="inductor"): with no budget, recompute the pointwise values fused
+    #: kernels make free (memopt.planner.fusible) where the peak does not rise.
+    fusible: bool = False
 
 
 @dataclass(frozen=True)
