@@ -3,6 +3,7 @@
     python -m benchmarks.overhead                    # 400 x Linear(8, 8): 800 parameter tensors
     python -m benchmarks.overhead --layers 26        # 52 parameter tensors
     python -m benchmarks.overhead --profile 25       # and cProfile's top lines of memopt's step
+    python -m benchmarks.overhead --kernels inductor --layers 26 --no-kept   # beside torch.compile
 
 A model of many parameter tensors and almost no compute (a batch of 4 through
 `layers` x Linear(8, 8)), so that a training step's time is the Python work around the
@@ -64,7 +65,9 @@ class Config:
         self.run(x).sum().backward()
 
 
-COMPILERS = ("eager", "aot_eager", "memopt", "memopt budget")
+#: The compiler memopt is set beside: the same dynamo and AOTAutograd without memopt, per
+#: `--kernels` (aten: op by op, torch.compile's aot_eager; inductor: torch.compile's default)
+REFERENCE = {"aten": "aot_eager", "inductor": "torch.compile"}
 
 
 def _budget(budget: str, model: nn.Module, batch: int, grads: str) -> float | int:
@@ -79,20 +82,24 @@ def _budget(budget: str, model: nn.Module, batch: int, grads: str) -> float | in
     raise AssertionError("a 1-byte budget was met")
 
 
-def configs(layers: int, batch: int, budget: str, kept: bool) -> list[Config]:
+def configs(layers: int, batch: int, budget: str, kept: bool,
+            kernels: str = "aten") -> list[Config]:
     """Every configuration, each on its own copy of the model (so `.grad` stays its own)."""
     made = []
     for grads in ("none", "kept") if kept else ("none",):
-        for name in COMPILERS:
+        for name in ("eager", REFERENCE[kernels], "memopt", "memopt budget"):
             model, _ = build(layers, batch)
             if name == "eager":
                 run = model
             elif name == "aot_eager":
                 run = torch.compile(model, backend="aot_eager")
+            elif name == "torch.compile":
+                run = torch.compile(model)
             elif name == "memopt":
-                run = memopt.compile(model)
+                run = memopt.compile(model, kernels=kernels)
             else:
-                run = memopt.compile(model, budget=_budget(budget, model, batch, grads))
+                run = memopt.compile(model, budget=_budget(budget, model, batch, grads),
+                                     kernels=kernels)
             made.append(Config(f"{name} ({grads})" if kept else name, grads, model, run))
     return made
 
@@ -156,13 +163,17 @@ def main(argv: list[str] | None = None) -> int:
                              "gradients leave a fraction little room)")
     parser.add_argument("--no-kept", action="store_true",
                         help="leave out the gradient-accumulation rows (.grad kept)")
+    parser.add_argument("--kernels", choices=sorted(REFERENCE), default="aten",
+                        help="memopt's kernels, and the compiler it is set beside: aten "
+                             "against aot_eager, inductor against torch.compile")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print cProfile's top N lines of memopt's step (budget=None)")
     args = parser.parse_args(argv)
 
     _, x = build(args.layers, args.batch)
     runs, skipped, recomputed = [], {}, {}
-    for config in configs(args.layers, args.batch, args.budget, not args.no_kept):
+    reference = REFERENCE[args.kernels]
+    for config in configs(args.layers, args.batch, args.budget, not args.no_kept, args.kernels):
         t0 = time.perf_counter()
         why = warm_up(config, x)
         plan = getattr(config.run, "memopt_plan", None)
@@ -179,15 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         suffix = config.name[len(config.name.split(" (")[0]):]
         calls, _ = calls_per_step(config, x)
         rows.append([config.name, f"{statistics.median(times[config.name]) * 1e3:.2f} ms",
-                     f"{paired(times, config.name, 'aot_eager' + suffix):.3f}x",
+                     f"{paired(times, config.name, reference + suffix):.3f}x",
                      f"{paired(times, config.name, 'eager' + suffix):.3f}x", f"{calls:,.0f}",
                      recomputed[config.name]])
     params = sum(1 for _ in runs[0].model.parameters())
     print(f"\nPer-step overhead: {args.layers} x Linear(8, 8) ({params} parameter tensors), "
           f"batch {args.batch}, memopt budget {args.budget}; "
-          f"{args.rounds} interleaved rounds of {args.steps} steps, torch "
-          f"{torch.__version__}, CPU\n")
-    print(markdown(rows, ["config", "median step", "step / aot_eager (median of paired)",
+          f"{args.rounds} interleaved rounds of {args.steps} steps, memopt kernels "
+          f"{args.kernels}, torch {torch.__version__}, CPU\n")
+    print(markdown(rows, ["config", "median step", f"step / {reference} (median of paired)",
                           "step / eager (median of paired)", "Python calls per step",
                           "memopt ops recomputed"]))
     for name, why in skipped.items():
