@@ -447,6 +447,7 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
         raise ValueError("blocks=True runs each repeated block as its own graph, which "
                          "fullgraph=True forbids: pass one of them")
     optimizer = options.pop("optimizer", None)
+    _check_options(options, "memopt.compile", model)
     backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
     if backend.step_in_backward and optimizer is None:
         raise InputError("step_in_backward=True steps the optimizer inside the backward: "
@@ -481,6 +482,38 @@ def _refuse_wrappers(model: nn.Module) -> None:
             "the model has HF gradient checkpointing enabled; memopt plans recomputation "
             "itself, under its budget. Call model.gradient_checkpointing_disable() before "
             "memopt.compile.")
+
+
+#: Options of MemoptBackend a user passes (the rest are memopt's own plumbing)
+_INTERNAL_OPTIONS = {"self", "budget", "plan_only", "workspaces"}
+
+
+def _check_options(options: dict[str, Any], where: str, model: nn.Module) -> None:
+    """TypeError naming an unknown option of memopt.compile / memopt.plan, and, where it
+    is one of the model's forward arguments, how to pass it (a model's keyword inputs go
+    in example_kwargs= for memopt.plan; memopt.compile takes them at the call)."""
+    known = set(inspect.signature(MemoptBackend.__init__).parameters) - _INTERNAL_OPTIONS
+    unknown = sorted(set(options) - known)
+    if not unknown:
+        return
+    names = ", ".join(repr(k) for k in unknown)
+    try:
+        inputs = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        inputs = set()
+    if where == "memopt.plan" and set(unknown) & inputs:
+        raise TypeError(
+            f"memopt.plan got {names}, which {'is' if len(unknown) == 1 else 'are'} the "
+            f"model's forward argument{'s' if len(unknown) > 1 else ''}, not "
+            f"{'an option' if len(unknown) == 1 else 'options'}: pass the model's keyword "
+            f"inputs as example_kwargs=dict({unknown[0]}=...), its positional inputs "
+            f"after the model")
+    extra = {"memopt.plan": ["existing_grads", "optimizer"],
+             "memopt.compile": ["blocks", "fullgraph", "optimizer"]}[where]
+    valid = sorted((known - ({"existing_grads"} if where == "memopt.compile" else set()))
+                   | set(extra))
+    raise TypeError(f"{where} got unknown option{'s' if len(unknown) > 1 else ''} {names}; "
+                    f"its options are {', '.join(valid)}")
 
 
 def _refuse_meta(model: nn.Module) -> None:
@@ -520,6 +553,7 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
             "graph (the same plan the flat path trains with), or run one step of "
             "memopt.compile(model, blocks=True) and read its memopt_plan.")
     optimizer = options.pop("optimizer", None)
+    _check_options(options, "memopt.plan", model)
     backend = MemoptBackend(budget, plan_only=True, **options)
     refuse_fsdp(model, "memopt.plan")
     if optimizer is not None:

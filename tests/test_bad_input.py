@@ -159,6 +159,32 @@ def meta_state(model: nn.Module) -> list[tuple[str, object, torch.device, tuple,
         (n, m, torch.device("cpu"), (), m.training) for n, m in model.named_modules()]
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.fc(x) * scale
+
+
+def test_an_unknown_option_is_a_type_error_naming_the_options() -> None:
+    """A misspelt option, and a model's keyword input given to memopt.plan as if it were
+    an option (HF's input_ids=...): a TypeError that says what to pass, not one from
+    memopt's internals."""
+    with pytest.raises(TypeError, match=r"unknown option 'budgett'; its options are .*"
+                                        r"blocks.*kernels"):
+        memopt.compile(Scaled(), budgett=1)
+    with pytest.raises(TypeError, match=r"unknown option 'kernel'; its options are .*"
+                                        r"existing_grads"):
+        memopt.plan(Scaled(), torch.randn(2, 4), kernel="inductor")
+    with pytest.raises(TypeError, match=r"'scale', which is the model's forward argument.*"
+                                        r"example_kwargs=dict\(scale=\.\.\.\)"):
+        memopt.plan(Scaled(), torch.randn(2, 4), scale=2.0)
+    plan = memopt.plan(Scaled(), torch.randn(2, 4), example_kwargs={"scale": 2.0})
+    assert plan.predicted_peak_bytes > 0
+
+
 def test_compile_refuses_a_meta_model() -> None:
     with torch.device("meta"):
         model = ConvBN()

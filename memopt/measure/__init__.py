@@ -32,7 +32,9 @@ How it is measured
 * CUDA: in the calling process, ``torch.cuda.synchronize()`` and
   ``torch.cuda.reset_peak_memory_stats()``, run the step, then
   ``torch.cuda.max_memory_allocated()``. That counter already includes the
-  resident tensors.
+  resident tensors. ``reserved_peak_bytes`` is ``torch.cuda.max_memory_reserved()``
+  over the same step, less what the process had allocated outside the counted
+  tensors: the segments the caching allocator held, what a GPU runs out of.
 * CPU: PyTorch's CPU allocator keeps no counter, so the step runs in a fresh
   Python process (``python -m memopt.measure ... --json``) with
   ``MALLOC_MMAP_THRESHOLD_=4096`` so that every buffer of a page or more is
@@ -296,7 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{ns.workload} [{ns.mode}] on {result.device}: "
             f"peak {result.peak_bytes / mib:.1f} MiB, "
             f"resident {result.resident_bytes / mib:.1f} MiB, "
-            f"step {result.step_seconds:.3f} s\n"
+            + (f"reserved {result.reserved_peak_bytes / mib:.1f} MiB, "
+               if result.reserved_peak_bytes is not None else "")
+            + f"step {result.step_seconds:.3f} s\n"
         )
     sys.stdout.flush()
     return 0
