@@ -36,6 +36,7 @@ from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
 from .fsdp import fsdp_sharded_params, fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .fsdp_blocks import block_shards, check_sharded_blocks, fsdp_units
+from .input_checks import check_options, input_mismatch, refuse_meta, refuse_wrappers
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
 from .recurrent.modules import substitute_rnns
@@ -87,7 +88,7 @@ def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
                 f"step ({inner}); very deep models (e.g. ResNets of ~1000 layers) need "
                 "sys.setrecursionlimit(20000) or more before memopt.compile / memopt.plan"
             ) from err
-        mismatch = _input_mismatch(model, args, kwargs, err)
+        mismatch = input_mismatch(model, args, kwargs, err)
         if mismatch is not None:  # the message quotes err; its traceback is torch's internals
             raise mismatch from None
         if is_dynamo_error(err):
@@ -109,43 +110,6 @@ def _dynamo_patch() -> Any:
             fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS, **_DYNAMO_DDP,
             **logging_changes))]
     return _PATCH[0][1]
-
-
-def _input_mismatch(model: nn.Module, args: tuple, kwargs: dict,
-                    err: BaseException) -> InputError | None:
-    """After a failed call: an InputError when the tensor inputs sit on a device the model's
-    parameters and buffers do not, or have a floating dtype they do not; else None.
-
-    Only a failed call is diagnosed, so a model that moves or casts its inputs itself
-    (`x.to(self.weight)`, CPU token ids for a CUDA embedding) runs as in eager. The
-    original error is quoted in the message and kept as the InputError's `cause`."""
-    state = [*model.parameters(), *model.buffers()]
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    first = (str(err).strip().splitlines() or [""])[0]
-    failed = f"the call failed ({type(err).__name__}: {first})"
-    model_devices = {str(t.device) for t in state}
-    input_devices = {str(t.device) for t in inputs}
-    if len(model_devices) == 1 and input_devices - model_devices:
-        (device,) = model_devices
-        fix = ("materialize the weights first: model.to_empty(device=...) and load or "
-               "initialize them" if device == "meta" else f"move the inputs with "
-               f".to({device!r}), or the model with model.to(...), before the call")
-        return InputError(
-            f"{failed}: the inputs are on {', '.join(sorted(input_devices))} but the model's "
-            f"parameters and buffers are on {device}. memopt runs the step where the model "
-            f"is: {fix}.", cause=err)
-    model_dtypes = {t.dtype for t in state if t.is_floating_point()}
-    input_dtypes = {t.dtype for t in inputs if t.is_floating_point()}
-    if len(model_dtypes) == 1 and input_dtypes - model_dtypes:
-        (dtype,) = model_dtypes
-        names = ", ".join(sorted(str(d).replace("torch.", "") for d in input_dtypes))
-        short = str(dtype).replace("torch.", "")
-        return InputError(
-            f"{failed}: the floating-point inputs are {names} but the model's parameters and "
-            f"buffers are {short}. Cast the inputs (x.to(torch.{short})) or the model "
-            f"(model.to(<dtype>)) so that they agree; memopt plans each dtype separately, so "
-            f"either works, as does casting inside forward.", cause=err)
-    return None
 
 
 def _capture_message(err: BaseException) -> str:
@@ -447,7 +411,7 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
         raise ValueError("blocks=True runs each repeated block as its own graph, which "
                          "fullgraph=True forbids: pass one of them")
     optimizer = options.pop("optimizer", None)
-    _check_options(options, "memopt.compile", model)
+    check_options(options, "memopt.compile", model)
     backend = MemoptBackend(budget, **options)  # parses the budget: nothing built before it
     if backend.step_in_backward and optimizer is None:
         raise InputError("step_in_backward=True steps the optimizer inside the backward: "
@@ -455,80 +419,13 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
     if optimizer is not None:
         check_optimizer(optimizer, model)
         backend.optimizer_source = optimizer
-    _refuse_meta(model)
-    _refuse_wrappers(model)
+    refuse_meta(model)
+    refuse_wrappers(model)
     if blocks and fsdp_units(model):  # FSDP2 per block (memopt.fsdp_blocks)
         check_sharded_blocks(model, find_blocks(model))
     else:
         refuse_fsdp(model, "memopt.compile")
     return CompiledModule(model, backend, fullgraph, blocks)
-
-
-def _refuse_wrappers(model: nn.Module) -> None:
-    """memopt compiles the model inside the data-parallel wrapper, not the wrapper: DDP's
-    forward runs bucket and hook bookkeeping that is no part of a training graph; and a
-    model whose HF gradient checkpointing is on would be recomputed twice."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel  # noqa: PLC0415
-
-    if isinstance(model, (DistributedDataParallel, DataParallel)):
-        kind = type(model).__name__
-        raise InputError(
-            f"memopt.compile was given a {kind}: compile the model inside it and wrap the "
-            f"result instead, {kind}(memopt.compile(model, budget=...)), so that {kind} "
-            f"all-reduces the gradients memopt's backward produces. The budget then counts "
-            f"one rank's step.")
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        raise InputError(
-            "the model has HF gradient checkpointing enabled; memopt plans recomputation "
-            "itself, under its budget. Call model.gradient_checkpointing_disable() before "
-            "memopt.compile.")
-
-
-#: Options of MemoptBackend a user passes (the rest are memopt's own plumbing)
-_INTERNAL_OPTIONS = {"self", "budget", "plan_only", "workspaces"}
-
-
-def _check_options(options: dict[str, Any], where: str, model: nn.Module) -> None:
-    """TypeError naming an unknown option of memopt.compile / memopt.plan, and, where it
-    is one of the model's forward arguments, how to pass it (a model's keyword inputs go
-    in example_kwargs= for memopt.plan; memopt.compile takes them at the call)."""
-    known = set(inspect.signature(MemoptBackend.__init__).parameters) - _INTERNAL_OPTIONS
-    unknown = sorted(set(options) - known)
-    if not unknown:
-        return
-    names = ", ".join(repr(k) for k in unknown)
-    try:
-        inputs = set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        inputs = set()
-    if where == "memopt.plan" and set(unknown) & inputs:
-        raise TypeError(
-            f"memopt.plan got {names}, which {'is' if len(unknown) == 1 else 'are'} the "
-            f"model's forward argument{'s' if len(unknown) > 1 else ''}, not "
-            f"{'an option' if len(unknown) == 1 else 'options'}: pass the model's keyword "
-            f"inputs as example_kwargs=dict({unknown[0]}=...), its positional inputs "
-            f"after the model")
-    extra = {"memopt.plan": ["existing_grads", "optimizer"],
-             "memopt.compile": ["blocks", "fullgraph", "optimizer"]}[where]
-    valid = sorted((known - ({"existing_grads"} if where == "memopt.compile" else set()))
-                   | set(extra))
-    raise TypeError(f"{where} got unknown option{'s' if len(unknown) > 1 else ''} {names}; "
-                    f"its options are {', '.join(valid)}")
-
-
-def _refuse_meta(model: nn.Module) -> None:
-    """memopt.compile runs the model, so its weights must exist (memopt.plan does not: it
-    plans a meta model on meta inputs, e.g. benchmarks/chen_resnet.py)."""
-    meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
-            if t.is_meta]
-    if meta:
-        more = f" and {len(meta) - 1} more" if len(meta) > 1 else ""
-        raise InputError(
-            f"memopt.compile needs the model's weights in memory, but {meta[0]!r}{more} "
-            f"{'is' if len(meta) == 1 else 'are'} on the meta device (shapes without data). "
-            f"Materialize them first: model.to_empty(device='cpu' or 'cuda'), then load a "
-            f"state_dict or initialize them, and compile that model. To plan a meta model "
-            f"without weights, memopt.plan(model, *meta_inputs) works.")
 
 
 def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
@@ -553,7 +450,7 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
             "graph (the same plan the flat path trains with), or run one step of "
             "memopt.compile(model, blocks=True) and read its memopt_plan.")
     optimizer = options.pop("optimizer", None)
-    _check_options(options, "memopt.plan", model)
+    check_options(options, "memopt.plan", model)
     backend = MemoptBackend(budget, plan_only=True, **options)
     refuse_fsdp(model, "memopt.plan")
     if optimizer is not None:
