@@ -298,13 +298,15 @@ def allocated_peak(module: Callable[..., Any], case: ZooCase) -> int:
     """One training step of ``module`` (the case's model, or a memopt module compiled
     from it) on the case's inputs: the most bytes PyTorch's allocator handed out at once
     during forward, loss and backward, plus ``resident_bytes(case)``. Gradients are set
-    to None first (as after ``zero_grad(set_to_none=True)``); CPU only, in-process
-    (memopt.measure.allocation_peak). Run one warm-up step first for a compiled module: its first
-    call compiles and plans."""
+    to None first (as after ``zero_grad(set_to_none=True)``); in-process, on the model's
+    device (memopt.measure.allocation_peak: the profiler's allocation events on CPU, the
+    rise of ``max_memory_allocated`` on CUDA). Run one warm-up step first for a compiled
+    module: its first call compiles and plans."""
     from memopt.measure import allocation_peak  # noqa: PLC0415
 
     for p in case.model.parameters():
         p.grad = None
-    with allocation_peak("cpu") as seen:
+    device = next(case.model.parameters()).device
+    with allocation_peak(str(device)) as seen:
         case.run_step(module)
     return seen.peak + resident_bytes(case)

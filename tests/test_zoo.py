@@ -10,13 +10,19 @@ compiles) is within the budget and within 10% of the plan that ran it.
 
 The default suite runs each family here; a case that another default test already runs
 on the same model (Llama, ConvNeXt) or on one of the same family is `-m slow`.
+
+`MEMOPT_TEST_DEVICE=cuda` runs the same checks on a GPU (the peak read from
+`max_memory_allocated`, cuDNN's TF32 off so that both sides compute in fp32):
+`MEMOPT_TEST_DEVICE=cuda python -m pytest -m "slow or not slow" tests/test_zoo.py`.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,6 +32,19 @@ from benchmarks.zoo import ZOO, ZooCase, allocated_peak, build
 from memopt.blocks import find_blocks
 
 pytest.importorskip("transformers")
+
+#: Where the zoo trains: the CPU, or a GPU given by MEMOPT_TEST_DEVICE
+DEVICE = os.environ.get("MEMOPT_TEST_DEVICE", "cpu")
+if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+    pytest.skip("MEMOPT_TEST_DEVICE names CUDA, which is not available",
+                allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _fp32_convolutions() -> Iterator[None]:
+    """cuDNN's convolutions in fp32 on a GPU (matmuls already are), scoped to each test."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        yield
 
 #: The binding budget, as a fraction of the budget=None plan's predicted peak: low
 #: enough to force recomputation. Where that is below the model's minimum (ResNet's
@@ -54,7 +73,7 @@ def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = Fals
     binding one (below the flat no-budget plan's peak): eager's gradients, the measured
     peak within the budget and near the plan; with `blocks`, each block graph captured
     once and run by every block of its group (tests/test_blocks.py)."""
-    eager_case = build(name)
+    eager_case = build(name, device=DEVICE)
     case = ZooCase(name, copy.deepcopy(eager_case.model), eager_case.args,
                    eager_case.kwargs, eager_case.loss)
     _step(eager_case, None, seed=1)
