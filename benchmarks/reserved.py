@@ -19,7 +19,9 @@ the cache emptied (`torch.cuda.empty_cache()`) before the next is built:
   step beyond the resident tensors), with the segments the warm-up steps left cached:
   what a training loop's later steps reserve;
 - `reserved, fresh`: the same after `torch.cuda.empty_cache()` just before the step: the
-  segments of one step on its own, without what the planning step left cached.
+  segments of one step on its own, without what the planning step left cached;
+- `reserved, memopt's model`: `MemoryPlan.cuda_reserved_bytes()`, the allocator's policy
+  replayed on the plan's storages (memopt.allocator.caching).
 
 The allocator's settings come from `PYTORCH_CUDA_ALLOC_CONF`, read once when CUDA starts;
 the table names them. On CPU there is no reserved memory: the columns are the allocated
@@ -104,6 +106,7 @@ def measure(model_name: str, budget: str, kernels: str, device: str) -> dict[str
     row = {"model": model_name, "kernels": kernels, "budget": budget,
            "budget_bytes": plan.budget_bytes, "predicted": plan.predicted_peak_bytes,
            "allocated": allocated, "reserved_steady": steady, "reserved_fresh": fresh,
+           "reserved_model": _modelled(plan),
            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     del compiled, wl
@@ -113,19 +116,27 @@ def measure(model_name: str, budget: str, kernels: str, device: str) -> dict[str
     return row
 
 
+def _modelled(plan: Any) -> int:
+    """memopt's model of the allocator for the plan (MemoryPlan.cuda_reserved_bytes; the
+    largest of a step's graphs)."""
+    return max(g.cuda_reserved_bytes() for g in getattr(plan, "graphs", (plan,)))
+
+
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:.1f}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     header = ["model", "kernels", "budget", "budget bytes", "predicted", "allocated",
-              "reserved, steady", "reserved, fresh", "steady / budget (or predicted)"]
+              "reserved, steady", "reserved, fresh", "reserved, memopt's model",
+              "steady / budget (or predicted)"]
     body = []
     for r in rows:
         limit = r["budget_bytes"] or r["predicted"]
         body.append([r["model"], r["kernels"], r["budget"], _mib(r["budget_bytes"]),
                      _mib(r["predicted"]), _mib(r["allocated"]), _mib(r["reserved_steady"]),
-                     _mib(r["reserved_fresh"]), f"{r['reserved_steady'] / limit:.3f}"])
+                     _mib(r["reserved_fresh"]), _mib(r.get("reserved_model")),
+                     f"{r['reserved_steady'] / limit:.3f}"])
     return markdown(body, header) + "\n\n(MiB; allocator: " + rows[0]["allocator"] + ")"
 
 

@@ -1,0 +1,65 @@
+"""memopt.allocator.caching: PyTorch's CUDA caching allocator as memopt models it (the
+segments a step makes it reserve, what a GPU runs out of; issue 26, item 5). Each rule of
+the module docstring is checked on a hand-made sequence whose segments are worked out
+here; the -m cuda test (tests/test_cuda_step.py) checks the model against the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+import memopt
+from memopt.allocator.caching import (
+    CachingAllocator,
+    reserved_for,
+    round_size,
+    segment_size,
+)
+from test_cuda import PEAK_MODELS
+
+MiB = 1 << 20
+
+
+def test_sizes_round_and_pick_their_pool_and_segment() -> None:
+    assert [round_size(n) for n in (1, 512, 513, 4000)] == [512, 512, 1024, 4096]
+    assert segment_size(MiB) == 2 * MiB  # the small pool
+    assert segment_size(MiB + 512) == 20 * MiB  # large, under 10 MiB: a 20 MiB segment
+    assert segment_size(11 * MiB + 1) == 12 * MiB  # its own, rounded up to 2 MiB
+
+
+def test_requests_share_segments_and_freed_blocks_merge() -> None:
+    cache = CachingAllocator()
+    small = [cache.malloc(1000) for _ in range(3)]  # one 2 MiB small segment
+    a, b = cache.malloc(4 * MiB), cache.malloc(4 * MiB)  # one 20 MiB segment, split
+    assert cache.reserved == 22 * MiB and {s for s, _ in small} == {0} and a[0] == b[0] == 1
+    cache.free(a)
+    cache.free(b)  # merged with `a` and the segment's rest: 20 MiB free again
+    cache.malloc(15 * MiB)  # fits there: no new segment
+    assert cache.reserved == 22 * MiB
+
+
+def test_fragmentation_reserves_a_new_segment() -> None:
+    """8 + 8 MiB in a 20 MiB segment, the first freed: 8 and 4 MiB free but not together,
+    so 9 MiB takes a new segment: 40 MiB reserved for 17 MiB allocated."""
+    cache = CachingAllocator()
+    first = cache.malloc(8 * MiB)
+    cache.malloc(8 * MiB)
+    cache.free(first)
+    cache.malloc(9 * MiB)
+    assert (cache.reserved, cache.allocated) == (40 * MiB, 17 * MiB)
+
+
+def test_a_repeated_step_reuses_what_the_first_one_cut() -> None:
+    step = [(6 * MiB, 0, 1), (6 * MiB, 1, 2), (3 * MiB, 2, 3)]
+    one = reserved_for([(MiB // 2, -1, 3), *step], repeats=1)
+    assert reserved_for([(MiB // 2, -1, 3), *step], repeats=5) == one == 22 * MiB
+
+
+def test_a_plans_reserved_bytes_are_its_peak_and_the_segments_around_it() -> None:
+    """The corpus MLP (8 x 1024, batch 512): its plan's storages replayed through the model
+    reserve more than the plan's peak, by less than one large segment per layer."""
+    torch.manual_seed(0)
+    model, inputs = PEAK_MODELS["mlp"]()
+    plan = memopt.plan(model, *inputs)
+    reserved = plan.cuda_reserved_bytes()
+    assert plan.predicted_peak_bytes < reserved < plan.predicted_peak_bytes + 8 * 20 * MiB
+    assert "reserved (model)" not in plan.summary()  # a CPU plan: no caching allocator
