@@ -26,7 +26,7 @@ op. The measured H200 figures it is checked against are in docs/benchmarks/cuda.
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -81,8 +81,8 @@ class CachingAllocator:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         pool = self._free[small]
-        found = next((i for i, (s, _, _) in enumerate(pool) if s >= size), None)
-        if found is None:
+        found = bisect_left(pool, (size, -1, -1))  # the smallest free block that fits
+        if found == len(pool):
             seg = len(self.segments)
             total = segment_size(size)
             self.segments.append([_Block(seg, 0, total)])
@@ -90,7 +90,7 @@ class CachingAllocator:
             self.reserved += total
             self.peak_reserved = max(self.peak_reserved, self.reserved)
             insort(pool, (total, seg, 0))
-            found = next(i for i, (s, _, _) in enumerate(pool) if s >= size)
+            found = bisect_left(pool, (size, -1, -1))
         _, seg, offset = pool.pop(found)
         blocks = self.segments[seg]
         k = next(i for i, b in enumerate(blocks) if b.offset == offset)

@@ -126,6 +126,8 @@ class CompiledGraph:
         options = backend.options
         if policy == ReplanPolicy.LEAN:
             options = dataclasses.replace(options, mirror="all")
+        if self.kernels is not Kernels.INDUCTOR:  # op by op, a recomputed op is one more kernel
+            options = dataclasses.replace(options, fusible=False)
         planned: list[MemoryPlan] = []
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
@@ -179,6 +181,8 @@ class CompiledGraph:
         # Planning runs chain steps on real tensors (passes.chain_policy measures what they
         # save): the user's RNG state must not move, or dropout would draw other masks.
         def aten() -> Callable:
+            nonlocal options  # the graph runs op by op: nothing is recomputed for free
+            options = dataclasses.replace(options, fusible=False)
             return aot_module_simplified(
                 self.gm, list(example_inputs), fw_compiler=compile_graph,
                 bw_compiler=compile_backward, inference_compiler=compile_graph,

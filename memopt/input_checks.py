@@ -17,7 +17,7 @@ from .passes._torch_compat import pytree
 
 
 def input_mismatch(model: nn.Module, args: tuple, kwargs: dict,
-                    err: BaseException) -> InputError | None:
+                   err: BaseException) -> InputError | None:
     """After a failed call: an InputError when the tensor inputs sit on a device the model's
     parameters and buffers do not, or have a floating dtype they do not; else None.
 
@@ -97,10 +97,11 @@ def check_options(options: dict[str, Any], where: str, model: nn.Module) -> None
             f"{'an option' if len(unknown) == 1 else 'options'}: pass the model's keyword "
             f"inputs as example_kwargs=dict({unknown[0]}=...), its positional inputs "
             f"after the model")
-    extra = {"memopt.plan": ["existing_grads", "optimizer"],
-             "memopt.compile": ["blocks", "fullgraph", "optimizer"]}[where]
-    valid = sorted((known - ({"existing_grads"} if where == "memopt.compile" else set()))
-                   | set(extra))
+    # besides MemoptBackend's: what each entry point takes itself; compile plans both
+    # kinds of step, so existing_grads is memopt.plan's alone
+    own = {"memopt.plan": {"optimizer"}, "memopt.compile": {"blocks", "fullgraph", "optimizer"}}
+    valid = sorted((known | own[where]) - ({"existing_grads"} if where == "memopt.compile"
+                                            else set()))
     raise TypeError(f"{where} got unknown option{'s' if len(unknown) > 1 else ''} {names}; "
                     f"its options are {', '.join(valid)}")
 

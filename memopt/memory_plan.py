@@ -410,7 +410,7 @@ class MemoryPlan(BaseModel):
         as a loop repeats it (memopt.allocator.caching: the allocator's policy, default
         settings, replayed on the plan's storages). A budget counts allocated bytes, but a
         GPU runs out of reserved ones. On an H200 this came within -12% to +12% of the
-        measured reserved peak, on 14 plans (docs/benchmarks/cuda.md#reserved-memory)."""
+        measured reserved peak, on 11 plans (docs/benchmarks/cuda.md#reserved-memory)."""
         from .allocator.caching import reserved_for
 
         return reserved_for((s.nbytes, s.start, s.end) for s in self.storages)

@@ -131,6 +131,11 @@ class GeluStack(nn.Module):
         return self.layers(x)
 
 
+class SquareMean(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _square_mean(x)
+
+
 def test_no_budget_recomputes_what_fused_kernels_make_free() -> None:
     """With no budget, inductor mode recomputes the pointwise values its fused kernels
     make free (memopt.planner.fusible): only pointwise ops and views, eager's gradients,
@@ -164,6 +169,34 @@ def test_no_budget_recomputes_what_fused_kernels_make_free() -> None:
     budget = int(1.05 * free.predicted_peak_bytes)
     bound = memopt.plan(copy.deepcopy(eager), x, budget=budget, kernels="inductor")
     assert bound.predicted_peak_bytes <= free.predicted_peak_bytes, (bound, free)
+
+
+def test_a_kept_gradients_step_recomputes_nothing_for_free() -> None:
+    """Under inductor a step into existing .grad runs op by op (the test below), where a
+    recomputed op is one more kernel: its plan, with no budget, recomputes nothing, while
+    the zeroed step's plan recomputes the fusible values; the accumulating step measures
+    within 2% of its plan and sums eager's gradients."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(GeluStack(width=128, depth=3), SquareMean())  # the loss inside
+    model = copy.deepcopy(eager)
+    x = torch.randn(256, 128)
+    compiled = memopt.compile(model, kernels="inductor")
+    compiled(x).backward()
+    zeroed = compiled.memopt_plan
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), x))
+    compiled(x).backward()  # accumulates into the kept .grad: plans that step
+    grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    with allocation_peak("cpu") as seen:
+        compiled(x).backward()
+    kept = compiled.memopt_plan
+    assert zeroed.kernels == "inductor" and zeroed.recompute_flops > 0
+    assert kept.kernels == "aten" and kept.recompute_flops == 0, kept.recomputed
+    assert seen.peak + resident + grads <= 1.02 * kept.predicted_peak_bytes, (
+        seen.peak + resident + grads, kept.predicted_peak_bytes)
+    for _ in range(3):
+        eager(x).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_kept_gradients_step_runs_aten_and_says_why() -> None:
