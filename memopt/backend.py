@@ -352,9 +352,10 @@ class MemoptBackend:
         baseline = None
         if self.budget is not None and self.budget.fraction is not None:
             # once per sequence of graphs: from the first forward's plans, as it ran
-            key = tuple(map(id, runs))
+            key = tuple(id(run.primary) for run in runs)
             baseline = self.plan_log.step_baselines.setdefault(key, step_baseline(runs))
         missed = replan_forward(runs, bases, baseline)
+        self.plan_log.last_runs = tuple(runs)  # as the next forwards run them
         if missed is not None:
             self.plan_log.pending = missed
 

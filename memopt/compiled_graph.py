@@ -11,6 +11,7 @@ loop still holds an output the plan freed (DroppedOutputs).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -87,6 +88,12 @@ class CompiledGraph:
         #: run several times in a forward: its saved bytes counted 2^weight times as often
         #: as its runs hold them, for the graphs after it (memopt.graph_breaks.required)
         self.weight = 0
+        #: a repeated graph with a second plan for its later runs (memopt.run_plans): the
+        #: graph whose captured graph it is (itself, but in a twin), the own run from which
+        #: the twin runs, and whether this plan stays as it is while the twin is planned
+        self.primary: CompiledGraph = self
+        self.later: tuple[int, CompiledGraph] | None = None
+        self.first_run, self.pinned = 0, False
         self.plan: MemoryPlan | None = None
         self.compiled: Callable | None = None
         #: what its last traced step counted, for steps without the trace (memopt.settled)
@@ -100,6 +107,17 @@ class CompiledGraph:
             self.kernels = Kernels.ATEN
             self.kernels_note = ("aten: a step into existing .grad adds each gradient "
                                  "from Python (memopt.grads), which inductor cannot call")
+
+    def twin(self, first_run: int) -> CompiledGraph:
+        """A second entry for this captured graph that runs its own runs from `first_run`
+        on in each forward with a plan of its own (memopt.run_plans), to be planned: this
+        graph's plan until then."""
+        twin = copy.copy(self)
+        twin.settled = None
+        twin.outside, twin.policy, twin.weight = Outside(), ReplanPolicy.GREEDY, 0
+        twin.provisional = twin.pinned = False
+        twin.later, twin.first_run = None, first_run
+        return twin
 
     def label(self) -> str:
         where = f", {self.frame.where()}" if self.frame.graph_break else ""
@@ -146,6 +164,7 @@ class CompiledGraph:
                 err.capture_seconds = captured
                 raise
             plan = plan.model_copy(update={"graph_index": self.index,
+                                           "first_run": self.first_run,
                                            "kernels": self.kernels.value,
                                            "kernels_note": self.kernels_note,
                                            "graph_break": self.graph_break(),
@@ -326,9 +345,12 @@ class CompiledGraph:
         """Run the compiled graph: in the forward's trace (memopt.steps) unless it has
         settled (memopt.settled), its parameters bound for a kept-gradient backward."""
         log = self.backend.plan_log
+        call, record, skipped = log.call, None, False
+        if self.later is not None and call is not None \
+                and call.trace().runs_of(self) >= self.later[0]:
+            return self.later[1].run(*args)  # its later runs: the twin's plan
         log.last = self.plan
         flat = [*self.attributes, *args]
-        call, record, skipped = log.call, None, False
         if call is not None:
             skipped = call.admits(self)
             if not skipped:

@@ -65,14 +65,34 @@ class DoesNotFit(Exception):
         self.graph, self.position = graph, position
 
 
+def _stays(graph: CompiledGraph, need: Outside, policy: ReplanPolicy, lazy: bool) -> bool:
+    """Whether `graph`'s plan is kept as it is around `need`: pinned while its twin is
+    planned, and covering what its runs hold (memopt.run_plans); or, `lazy` (that search's
+    tries), a plan that recomputes nothing and fits with what its runs hold now (planning
+    it again would keep the same; its predicted peak is then stale by the difference)."""
+    plan = graph.plan
+    if graph.policy != policy or not plan.fits:
+        return False
+    if graph.pinned and graph.outside.covers(need):
+        return True
+    if not lazy or plan.recompute_flops or plan.budget_bytes is None:
+        return False
+    held = plan.held_bytes
+    grown = max(0, need.after_backward - graph.outside.after_backward,
+                *(n - o for n, o in zip(need.around(held), graph.outside.around(held))))
+    return plan.predicted_peak_bytes + grown <= plan.budget_bytes - plan.headroom_bytes
+
+
 def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
-                   policies: dict[int, ReplanPolicy], step_baseline: int | None) -> None:
+                   policies: dict[int, ReplanPolicy], step_baseline: int | None,
+                   lazy: bool = False) -> None:
     """Plan every graph of a forward again with all of them known: each by its policy in
     `policies` (by id), with what the rest of the step holds around each of its runs
     (`bases`, from memopt.steps, plus the saved bytes of the runs before it as planned
     now; a graph that runs several times counts its own earlier runs by its plan's saved
     bytes, `required`), in rounds until the saved bytes settle. Raises DoesNotFit for the
-    first graph whose plan misses the budget, at its last run's position."""
+    first graph whose plan misses the budget, at its last run's position. `lazy`: keep a
+    plan that recomputes nothing wherever it still fits (_stays), for a search's tries."""
     order = list(dict.fromkeys(runs))
     #: within one re-plan a graph's need only grows, so that the rounds settle
     assumed: dict[int, Outside] = {}
@@ -82,6 +102,8 @@ def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
             need = required(graph, runs, bases, weighted=True)
             need = assumed[id(graph)] = need.max(assumed.get(id(graph), need))
             policy = policies[id(graph)]
+            if _stays(graph, need, policy, lazy):
+                continue
             if graph.provisional or graph.outside != need or graph.policy != policy \
                     or graph.step_baseline != step_baseline:
                 held = need.around(graph.plan.held_bytes)
@@ -96,7 +118,9 @@ def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
         last = max(i for i, r in enumerate(runs) if r is graph)
         if not graph.plan.fits:
             raise DoesNotFit(graph, last)
-        if not graph.outside.covers(required(graph, runs, bases)):  # rounds ran out
+        need = required(graph, runs, bases)
+        if not graph.outside.covers(need) and not _stays(graph, need, policies[id(graph)],
+                                                         lazy):  # rounds ran out
             log.info("memopt: %s did not settle in %d rounds: planned for what its runs "
                      "hold at most", graph.label(), ROUNDS)
             graph.replan(graph.outside.max(required(graph, runs, bases, weighted=True)),
@@ -176,8 +200,12 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
     graphs before it that were planned GREEDY hold less for it: a repeated graph (whose
     runs each keep its saved bytes) counts them more often (`weight`, up to MAX_WEIGHT
     times), the others, and then it, become LEAN. Policies and weights settled
-    by earlier forwards stay; the first forward's guesses do not. Returns the BudgetError
-    of a graph that misses with every graph before it lean (None: every graph fits)."""
+    by earlier forwards stay; the first forward's guesses do not. After the first forward
+    a repeated graph may get a second plan for its later runs (memopt.run_plans): `runs`
+    is then changed in place to name it at those runs. Returns the BudgetError of a graph
+    that misses with every graph before it lean (None: every graph fits)."""
+    from .run_plans import split_later_runs  # noqa: PLC0415 (it plans with replan_jointly)
+
     policies = {id(g): ReplanPolicy.GREEDY if g.provisional else g.policy for g in runs}
     first = any(g.provisional for g in runs)
     planned = {id(g): g.plan for g in runs}
@@ -189,9 +217,10 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
             replan_jointly(runs, bases, policies, step_baseline)
             if first:
                 _recompute_less(runs, bases, policies, step_baseline)
+                runs[:] = split_later_runs(runs, bases, policies, step_baseline)
             for graph in dict.fromkeys(runs):  # as it runs: what its runs hold
                 k = sum(r is graph for r in runs)
-                if k > 1 and graph.plan is not planned[id(graph)]:  # planned just now
+                if k > 1 and graph.plan is not planned.get(id(graph)):  # planned just now
                     graph.plan = as_run(graph, need_of(graph, runs, bases), k - 1)
             return None
         except DoesNotFit as miss:

@@ -337,6 +337,10 @@ class MemoryPlan(BaseModel):
     #: memopt.blocks), each holding `held_bytes`, which its predicted peak counts as held
     #: outside it (beside the outside bytes above)
     own_runs_before: Count = 0
+    #: a repeated block whose later runs keep more (memopt.run_plans): the first of the
+    #: graph's runs in a forward that this plan serves (0: from the first); the runs
+    #: before it run the graph's other plan
+    first_run: Count = 0
     baseline_saved_bytes: Bytes = 0    # what the baseline (no memopt passes) keeps for backward
     #: Live bytes over the step by kind, as memopt runs it and in the baseline; None in a
     #: plan written before memopt recorded them (plot() then asks to re-plan).
@@ -495,6 +499,16 @@ class StepPlan(BaseModel):
 
         return save_report(self, directory)
 
+    def _second(self, i: int) -> str:
+        """For a repeated block's second plan (memopt.run_plans): which graph it is."""
+        g = self.graphs[i]
+        if not g.first_run:
+            return ""
+        first = next(j for j, h in enumerate(self.graphs)
+                     if h.graph_index == g.graph_index and not h.first_run)
+        return (f" (graph {first + 1} again, from its run {g.first_run + 1} on: a second "
+                f"plan that keeps more, memopt.run_plans)")
+
     def summary(self, max_rows: int = 10) -> str:
         b = format_bytes
         budget = b(self.budget_bytes) if self.budget_bytes is not None else "none"
@@ -504,8 +518,10 @@ class StepPlan(BaseModel):
                  f"set by graph {self.peak_graph + 1})"]
         for i, g in enumerate(self.graphs):
             where = g.graph_break.where() if g.graph_break is not None else "returns"
+            runs = self.runs.count(i)
             lines.append(f"  graph {i + 1}: peak {b(g.predicted_peak_bytes)}, "
-                         f"{g.num_forward_steps} + {g.num_backward_steps} ops, {where}")
+                         f"{g.num_forward_steps} + {g.num_backward_steps} ops, "
+                         f"{runs} run{'s' if runs > 1 else ''}, {where}{self._second(i)}")
         for i, g in enumerate(self.graphs):
             lines.append("")
             lines.append(f"graph {i + 1}:")

@@ -96,11 +96,12 @@ class Outside:
                 max([self.backward] + [b + n * saved for n, _, b in self.own]))
 
     def covers(self, other: "Outside") -> bool:
-        """It holds at least `other` around every run, whatever the plan saves."""
-        return (self.forward >= other.forward and self.backward >= other.backward
-                and self.after_backward >= other.after_backward
-                and all(any(m >= n and g >= f and c >= b for m, g, c in self.own)
-                        for n, f, b in other.own))
+        """It holds at least `other` around every run, whatever the plan saves (a graph
+        that runs once is a run with no own runs before it)."""
+        mine = ((0, self.forward, self.backward), *self.own)
+        return self.after_backward >= other.after_backward and all(
+            any(m >= n and g >= f and c >= b for m, g, c in mine)
+            for n, f, b in ((0, other.forward, other.backward), *other.own))
 
     def max(self, other: "Outside") -> "Outside":
         own = {n: (f, b) for n, f, b in self.own}
@@ -164,6 +165,8 @@ class ForwardTrace:
     #: its hooks hold between the graphs
     shards: Any = None
     _root_counted: bool = False
+    #: runs so far of each captured graph (by id of its CompiledGraph.primary)
+    _runs_of: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def begin(cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], args: tuple,
@@ -197,10 +200,16 @@ class ForwardTrace:
         if self.shards is not None and not self._root_counted:  # gathered by now
             self.resident.update(storages(self.shards.gathered_root()))
             self._root_counted = True
+        key = id(getattr(graph, "primary", graph))
+        self._runs_of[key] = self._runs_of.get(key, 0) + 1
         run = GraphRun(graph, storages(inputs), held_bytes)
         run.base = self._base(len(self.runs), run.inputs)
         self.runs.append(run)
         return run
+
+    def runs_of(self, graph: Any) -> int:
+        """How many times `graph`'s captured graph has run in this forward so far."""
+        return self._runs_of.get(id(graph), 0)
 
     def outside_of(self, position: int, inputs: Iterable[Any]) -> Outside:
         """What the rest of the step holds around a graph that would run at `position`

@@ -160,7 +160,8 @@ def _results(rank: int, world: int, reshard: bool) -> dict:
     return {
         "params": params if rank == 0 else [],
         "measured": measured, "predicted": plan.predicted_peak_bytes, "budget": budget,
-        "eager": eager_peak, "runs": list(plan.runs), "gathered": gathered,
+        "eager": eager_peak, "gathered": gathered,
+        "runs": [plan.graphs[i].graph_index for i in plan.runs],  # a twin: the same graph
         "recompute": sum(plan.graphs[i].recompute_flops for i in plan.runs),
         "refused": _refusals(mesh) if reshard else [],  # every rank: collectives
     }
