@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Collection
 
 from .budget import format_bytes
 from .errors import BudgetError
@@ -65,34 +65,40 @@ class DoesNotFit(Exception):
         self.graph, self.position = graph, position
 
 
-def _stays(graph: CompiledGraph, need: Outside, policy: ReplanPolicy, lazy: bool) -> bool:
+def _stays(graph: CompiledGraph, need: Outside, policy: ReplanPolicy,
+           lazy: Collection[int]) -> bool:
     """Whether `graph`'s plan is kept as it is around `need`: pinned while its twin is
-    planned, and covering what its runs hold (memopt.run_plans); or, `lazy` (that search's
-    tries), a plan that recomputes nothing and fits with what its runs hold now (planning
-    it again would keep the same; its predicted peak is then stale by the difference)."""
+    planned, and covering what its runs hold (memopt.run_plans); or, in `lazy` (that
+    search's tries), a plan that recomputes nothing and fits with what its runs hold now
+    (planning it again would keep the same; its predicted peak is then stale by the
+    difference). Raises DoesNotFit for a graph in `lazy` whose plan recomputes nothing and
+    no longer fits: the try costs it recomputation, which the search does not take."""
     plan = graph.plan
     if graph.policy != policy or not plan.fits:
         return False
     if graph.pinned and graph.outside.covers(need):
         return True
-    if not lazy or plan.recompute_flops or plan.budget_bytes is None:
+    if id(graph) not in lazy or plan.recompute_flops or plan.budget_bytes is None:
         return False
     held = plan.held_bytes
     grown = max(0, need.after_backward - graph.outside.after_backward,
                 *(n - o for n, o in zip(need.around(held), graph.outside.around(held))))
-    return plan.predicted_peak_bytes + grown <= plan.budget_bytes - plan.headroom_bytes
+    if plan.predicted_peak_bytes + grown > plan.budget_bytes - plan.headroom_bytes:
+        raise DoesNotFit(graph, -1)
+    return True
 
 
 def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
                    policies: dict[int, ReplanPolicy], step_baseline: int | None,
-                   lazy: bool = False) -> None:
+                   lazy: Collection[int] = ()) -> None:
     """Plan every graph of a forward again with all of them known: each by its policy in
     `policies` (by id), with what the rest of the step holds around each of its runs
     (`bases`, from memopt.steps, plus the saved bytes of the runs before it as planned
     now; a graph that runs several times counts its own earlier runs by its plan's saved
     bytes, `required`), in rounds until the saved bytes settle. Raises DoesNotFit for the
-    first graph whose plan misses the budget, at its last run's position. `lazy`: keep a
-    plan that recomputes nothing wherever it still fits (_stays), for a search's tries."""
+    first graph whose plan misses the budget, at its last run's position. `lazy`: ids of
+    graphs whose plans are kept while they recompute nothing and still fit (_stays), for
+    a search's tries."""
     order = list(dict.fromkeys(runs))
     #: within one re-plan a graph's need only grows, so that the rounds settle
     assumed: dict[int, Outside] = {}

@@ -19,7 +19,13 @@ saved tensors are held around them. `m` is searched on powers of two and then, p
 best of those, for the last `m` whose twin recomputes no more (the total falls with `m`
 while the twin's plan stays the same); every try is a joint re-plan of the forward
 (memopt.graph_breaks.replan_jointly), so the graphs after the block (a language-model
-head) are priced with it. The split is kept only where the step then recomputes less.
+head) are priced with it: where they recompute more than before, the twin is counted
+heavier (CompiledGraph.weight) and tried again. A try keeps the plans of the other graphs
+that recompute nothing while they still fit, and fails where one no longer does (`lazy`):
+planning them again to recompute (a head chunked) is what the twin's weight avoids, and
+it costs most of a try's time. The split is kept only where the step then recomputes less,
+and then the first runs are planned again for the fewer runs they are, where that
+recomputes less still.
 """
 
 from __future__ import annotations
@@ -67,10 +73,10 @@ def split_later_runs(runs: list[CompiledGraph], bases: list[Outside],
         k = sum(r is graph for r in runs)
         if k < 2 or graph.primary is not graph or graph.later is not None \
                 or policies[id(graph)] != ReplanPolicy.GREEDY or not graph.plan.recompute_flops:
-            continue
+            continue  # a twin is not split again: a third plan gained nothing on the
+            # 16-layer Llama (docs/benchmarks/blocks.md) and costs a search
         runs = _split(graph, k, runs, bases, policies, step_baseline)
     return runs
-
 
 def _split(graph: CompiledGraph, k: int, runs: list[CompiledGraph], bases: list[Outside],
            policies: dict[int, ReplanPolicy], step_baseline: int | None
@@ -80,6 +86,7 @@ def _split(graph: CompiledGraph, k: int, runs: list[CompiledGraph], bases: list[
     later_before = _flops(runs[last + 1:])
     twin = graph.twin(k)
     policies[id(twin)] = ReplanPolicy.GREEDY
+    others = {id(r) for r in runs if r is not graph}
     graph.pinned = True
     #: m -> (the step's recomputed FLOPs, the twin's, its weight) where its last m runs
     #: fit as a twin
@@ -95,7 +102,7 @@ def _split(graph: CompiledGraph, k: int, runs: list[CompiledGraph], bases: list[
         for weight in range(MAX_WEIGHT + 1):
             twin.weight = weight
             try:
-                replan_jointly(split, bases, policies, step_baseline, lazy=True)
+                replan_jointly(split, bases, policies, step_baseline, lazy=others)
             except DoesNotFit:
                 continue  # a heavier weight keeps less: it may fit
             if found is None or _flops(split) < found[0]:
@@ -138,7 +145,7 @@ def _split(graph: CompiledGraph, k: int, runs: list[CompiledGraph], bases: list[
             setattr(graph, name, value)
         graph.pinned = True
         replan_jointly(split, bases, policies, step_baseline)
-    graph.later = (k - best, twin)
+    graph.later = (twin.first_run, twin)
     log.info("memopt: %s keeps more in its last %d of %d runs (a second plan): %.3g GFLOP "
              "recomputed per step, against %.3g with one plan", graph.label(), best, k,
              _flops(split) / 1e9, before / 1e9)
