@@ -40,6 +40,7 @@ from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError, CaptureError, PassError
 from .graph_breaks import ReplanPolicy, replan_forward, required, step_baseline
+from .run_plans import split_later_runs
 from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import OptimizerBytes
@@ -354,7 +355,7 @@ class MemoptBackend:
             # once per sequence of graphs: from the first forward's plans, as it ran
             key = tuple(id(run.primary) for run in runs)
             baseline = self.plan_log.step_baselines.setdefault(key, step_baseline(runs))
-        missed = replan_forward(runs, bases, baseline)
+        missed = replan_forward(runs, bases, baseline, refine=split_later_runs)
         self.plan_log.last_runs = tuple(runs)  # as the next forwards run them
         if missed is not None:
             self.plan_log.pending = missed

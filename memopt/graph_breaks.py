@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import TYPE_CHECKING, Collection
+from typing import TYPE_CHECKING, Callable, Collection
 
 from .budget import format_bytes
 from .errors import BudgetError
@@ -39,6 +39,11 @@ class ReplanPolicy(enum.Enum):
     #: its lowest-peak plan, whatever the budget (planner.PlanRequest.lowest_peak)
     LOWEST = "lowest"
 
+
+#: After the first forward's fitting re-plan: (runs, bases, policies, step baseline) ->
+#: the runs as the next forwards run them, planned (memopt.run_plans.split_later_runs)
+Refine = Callable[[list["CompiledGraph"], list[Outside], dict[int, "ReplanPolicy"],
+                   "int | None"], list["CompiledGraph"]]
 
 #: Rounds of planning every graph of a forward again, each with the saved bytes the
 #: round before gave the others (a graph running more than once in a forward sees graphs
@@ -201,17 +206,15 @@ def as_run(graph: CompiledGraph, need: Outside, own_runs_before: int) -> MemoryP
 
 
 def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
-                   step_baseline: int | None) -> BudgetError | None:
+                   step_baseline: int | None, refine: Refine | None = None) -> BudgetError | None:
     """Re-plan a forward's graphs (replan_jointly) until they fit: where one misses, the
     graphs before it that were planned GREEDY hold less for it: a repeated graph (whose
     runs each keep its saved bytes) counts them more often (`weight`, up to MAX_WEIGHT
     times), the others, and then it, become LEAN. Policies and weights settled
     by earlier forwards stay; the first forward's guesses do not. After the first forward
-    a repeated graph may get a second plan for its later runs (memopt.run_plans): `runs`
-    is then changed in place to name it at those runs. Returns the BudgetError of a graph
+    fits, `refine` may plan it further (memopt.run_plans.split_later_runs: a second plan
+    for a repeated graph's later runs) and `runs` is changed in place to what it returns. Returns the BudgetError of a graph
     that misses with every graph before it lean (None: every graph fits)."""
-    from .run_plans import split_later_runs  # noqa: PLC0415 (it plans with replan_jointly)
-
     policies = {id(g): ReplanPolicy.GREEDY if g.provisional else g.policy for g in runs}
     first = any(g.provisional for g in runs)
     planned = {id(g): g.plan for g in runs}
@@ -223,7 +226,8 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
             replan_jointly(runs, bases, policies, step_baseline)
             if first:
                 _recompute_less(runs, bases, policies, step_baseline)
-                runs[:] = split_later_runs(runs, bases, policies, step_baseline)
+                if refine is not None:
+                    runs[:] = refine(runs, bases, policies, step_baseline)
             for graph in dict.fromkeys(runs):  # as it runs: what its runs hold
                 k = sum(r is graph for r in runs)
                 if k > 1 and graph.plan is not planned.get(id(graph)):  # planned just now
