@@ -98,20 +98,29 @@ def _train(module, model: nn.Module, steps: int) -> list[int]:
     return peaks
 
 
+def _binding_budget(eager: nn.Module) -> int:
+    """0.8 of the block path's predicted peak with no budget."""
+    probe = memopt.compile(copy.deepcopy(eager), blocks=True)
+    probe(_batch(0)).backward()
+    return int(0.8 * probe.memopt_plan.predicted_peak_bytes)
+
+
+def _assert_same_parameters(model: nn.Module, eager: nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("check", [False, True], ids=["loop", "item-in-loop"])
 def test_a_stack_trains_through_one_block_graph_within_its_budget(check: bool) -> None:
     torch.manual_seed(0)
     eager = Stack(check=check)
     model = copy.deepcopy(eager)
-    probe = memopt.compile(copy.deepcopy(eager), blocks=True)
-    probe(_batch(0)).backward()
-    budget = int(0.8 * probe.memopt_plan.predicted_peak_bytes)
+    budget = _binding_budget(eager)
 
     compiled = memopt.compile(model, budget=budget, blocks=True)
     peaks = _train(compiled, model, steps=4)
     _train(eager, eager, steps=4)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_same_parameters(model, eager)
     plan = compiled.memopt_plan
     runs = plan.runs if isinstance(plan, StepPlan) else (0,) * len(model.blocks)
     captured = [plan.graphs[i].graph_index for i in runs]  # a twin's plan: the same graph
@@ -130,9 +139,7 @@ def test_later_runs_of_a_block_keep_more_and_the_step_recomputes_less(monkeypatc
 
     torch.manual_seed(0)
     eager = Stack()
-    probe = memopt.compile(copy.deepcopy(eager), blocks=True)
-    probe(_batch(0)).backward()
-    budget = int(0.8 * probe.memopt_plan.predicted_peak_bytes)
+    budget = _binding_budget(eager)
 
     def flops(plan: StepPlan) -> int:
         return sum(plan.graphs[i].recompute_flops for i in plan.runs)
@@ -145,8 +152,7 @@ def test_later_runs_of_a_block_keep_more_and_the_step_recomputes_less(monkeypatc
     two = memopt.compile(model, budget=budget, blocks=True)
     peaks = _train(two, model, steps=3)
     _train(eager, eager, steps=3)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_same_parameters(model, eager)
     plan = two.memopt_plan
     first, later = (plan.graphs[i] for i in dict.fromkeys(plan.runs[:len(model.blocks)]))
     assert first.graph_index == later.graph_index and later.first_run > 0
@@ -170,9 +176,7 @@ def test_accumulated_gradients_through_blocks_stay_within_the_budget(kernels: st
     torch.manual_seed(0)
     eager = Stack()
     model = copy.deepcopy(eager)
-    probe = memopt.compile(copy.deepcopy(eager), blocks=True)
-    probe(_batch(0)).backward()
-    budget = int(0.8 * probe.memopt_plan.predicted_peak_bytes)
+    budget = _binding_budget(eager)
     compiled = memopt.compile(model, budget=budget, blocks=True, kernels=kernels)
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
     for step in range(2):
@@ -203,10 +207,7 @@ def test_the_simulator_prices_a_block_plan_as_its_build_does() -> None:
 
     torch.manual_seed(0)
     model = Stack()
-    probe = memopt.compile(copy.deepcopy(model), blocks=True)
-    probe(_batch(0)).backward()
-    compiled = memopt.compile(model, budget=int(0.8 * probe.memopt_plan.predicted_peak_bytes),
-                              blocks=True)
+    compiled = memopt.compile(model, budget=_binding_budget(model), blocks=True)
     with verifying():
         for step in range(2):  # the second step's forward ends in the joint re-plan
             compiled(_batch(step)).backward()
