@@ -206,15 +206,17 @@ def as_run(graph: CompiledGraph, need: Outside, own_runs_before: int) -> MemoryP
 
 
 def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
-                   step_baseline: int | None, refine: Refine | None = None) -> BudgetError | None:
+                   step_baseline: int | None,
+                   refine: Refine | None = None) -> BudgetError | None:
     """Re-plan a forward's graphs (replan_jointly) until they fit: where one misses, the
     graphs before it that were planned GREEDY hold less for it: a repeated graph (whose
     runs each keep its saved bytes) counts them more often (`weight`, up to MAX_WEIGHT
     times), the others, and then it, become LEAN. Policies and weights settled
     by earlier forwards stay; the first forward's guesses do not. After the first forward
     fits, `refine` may plan it further (memopt.run_plans.split_later_runs: a second plan
-    for a repeated graph's later runs) and `runs` is changed in place to what it returns. Returns the BudgetError of a graph
-    that misses with every graph before it lean (None: every graph fits)."""
+    for a repeated graph's later runs) and `runs` is changed in place to what it returns.
+    Returns the BudgetError of a graph that misses with every graph before it lean (None:
+    every graph fits)."""
     policies = {id(g): ReplanPolicy.GREEDY if g.provisional else g.policy for g in runs}
     first = any(g.provisional for g in runs)
     planned = {id(g): g.plan for g in runs}
