@@ -119,6 +119,18 @@ class CompiledGraph:
         twin.later, twin.first_run = None, first_run
         return twin
 
+    #: what `compile` sets: the plan in use, as it runs
+    _PLANNED = ("plan", "compiled", "outside", "policy", "step_baseline")
+
+    def planned(self) -> dict[str, Any]:
+        """The plan in use and what it was made for, for `restore`."""
+        return {name: getattr(self, name) for name in self._PLANNED}
+
+    def restore(self, planned: dict[str, Any]) -> None:
+        """Run a plan taken by `planned` again (no planning)."""
+        for name, value in planned.items():
+            setattr(self, name, value)
+
     def label(self) -> str:
         where = f", {self.frame.where()}" if self.frame.graph_break else ""
         return f"graph {self.index + 1}{where}"

@@ -42,10 +42,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("memopt")
 
 
-#: what CompiledGraph.compile sets: a graph's plan, as it runs
-_PLANNED = ("plan", "compiled", "outside", "policy", "step_baseline")
-
-
 def _flops(runs: list[CompiledGraph]) -> int:
     return sum(run.plan.recompute_flops for run in runs)
 
@@ -133,7 +129,7 @@ def _split(graph: CompiledGraph, k: int, runs: list[CompiledGraph], bases: list[
         return runs
     split = _with_twin(runs, graph, twin, best)
     twin.first_run, twin.weight = k - best, tried[best][2]
-    kept = {name: getattr(graph, name) for name in _PLANNED}
+    kept = graph.planned()
     graph.pinned = False  # its first runs may keep more now that they are fewer
     try:
         replan_jointly(split, bases, policies, step_baseline)
@@ -141,8 +137,7 @@ def _split(graph: CompiledGraph, k: int, runs: list[CompiledGraph], bases: list[
     except DoesNotFit:
         unpinned = None
     if unpinned is None or unpinned > tried[best][0]:
-        for name, value in kept.items():  # its plan as the search priced it
-            setattr(graph, name, value)
+        graph.restore(kept)  # its plan as the search priced it
         graph.pinned = True
         replan_jointly(split, bases, policies, step_baseline)
     graph.later = (twin.first_run, twin)
