@@ -220,7 +220,8 @@ def _returned_only(gm: fx.GraphModule, linear: fx.Node, others: list[fx.Node]
 
 
 def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = None,
-                skip_logits: bool = False) -> list[ChunkedHeadSite]:
+                skip_logits: bool = False, returned_only: bool = False
+                ) -> list[ChunkedHeadSite]:
     """Replace every head pattern of ``gm`` (see the module docstring) by ``head_fwd``
     with one chunk (the planner chooses the chunk later); returns what it replaced. A
     pattern it cannot prove equal is left as it is, with one debug line saying why.
@@ -242,7 +243,13 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
     make a (tokens, V) zero gradient for them at every backward that does not read them.
     With ``skip_logits`` such logits are not computed at all: the op returns the loss
     alone and the graph an empty tensor in their place, which the caller replaces by a
-    placeholder of their shape (``Attach.skipped``)."""
+    placeholder of their shape (``Attach.skipped``).
+
+    ``returned_only`` (no budget: nothing to chunk): only the heads whose logits the graph
+    returns beside the loss and which are wider than their input (vocabulary above the
+    hidden size: a language model's head, not a classifier's). What the op saves there is
+    the logits' zero gradient; elsewhere it would only change what the step holds (a ViT's
+    classifier: 0.8 MB more)."""
     runtime("heads")
     fwd_op, _ = _ops()
     done = []
@@ -263,6 +270,11 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
             continue
         returned = _returned_only(gm, linear, others)
         h = linear.args[0]
+        if returned_only and (returned is None
+                              or _example(linear).shape[-1] <= _example(h).shape[-1]):
+            log.debug("memopt heads: %s left as it is: no budget, and no wide logits it "
+                      "returns", loss.name)
+            continue
         weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs["weight"]
         bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
         logits = _example(linear)

@@ -96,8 +96,10 @@ def _step(module, tokens, targets, seed=3):
     {"form": "nll_loss", "returns_logits": True}, {"dropout": 0.2}])
 @pytest.mark.parametrize("budget", [None, 0.7])
 def test_compiled_head_keeps_eager_gradients(kwargs, budget):
-    """Under a budget the head runs in chunks (plan.heads); with none it is left as it
-    is. Loss and every gradient equal eager's, over two steps."""
+    """Under a budget the head runs in chunks (plan.heads); with none it is one chunk that
+    recomputes nothing where the model returns its logits (which then get no zero gradient,
+    memopt.lm_head.attach_logits), and left as it is elsewhere. Loss and every gradient
+    equal eager's, over two steps."""
     torch.manual_seed(0)
     model = TinyLM(V, **{"dropout": 0.0, **kwargs})
     eager = copy.deepcopy(model)
@@ -110,7 +112,10 @@ def test_compiled_head_keeps_eager_gradients(kwargs, budget):
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
     heads = compiled.memopt_plan.heads
-    if budget is None:
+    if budget is None and kwargs.get("returns_logits"):
+        (head,) = heads
+        assert (head.chunks, head.recompute_flops, head.returns_logits) == (1, 0, True), head
+    elif budget is None:
         assert heads == ()
     else:
         (head,) = heads

@@ -57,6 +57,11 @@ BINDING = 0.85
 _NO_BUDGET_PEAK: dict[str, int] = {}
 
 
+#: With no budget the measured peak may exceed eager's by this factor at most: ResNet's
+#: 1.0001x (4,864 bytes, not diagnosed); every other zoo model measures at or below eager
+NO_BUDGET_OVER_EAGER = 1.001
+
+
 def _gradients(case: ZooCase) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in case.model.parameters()]
 
@@ -125,7 +130,7 @@ def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = Fals
         raise mismatch
     groups = find_blocks(case.model) if blocks else []
     if groups:  # each block graph captured once, run by every block of its group
-        runs = plan.runs
+        runs = [plan.graphs[i].graph_index for i in plan.runs]  # a twin: the same graph
         assert max(runs.count(i) for i in set(runs)) == max(len(g) for g in groups), runs
     if kernels == "inductor":  # every graph of the step (distilbert_item has two)
         assert all(g.kernels == "inductor" for g in graphs), [
@@ -137,6 +142,11 @@ def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = Fals
         assert sum(g.recompute_flops for g in graphs) > 0 or any(g.heads for g in graphs), \
             "the budget does not bind"
         assert measured <= budget, (name, measured, budget)
+    if budget is None and kernels == "aten" and not blocks:
+        # memopt with no budget holds no more than eager (issue 28): a language model's
+        # returned logits get no zero gradient (passes.lm_heads); ResNet measures 1.0001x
+        eager = allocated_peak(eager_case.model, eager_case)
+        assert measured <= NO_BUDGET_OVER_EAGER * eager, (name, measured, eager)
     if kernels == "inductor":
         # fusion only removes buffers the plan counts: within the prediction (plus the
         # aten test's 10%), not necessarily near it
@@ -166,7 +176,6 @@ def _compare_gradients(name: str, case: ZooCase, expected: list[torch.Tensor | N
 #: test that trains the same model.
 _SLOW_AT_NO_BUDGET = {
     "convnext": "4 s; tests/test_workspace.py trains it at 60% of eager's peak",
-    "llama": "3 s; tests/test_training_loops.py trains it at 0.85 with eager's gradients",
 }
 #: -m slow at the binding budget, and the default test that covers it: the same model at
 #: a binding budget, or the family's other model here. Each keeps its budget=None case.
