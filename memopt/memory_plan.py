@@ -474,6 +474,31 @@ class StepPlan(BaseModel):
     def breaks(self) -> tuple[GraphBreak, ...]:
         return tuple(g.graph_break for g in self.graphs if g.graph_break is not None)
 
+    # What a MemoryPlan says of one graph, for the whole step, so that code reading a
+    # plan works whether or not dynamo broke the forward (a transformers version's
+    # logging call can add a break on one machine and not another).
+    @property
+    def forward_flops(self) -> int:
+        """One forward's work: each graph's, once per run."""
+        return sum(self.graphs[i].forward_flops for i in self.runs)
+
+    @property
+    def recompute_flops(self) -> int:
+        """The step's recomputed forward work: each graph's, once per run."""
+        return sum(self.graphs[i].recompute_flops for i in self.runs)
+
+    @property
+    def heads(self) -> tuple[HeadRecord, ...]:
+        """Every graph's language-model heads."""
+        return tuple(h for g in self.graphs for h in g.heads)
+
+    @property
+    def kernels(self) -> str:
+        """"inductor" or "aten" where every graph runs those kernels, else "aten and
+        inductor" (each graph's `kernels_note` says why it runs op by op)."""
+        kinds = {g.kernels for g in self.graphs}
+        return kinds.pop() if len(kinds) == 1 else "aten and inductor"
+
     @property
     def peak_graph(self) -> int:
         """Index into `graphs` of the graph whose plan sets the step's peak."""

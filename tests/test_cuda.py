@@ -425,10 +425,21 @@ def test_zoo_transformer_on_cuda_within_a_binding_budget(name: str, kernels: str
     free = memopt.compile(copy.deepcopy(eager.model), kernels=kernels)
     torch.manual_seed(1)
     ZooCase(name, free.original_module, eager.args, eager.kwargs, eager.loss).run_step(free)
-    budget = int(0.85 * free.memopt_plan.predicted_peak_bytes)
+    free_peak = free.memopt_plan.predicted_peak_bytes
+    budget = int(0.85 * free_peak)
     compiled = memopt.compile(case.model, budget=budget, kernels=kernels)
     torch.manual_seed(1)
-    case.run_step(compiled)
+    try:
+        case.run_step(compiled)
+    except memopt.BudgetError as err:
+        # the inductor mode's plan without a budget already recomputes what fused kernels
+        # make free (memopt.planner.fusible), so 85% of it can be below its minimum:
+        # then halfway between the two (the refused step ran nothing: no gradient yet)
+        assert err.minimum_bytes < free_peak, (err.minimum_bytes, free_peak)
+        budget = (err.minimum_bytes + free_peak) // 2
+        compiled = memopt.compile(case.model, budget=budget, kernels=kernels)
+        torch.manual_seed(1)
+        case.run_step(compiled)
     tol = TOL if kernels == "aten" else INDUCTOR_TOL
     # a floor from the largest gradient: an attention key's bias has a gradient that is
     # zero in exact arithmetic, rounding noise of the size of what feeds it (test_zoo.py)
@@ -448,7 +459,8 @@ def test_zoo_transformer_on_cuda_within_a_binding_budget(name: str, kernels: str
             budget_bytes=plan.budget_bytes,
             baseline=plan.baseline_peak_bytes, predicted=plan.predicted_peak_bytes,
             measured=measured, raw_max_memory_allocated=raw,
-            recompute_flops=plan.recompute_flops, forward_flops=plan.forward_flops)
+            recompute_flops=plan.recompute_flops, forward_flops=plan.forward_flops,
+            breaks=[b.where() for b in getattr(plan, "breaks", ())])
     assert plan.recompute_flops > 0 or plan.heads, "the budget does not bind"
     assert measured <= budget, (measured, budget)
     assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * plan.predicted_peak_bytes
@@ -488,6 +500,12 @@ def test_chunked_head_on_cuda(returns_logits: bool) -> None:
         out = compiled(tokens, targets)
         (out[0] if returns_logits else out).backward()
 
+    # The eager model's step above left blocks in the caching allocator's cache, and a
+    # cached block more than 512 bytes (small pool) to 1 MiB (large pool) larger than a
+    # request is handed out whole, its whole size counted as allocated (an H200 measured
+    # 3,700,976 bytes for this 3.36 MB budget that way, 3,361,008 after steps of the
+    # compiled model alone). The plan is for a step of this model: its cache is emptied.
+    torch.cuda.empty_cache()
     measured, _ = _peak_of(loss_only, model, resident)
     assert measured <= err.value.minimum_bytes, (measured, err.value.minimum_bytes)
 

@@ -186,6 +186,9 @@ def test_the_plan_shows_every_graph_and_where_each_break_is() -> None:
     first, second = plan.graphs
     assert second.outside_forward_bytes >= first.held_bytes > 0  # what graph 1 keeps
     assert plan.predicted_peak_bytes == max(g.predicted_peak_bytes for g in plan.graphs)
+    # what a one-graph plan says, for the step: code reading a plan works either way
+    assert plan.forward_flops == first.forward_flops + second.forward_flops > 0
+    assert plan.recompute_flops == 0 and plan.heads == () and plan.kernels == "aten"
     text = plan.summary()
     assert f"{__file__}:{BREAK_LINE}" in text and "graph 2" in text
     assert StepPlan.from_json(plan.to_json()) == plan

@@ -196,20 +196,20 @@ class _Planning:
                 self.joint, self.n, self.step.mutable_inputs)))
         elif self.options.mirror is not None:
             mirror = Mirror(frozenset(self.options.mirror))
-        else:
-            free = self.fusible() if self.options.fusible else Mirror()
+        free = self.fusible() if self.options.mirror is None and self.options.fusible \
+            else Mirror()
+        if self.options.mirror is None:
             mirror = free
             if target is not None and self.simulate(free).peak_bytes > target:
-                mirror, search = self.search(target)
-                mirror = self.with_free(mirror, free)
+                mirror, search = self.search_with(target, free)
         heads = self.found[HEADS]
         if self.options.mirror is None and target is not None and not r.lowest_peak \
                 and self.options.solver != "milp" and heads.choices \
                 and (mirror.names or any(c.config.chunks > 1 for c in heads.choices)):
             with stage("head chunks with the mirror set", self.done):
-                mirror, search = choose_heads_jointly(heads, mirror, search, self.search,
-                                                      self.simulate, target,
-                                                      self.forward_flops())
+                mirror, search = choose_heads_jointly(
+                    heads, mirror, search, lambda t: self.search_with(t, free),
+                    self.simulate, target, self.forward_flops(), free)
         relaxing = [self.found[f] for f in RELAX_ORDER if self.found[f].choices]
         if target is not None and relaxing and self.simulate(mirror).peak_bytes <= target:
             with stage("faster heads and chains within the mirror set", self.done):
@@ -231,6 +231,12 @@ class _Planning:
                     <= self.simulate(Mirror()).peak_bytes:
                 return Mirror(names)
         return Mirror()
+
+    def search_with(self, target: int, free: Mirror) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
+        """The budget search (`search`), its mirror set with the free one added
+        (`with_free`)."""
+        mirror, search = self.search(target)
+        return self.with_free(mirror, free), search
 
     def with_free(self, mirror: Mirror, free: Mirror) -> Mirror:
         """The budget search's `mirror` with the free recomputation added where that
