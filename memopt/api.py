@@ -383,7 +383,10 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             of them and planned under the step's budget with the earlier blocks' saved
             tensors held around the later ones (memopt.blocks); with it the blocks and the
             root may be FSDP2 units (`fully_shard` on each, before memopt.compile:
-            memopt.fsdp_blocks).
+            memopt.fsdp_blocks); `reserved=True` makes the budget bound the bytes CUDA's
+            caching allocator would reserve for the step too (its segments, as
+            memopt.allocator.caching models them: plan.cuda_reserved_bytes()), not
+            only the allocated peak, recomputing more where the segments need it.
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or

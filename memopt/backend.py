@@ -104,7 +104,7 @@ class MemoptBackend:
                  solver: str | None = None, solver_seconds: float = 30.0,
                  drop_outputs: bool = False, workspaces: WorkspaceCache | None = None,
                  kernels: str = "aten", step_in_backward: bool | None = None,
-                 skip_logits: bool = False) -> None:
+                 skip_logits: bool = False, reserved: bool = False) -> None:
         self.budget: Budget | None = parse_budget(budget)
         #: what runs the planned graphs (memopt.kernels)
         self.kernels = Kernels.parse(kernels)
@@ -114,7 +114,8 @@ class MemoptBackend:
                              'kernels="aten"')
         for name, flag in (("loops", loops), ("existing_grads", existing_grads),
                            ("inplace", inplace), ("progress", progress),
-                           ("drop_outputs", drop_outputs), ("skip_logits", skip_logits)):
+                           ("drop_outputs", drop_outputs), ("skip_logits", skip_logits),
+                           ("reserved", reserved)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loops = loops
@@ -145,7 +146,7 @@ class MemoptBackend:
                                progress=progress, solver=solver,
                                solver_seconds=float(solver_seconds),
                                drop_outputs=drop_outputs,
-                               fusible=self.kernels is Kernels.INDUCTOR)
+                               fusible=self.kernels is Kernels.INDUCTOR, reserved=reserved)
         self.plan_only = plan_only
         #: the optimizer's state and step bytes the budget counts (memopt.optimizer; set by
         #: memopt.compile / memopt.plan from `optimizer=`), None: not counted

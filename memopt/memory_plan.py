@@ -370,6 +370,9 @@ class MemoryPlan(BaseModel):
     #: what runs the planned graphs (memopt.kernels): "aten" or "inductor", and why a
     #: graph asked for inductor runs aten
     kernels: str = "aten"
+    #: `reserved=True` under a budget: the plan fits the budget in the bytes CUDA's caching
+    #: allocator would reserve for the step (`cuda_reserved_bytes`), not only allocated
+    reserved_bounded: bool = False
     kernels_note: str = ""
     #: kernels="inductor": how many bytes inductor's schedule of the graphs holds above
     #: the plan's own buffers (memopt.kernels.schedule_excess; 0: none)

@@ -44,9 +44,10 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
         f"  in-place rewrites {len(plan.inplace)}, sharing groups {len(plan.sharing)}, "
         f"saved tensors {len(plan.saved)} ({b(plan.saved_bytes)})",
     ]
-    if plan.device.startswith("cuda"):  # what a GPU runs out of: MemoryPlan.cuda_reserved_bytes
+    if plan.device.startswith("cuda") or plan.reserved_bounded:  # what a GPU runs out of
+        counts = "reserved bytes too" if plan.reserved_bounded else "allocated bytes"
         lines.insert(2, f"  reserved (model) {b(plan.cuda_reserved_bytes()):>12}   (CUDA's caching "
-                        f"allocator for this step; the budget counts allocated bytes)")
+                        f"allocator for this step; the budget counts {counts})")
     if plan.kernels != "aten" or plan.kernels_note:
         inductor = " (TorchInductor generates them; memopt.kernels)" \
             if plan.kernels == "inductor" else ""

@@ -5,6 +5,7 @@ here; the -m cuda test (tests/test_cuda_step.py) checks the model against the GP
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import memopt
@@ -63,3 +64,41 @@ def test_a_plans_reserved_bytes_are_its_peak_and_the_segments_around_it() -> Non
     reserved = plan.cuda_reserved_bytes()
     assert plan.predicted_peak_bytes < reserved < plan.predicted_peak_bytes + 8 * 20 * MiB
     assert "reserved (model)" not in plan.summary()  # a CPU plan: no caching allocator
+
+
+def _gelu_mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Six Linear 512 + GELU layers at batch 2048: 4 MiB activations, each a 20 MiB
+    segment's tenant in the model, so reserved runs well above allocated."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(512, 1)), torch.randn(2048, 512)
+
+
+def test_reserved_true_fits_the_budget_in_modelled_reserved_bytes() -> None:
+    """`reserved=True` (memopt.planner.plan, Step 6b): at a budget the plain plan meets in
+    allocated bytes but not in reserved ones, the plan fits both, recomputing more; it
+    says so in summary(); the smallest budget it refuses with is one it then accepts."""
+    model, x = _gelu_mlp()
+    free = memopt.plan(model, x)
+    budget = int(0.9 * free.predicted_peak_bytes)
+    plain = memopt.plan(model, x, budget=budget)
+    fits = plain.budget_bytes - plain.headroom_bytes
+    assert plain.predicted_peak_bytes <= fits < plain.cuda_reserved_bytes()
+    bounded = memopt.plan(model, x, budget=budget, reserved=True)
+    assert bounded.reserved_bounded and not plain.reserved_bounded
+    assert bounded.cuda_reserved_bytes() <= fits
+    assert bounded.recompute_flops > plain.recompute_flops
+    # the aim is bisected back towards the budget: the bounded plan keeps more than the
+    # plain plan at a budget of its modelled reserved bytes would
+    assert bounded.predicted_peak_bytes > 0.75 * plain.predicted_peak_bytes
+    assert "the budget counts reserved bytes too" in bounded.summary()
+    with pytest.raises(memopt.BudgetError, match="reserved=True") as err:
+        memopt.plan(model, x, budget=int(0.7 * free.predicted_peak_bytes), reserved=True)
+    smallest = memopt.plan(model, x, budget=err.value.minimum_bytes, reserved=True)
+    assert smallest.cuda_reserved_bytes() <= smallest.budget_bytes - smallest.headroom_bytes
+
+
+def test_reserved_must_be_a_bool() -> None:
+    model, x = _gelu_mlp()
+    with pytest.raises(ValueError, match="reserved must be True or False"):
+        memopt.plan(model, x, budget=0.9, reserved="yes")

@@ -131,6 +131,7 @@ def assemble(final: Built, request: PlanRequest, decisions: Decisions, device: s
                                    {"fw": request.joint, "bw": request.joint}, gran),
         grads_added_in_place=sum(1 for n in final.bw.graph.nodes if accumulates_into(n)),
         steps_in_backward=sum(1 for n in final.bw.graph.nodes if steps_in_backward(n)),
+        reserved_bounded=request.options.reserved and decisions.fits is not None,
     )
 
 

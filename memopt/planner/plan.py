@@ -19,6 +19,7 @@ import time
 from torch import fx
 from tqdm.auto import tqdm
 
+from memopt.allocator.caching import reserved_for
 from memopt.passes._torch_compat import dce_impure_random
 from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
@@ -42,6 +43,8 @@ log = logging.getLogger("memopt")
 
 #: Seconds a plan runs before its progress bar shows.
 PROGRESS_DELAY = 2.0
+#: How many times Step 6b (`reserved=True`) aims lower before it gives up.
+RESERVED_TRIES = 8
 
 #: memopt's op families, in the order they are found in the joint graph.
 CHAINS, HEADS, REVERSIBLE = ChainFamily(), HeadFamily(), ReversibleFamily()
@@ -70,6 +73,8 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
         recomputation fits, else Chen's search (planner.chen), run again for each of a
         head's chunk sizes (planner.joint_heads); then each family takes the fastest
         configuration that still fits with that mirror set.
+    Step 6b (`reserved=True`): while the bytes CUDA's caching allocator would reserve for
+        the step exceed the budget, Steps 5 and 6 again aiming lower by the excess.
     Step 7: the exact build of the choice and its plan (planner.assemble), with the
         timelines of live bytes by kind of the step and of the baseline.
     """
@@ -80,6 +85,8 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
     run.resolve_budget()                            # Step 4
     run.choose_families()                           # Step 5
     mirror, search = run.mirror_set()               # Step 6
+    if request.options.reserved and run.fits is not None:
+        mirror, search = run.fit_reserved(mirror, search)  # Step 6b
     expected = run.simulate(mirror).peak_bytes
     if request.must_fit and run.fits is not None and expected > run.fits:
         run.bar.close()  # below reach: no graphs to build (the simulated peak is the build's)
@@ -221,6 +228,53 @@ class _Planning:
                     relax(found, peak, target)
         return mirror, search
 
+    # Step 6b
+    def fit_reserved(self, mirror: Mirror, search: tuple[SearchCandidate, ...]
+                     ) -> tuple[Mirror, tuple[SearchCandidate, ...]]:
+        """The plan whose modelled reserved bytes fit (memopt.allocator.caching, replayed
+        on the simulated storages). A budget counts allocated bytes; a GPU runs out of
+        the caching allocator's segments, 0.95-1.36x the budget on an H200. Reserved bytes
+        move in whole segments (2 or 20 MiB), so the search's aim is found by trial:
+        lowered by the excess until a plan fits, then bisected back up towards the
+        budget (the least recomputation that fits), RESERVED_TRIES searches in all. A
+        BudgetError, in reserved bytes, where no lower aim lowers them enough."""
+        def reserved(m: Mirror) -> int:
+            return reserved_for(self.simulate(m).intervals)
+
+        with stage("reserved bytes", self.done):
+            high, low, best = self.target, None, reserved(mirror)  # high: an aim that misses
+            if best <= self.fits:
+                return mirror, search
+            aim = high - max(best - self.fits, self.gran)
+            for _ in range(RESERVED_TRIES):
+                if aim <= 0:
+                    break
+                self.target = aim
+                self.choose_families()
+                mirror, search = self.mirror_set()
+                if self.simulate(mirror).peak_bytes > aim and low is None:
+                    break  # below reach: a lower aim finds no lower peak
+                got = reserved(mirror)
+                best = min(best, got)
+                if got <= self.fits:
+                    low = aim
+                else:
+                    high = aim
+                if low is None:
+                    aim = high - max(got - self.fits, self.gran)
+                elif high - low <= max(self.gran, self.fits // 100):
+                    break
+                else:
+                    aim = (low + high) // 2
+            if low is not None:
+                if self.target != low:  # the last try missed: the plan found at `low`
+                    self.target = low
+                    self.choose_families()
+                    mirror, search = self.mirror_set()
+                return mirror, search
+        self.bar.close()
+        raise self.budget_error(best, reserved=True)
+
     def fusible(self) -> Mirror:
         """Under inductor: the pointwise values its fused kernels recompute for free
         (planner.fusible), where the simulated peak is no higher than without them."""
@@ -273,9 +327,12 @@ class _Planning:
                    if n.op == "call_function") + sum(
             f.forward_flops() for f in self.found.values())
 
-    def budget_error(self, peak: int) -> BudgetError:
+    def budget_error(self, peak: int, reserved: bool = False) -> BudgetError:
         r = self.request
         words = [r.label] if r.label else []
+        if reserved:
+            words.append("counting the bytes CUDA's caching allocator would reserve: "
+                         "reserved=True")
         if r.grads is not None and r.grads.step_bytes is not None:
             words.append("the optimizer stepped inside the backward")
         elif r.grads is not None:

@@ -108,6 +108,10 @@ class Options:
     #: True (kernels="inductor"): with no budget, recompute the pointwise values fused
     #: kernels make free (memopt.planner.fusible) where the peak does not rise.
     fusible: bool = False
+    #: True: the budget bounds the bytes CUDA's caching allocator would reserve for the
+    #: step (memopt.allocator.caching's model of its segments), not only the allocated
+    #: peak (memopt.planner.plan, Step 6b).
+    reserved: bool = False
 
 
 @dataclass(frozen=True)
