@@ -38,6 +38,7 @@ import logging
 import math
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -422,7 +423,28 @@ def head_costs(joint: fx.GraphModule, site: HeadSite) -> HeadCosts:
     device = h.device
     if not can_track(device):
         return _estimated_costs(site, h.element_size(), bool(a[_UPCAST]))
-    tracked = True
+    # once per process for a head of these shapes and options: a compilation plans its
+    # graphs several times (the first forward's re-plans, a repeated block's second plan),
+    # and measuring took ~1 s each time for the zoo Llama's 512 x 8000 head
+    try:
+        key = (site.rows, tuple(a[_WANT_LOGITS:_FWD_H]), str(device), torch.get_num_threads(),
+               *((tuple(map(int, t.shape)), tuple(map(int, t.stride())), t.dtype)
+                 if t is not None else None for t in (h, w, b)))
+    except TypeError:  # a symbolic size: measured every time
+        return _measured_costs(site, a, h, w, b, fwd_op, bwd_op)
+    if key not in _COSTS:
+        _COSTS[key] = _measured_costs(site, a, h, w, b, fwd_op, bwd_op)
+    return _COSTS[key]
+
+
+#: head_costs' measurements, by what they depend on
+_COSTS: dict[tuple, HeadCosts] = {}
+
+
+def _measured_costs(site: HeadSite, a: tuple, h: torch.Tensor, w: torch.Tensor,
+                    b: torch.Tensor | None, fwd_op: Any, bwd_op: Any) -> HeadCosts:
+    """head_costs' measurement, on zeros of `h`, `w` and `b`'s shapes."""
+    device, tracked = h.device, True
 
     def measure(chunk: int) -> tuple[int, int]:
         def zeros(t):

@@ -254,3 +254,30 @@ def test_head_chunked_under_bf16_autocast(form, returns_logits):
     for (name, p), q in zip(eager.named_parameters(), compiled.original_module.parameters()):
         scale = p.grad.abs().max()
         assert (q.grad - p.grad).abs().max() <= 2e-2 * scale, name
+
+
+def test_a_heads_costs_are_measured_once_per_shape(monkeypatch):
+    """passes.lm_heads.head_costs measures a head's transients once per process for its
+    shapes and options: planning a model again (a re-plan, a repeated block's second
+    plan, a second compilation) reads them back, and the plan is the same."""
+    from memopt.passes import lm_heads
+
+    calls = []
+    measured = lm_heads._measured_costs
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].rows)
+        return measured(*args, **kwargs)
+
+    monkeypatch.setattr(lm_heads, "_measured_costs", counting)
+    monkeypatch.setattr(lm_heads, "_COSTS", {})
+    torch.manual_seed(0)
+    model = TinyLM(V, dropout=0.0)
+    tokens = torch.randint(0, V, (8, 96))
+    targets = torch.randint(0, V, (8, 96))
+    first = memopt.plan(model, tokens, targets, budget=0.6)
+    assert len(calls) == 1
+    again = memopt.plan(model, tokens, targets, budget=0.6)
+    assert len(calls) == 1 and again.heads == first.heads
+    memopt.plan(model, tokens[:4], targets[:4], budget=0.6)  # other shapes: measured
+    assert len(calls) == 2
