@@ -260,13 +260,7 @@ def test_reserved_memory_within_the_budget_and_a_stated_slack(name: str, budget:
     """The caching allocator's reserved peak of a steady step (two warm-up steps, the
     cache emptied before the model was built) less what the process holds outside the
     step, against the budget or the budget=None prediction."""
-    gc.collect()
-    if ON_CUDA:
-        torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    model, inputs = PEAK_MODELS[name]()
-    model = model.to(DEVICE)
-    inputs = tuple(x.to(DEVICE) for x in inputs)
+    model, inputs = _fresh(name)
     compiled = memopt.compile(model, budget=budget)
     try:
         _plain_step(compiled, model, inputs)
@@ -293,13 +287,7 @@ def test_reserved_true_holds_reserved_memory_within_the_budget(name: str) -> Non
     modelled reserved bytes, or the smallest budget it accepts: the steady step's
     measured reserved peak within the budget, up to the model's error (RESERVED_MODEL).
     Not yet run on a GPU."""
-    gc.collect()
-    if ON_CUDA:
-        torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    model, inputs = PEAK_MODELS[name]()
-    model = model.to(DEVICE)
-    inputs = tuple(x.to(DEVICE) for x in inputs)
+    model, inputs = _fresh(name)
     budget = int(0.85 * memopt.plan(model, *inputs).cuda_reserved_bytes())
     try:
         memopt.plan(model, *inputs, budget=budget, reserved=True)
@@ -315,6 +303,16 @@ def test_reserved_true_holds_reserved_memory_within_the_budget(name: str) -> Non
     assert plan.reserved_bounded and allocated <= plan.budget_bytes, (allocated, plan)
     if reserved is not None:
         assert reserved <= (1 + RESERVED_MODEL) * plan.budget_bytes, (reserved, plan)
+
+
+def _fresh(name: str) -> tuple[torch.nn.Module, tuple]:
+    """PEAK_MODELS[name] on DEVICE, built after the allocator's cache was emptied."""
+    gc.collect()
+    if ON_CUDA:
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model, inputs = PEAK_MODELS[name]()
+    return model.to(DEVICE), tuple(x.to(DEVICE) for x in inputs)
 
 
 def _steady_step(compiled: Callable, model: torch.nn.Module, inputs: tuple
