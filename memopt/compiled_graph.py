@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified, pytree,
                                          loss_decompositions, make_boxed, storage_key)
 from memopt.passes.lm_heads import Attach
+from memopt.passes.runtime_views import views_as_reshapes
 from memopt.passes.scans import scan_saved_bytes
 
 from .budget import Budget, format_bytes
@@ -195,9 +196,11 @@ class CompiledGraph:
             return fw, bw
 
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
+            views_as_reshapes(graph)
             return make_boxed(graph)
 
         def compile_backward(graph: fx.GraphModule, _inputs: Any) -> Callable:
+            views_as_reshapes(graph)
             run = make_boxed(graph)
             if self.dropped is None:
                 return run

@@ -6,6 +6,8 @@ results and the generated code against facts computed here, independently.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -262,3 +264,43 @@ def test_an_output_that_backward_also_reads_lives_to_the_end():
     last = plan.num_forward_steps + plan.num_backward_steps - 1
     output = [s for s in plan.storages if s.kind == "output" and s.nbytes == 16 * 64 * 4]
     assert output and all(s.end == last for s in output), plan.storages
+
+
+class _SelectiveScan(nn.Module):
+    """A Mamba-like selective scan: gates from softplus and exp of broadcast products,
+    sliced per step along dim 2, a matmul per step. CPU's softplus_backward returns other
+    strides than its FakeTensor's here, and the view AOTAutograd recorded after it failed
+    (as under torch.compile(backend="aot_eager")): passes.runtime_views."""
+
+    def __init__(self, d: int = 32, n: int = 8) -> None:
+        super().__init__()
+        self.in_proj, self.dt_proj = nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.a_log = nn.Parameter(torch.log(torch.arange(1, n + 1).float()).repeat(d, 1))
+        self.b_proj, self.c_proj, self.out_proj = nn.Linear(d, n), nn.Linear(d, n), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, z = self.in_proj(x).chunk(2, -1)
+        dt = torch.nn.functional.softplus(self.dt_proj(u)).transpose(1, 2)  # (B, d, L)
+        a = -torch.exp(self.a_log)
+        b, c = self.b_proj(u), self.c_proj(u)
+        da = torch.exp(a[None, :, None, :] * dt[..., None])                 # (B, d, L, n)
+        dbu = dt[..., None] * b[:, None, :, :] * u.transpose(1, 2)[..., None]
+        h = x.new_zeros(x.shape[0], x.shape[2], a.shape[1])
+        ys = []
+        for i in range(x.shape[1]):
+            h = da[:, :, i, :] * h + dbu[:, :, i, :]
+            ys.append(torch.matmul(h, c[:, i, :].unsqueeze(-1))[:, :, 0])
+        y = (torch.stack(ys, dim=-1) * torch.nn.functional.silu(z.transpose(1, 2)))
+        return self.out_proj(y.transpose(1, 2)).square().mean()
+
+
+@pytest.mark.parametrize("budget", [None, 0.85])
+def test_a_view_the_fake_strides_allowed_runs_where_the_real_ones_do_not(budget):
+    torch.manual_seed(0)
+    model = _SelectiveScan()
+    x = torch.randn(4, 16, 32)
+    eager = copy.deepcopy(model)
+    eager(x).backward()
+    memopt.compile(model, budget=budget)(x).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
