@@ -132,6 +132,23 @@ def gpt2(device: str = "cpu", seed: int = 0) -> ZooCase:
                    loss=_own_loss)
 
 
+def mamba(device: str = "cpu", seed: int = 0) -> ZooCase:
+    """MambaForCausalLM: 2 layers, hidden 128, state 16, expand 2, vocabulary 8000, batch
+    4 x 64, causal-LM labels; its sequential scan (`use_associative_scan = False`: a Python
+    loop over the tokens, as eager runs it; the parallel scan keeps every level of its
+    tree, docs/limits.md)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    config = MambaConfig(vocab_size=8000, hidden_size=128, state_size=16, num_hidden_layers=2,
+                         expand=2, conv_kernel=4, use_cache=False)
+    config.use_associative_scan = False  # transformers 5; 4.x has only the loop on CPU
+    model = _train(MambaForCausalLM(config), device, "ForCausalLM")
+    ids = torch.randint(0, config.vocab_size, (4, 64), device=device)
+    return ZooCase("mamba", model, kwargs={"input_ids": ids, "labels": ids.clone()},
+                   loss=_own_loss)
+
+
 class LoggedClassifier(nn.Module):
     """A DistilBERT encoder and a linear head on the first token, which logs the mean
     norm of the hidden states with ``.item()`` between the two (a graph break) and
@@ -250,6 +267,7 @@ ZOO: dict[str, Callable[..., ZooCase]] = {
     "bert": bert,
     "gpt2": gpt2,
     "llama": llama,
+    "mamba": mamba,
     "t5": t5,
     "distilbert_item": distilbert_item,
     "vit": vit,
