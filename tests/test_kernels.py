@@ -177,6 +177,9 @@ def test_a_budget_above_the_peak_keeps_no_more_with_a_language_model_head() -> N
     count for nothing: counted, a budget 1.3x the no-budget peak chose a plan that kept
     them (the zoo GPT-2: 120.8 MB planned against 95.7 MB with no budget)."""
     transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x's GPT-2 shifts its logits by a sliced copy before the "
+                    "loss, a head memopt's pattern does not take: no head to choose")
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=2000,
                                      n_positions=128, use_cache=False)
     torch.manual_seed(0)
