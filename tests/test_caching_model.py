@@ -5,6 +5,8 @@ here; the -m cuda test (tests/test_cuda_step.py) checks the model against the GP
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -102,3 +104,34 @@ def test_reserved_must_be_a_bool() -> None:
     model, x = _gelu_mlp()
     with pytest.raises(ValueError, match="reserved must be True or False"):
         memopt.plan(model, x, budget=0.9, reserved="yes")
+
+
+def test_reserved_true_trains_a_transformers_model_with_gradients_kept() -> None:
+    """`reserved=True` on the zoo's Llama at 1.05x its no-budget plan's peak, which that
+    plan's modelled segments exceed: both kinds of step
+    (the first, and the next finding .grad kept, as gradient accumulation does) fit the
+    budget in modelled reserved bytes, measure within it in allocated ones, and give
+    eager's accumulated gradients."""
+    pytest.importorskip("transformers")
+    from benchmarks.zoo import build, resident_bytes
+    from memopt.measure import allocation_peak
+
+    eager = build("llama")
+    case = copy.deepcopy(eager)
+    free = memopt.plan(copy.deepcopy(case.model), example_kwargs=case.kwargs)
+    for _ in range(2):  # two micro-batches, gradients accumulated in .grad
+        eager.run_step()
+    budget = int(1.05 * free.predicted_peak_bytes)
+    assert free.cuda_reserved_bytes() > budget  # the segments bind, not the allocated peak
+    compiled = memopt.compile(case.model, budget=budget, reserved=True)
+    measured = []
+    for _ in range(2):
+        with allocation_peak("cpu") as seen:
+            case.run_step(compiled)
+        measured.append(seen.peak + resident_bytes(case))
+    plan = compiled.memopt_plan  # the step that found .grad kept
+    assert plan.reserved_bounded and plan.existing_grad_bytes > 0, plan
+    assert plan.cuda_reserved_bytes() <= budget - plan.headroom_bytes
+    assert max(measured) <= budget, (measured, budget)
+    for p, q in zip(case.model.parameters(), eager.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
