@@ -196,12 +196,11 @@ class CompiledGraph:
             return fw, bw
 
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
-            views_as_reshapes(graph)
+            views_as_reshapes(graph)  # op by op: views that hold at runtime
             return make_boxed(graph)
 
-        def compile_backward(graph: fx.GraphModule, _inputs: Any) -> Callable:
-            views_as_reshapes(graph)
-            run = make_boxed(graph)
+        def compile_backward(graph: fx.GraphModule, inputs: Any) -> Callable:
+            run = compile_graph(graph, inputs)
             if self.dropped is None:
                 return run
 

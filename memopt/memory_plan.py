@@ -497,8 +497,9 @@ class StepPlan(BaseModel):
 
     @property
     def kernels(self) -> str:
-        """"inductor" or "aten" where every graph runs those kernels, else "aten and
-        inductor" (each graph's `kernels_note` says why it runs op by op)."""
+        """What runs the step's graphs: "inductor" or "aten" where every graph runs
+        those kernels, else "aten and inductor" (each graph's `kernels_note` says why it
+        runs op by op)."""
         kinds = {g.kernels for g in self.graphs}
         return kinds.pop() if len(kinds) == 1 else "aten and inductor"
 
