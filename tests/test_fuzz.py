@@ -46,6 +46,10 @@ model.
 
     python -m pytest -q tests/test_fuzz.py               # the small slice (10 models)
     python -m pytest -q -m slow tests/test_fuzz.py -s    # 200 models x 5 budgets
+
+`MEMOPT_TEST_DEVICE=cuda` runs the same checks on a GPU (models, inputs and the float64
+reference there; the peak read from `max_memory_allocated`; cuDNN's TF32 off):
+`MEMOPT_TEST_DEVICE=cuda python -m pytest -q -m slow tests/test_fuzz.py -k inductor`.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import copy
 import itertools
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -64,7 +69,9 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import memopt
-from fuzz_models import ModelSpec, build_model, make_inputs, model_specs, output_shapes
+from fuzz_models import ModelSpec, model_specs, output_shapes
+from fuzz_models import build_model as build_on_cpu
+from fuzz_models import make_inputs as inputs_on_cpu
 from memopt.measure import allocation_peak
 from support import (
     FP32,
@@ -77,6 +84,31 @@ from support import (
     leaves,
     step,
 )
+
+#: Where the models train: the CPU, or a GPU given by MEMOPT_TEST_DEVICE
+DEVICE = os.environ.get("MEMOPT_TEST_DEVICE", "cpu")
+if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+    pytest.skip("MEMOPT_TEST_DEVICE names CUDA, which is not available",
+                allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _fp32_convolutions():
+    """cuDNN's convolutions in fp32 on a GPU (matmuls already are), scoped to each test."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        yield
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """fuzz_models.build_model on DEVICE (weights drawn on the CPU: the same on every device)."""
+    return build_on_cpu(spec).to(DEVICE)
+
+
+def make_inputs(spec: ModelSpec) -> tuple[torch.Tensor, ...]:
+    """fuzz_models.make_inputs on DEVICE, leaves as there."""
+    return tuple(x.detach().to(DEVICE).requires_grad_(x.requires_grad)
+                 for x in inputs_on_cpu(spec))
+
 
 #: The budgets every model is compiled at; MINIMUM stands for the minimum memopt names
 #: for that model, MIDPOINT for the byte budget halfway between it and the baseline (the
@@ -213,11 +245,11 @@ def measured_step(models: Models, inputs: tuple[torch.Tensor, ...], seed: int) -
     counts")."""
     resident = _storage_bytes([*models.model.parameters(), *models.model.buffers(), *inputs])
     torch.manual_seed(seed)
-    with allocation_peak("cpu") as forward:
+    with allocation_peak(DEVICE) as forward:
         out = models.compiled(*inputs)
-    with allocation_peak("cpu") as loss_window:
+    with allocation_peak(DEVICE) as loss_window:
         loss = default_loss(out)
-    with allocation_peak("cpu") as backward:
+    with allocation_peak(DEVICE) as backward:
         loss.backward()
     peak = max(forward.peak, forward.end + loss_window.end + backward.peak)
     return resident + peak, out
