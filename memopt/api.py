@@ -63,13 +63,15 @@ _DYNAMO_DDP = {"optimize_ddp": False}
 
 
 def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
-                  model: nn.Module) -> Any:
+                  model: nn.Module, blocks: bool = False) -> Any:
     """Call a torch.compile'd function; surface memopt's own errors and name capture failures
-    (inputs that do not match `model`'s device or dtype as InputError)."""
+    (inputs that do not match `model`'s device or dtype as InputError). `blocks`: the
+    repeated blocks' boundaries end graphs (memopt.blocks); otherwise they do nothing, as
+    for a model compiled with blocks=True elsewhere and planned or compiled whole here."""
     backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
     backend.plan_log.start_clock()  # a plan's capture time counts from here
     try:
-        with _dynamo_patch(), capturing():
+        with _dynamo_patch(), capturing(blocks):
             return fn(*args, **kwargs)
     except (MemoptError, PlanOnly):
         raise
@@ -215,7 +217,8 @@ class CompiledModule(nn.Module):
                                after_backward=unit.after_backward if unit else 0,
                                shards=block_shards(model, self._memopt_blocks))
         try:
-            out = _run_captured(compiled, args, kwargs, backend, model)
+            out = _run_captured(compiled, args, kwargs, backend, model,
+                                bool(self._memopt_blocks))
         except BaseException:
             backend.forward_aborted()
             raise

@@ -61,18 +61,23 @@ def find_blocks(model: nn.Module) -> list[list[nn.Module]]:
     return groups
 
 
-#: True while memopt's compiled step runs: the boundaries break only memopt's capture,
-#: not a torch.compile of the same model elsewhere (dynamo guards on this value)
+#: True while a blocks=True step of memopt runs: the boundaries break only its capture,
+#: not a torch.compile of the same model elsewhere, nor memopt.plan or a memopt.compile
+#: without blocks of a model whose blocks another memopt.compile marked (dynamo guards on
+#: this value)
 _capturing = False
 
 
 class capturing:
-    """`with capturing():` around memopt's compiled step: the blocks' boundaries break
-    its graphs."""
+    """`with capturing(blocks):` around memopt's compiled step: with `blocks` the blocks'
+    boundaries break its graphs; without, they do nothing there."""
+
+    def __init__(self, blocks: bool) -> None:
+        self.blocks = blocks
 
     def __enter__(self) -> None:
         global _capturing
-        self.before, _capturing = _capturing, True
+        self.before, _capturing = _capturing, self.blocks
 
     def __exit__(self, *exc: object) -> None:
         global _capturing

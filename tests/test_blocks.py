@@ -240,6 +240,22 @@ def test_the_boundaries_do_nothing_outside_memopt() -> None:
     torch.testing.assert_close(whole(x), model(x))
 
 
+def test_a_model_compiled_with_blocks_still_plans_whole() -> None:
+    """The boundaries break only a blocks=True step's capture: memopt.plan of the same
+    model captures it as one graph, the plan of a model never compiled (it raised
+    CaptureError at the first boundary before). (A memopt.compile without blocks of it
+    then plans the block graphs apart: dynamo skipped the loop's frame for good, as it
+    does for any frame with a graph break inside a loop.)"""
+    model = Stack(depth=3)
+    fresh = copy.deepcopy(model)
+    memopt.compile(model, blocks=True)(_batch(0)).backward()
+    for p in model.parameters():
+        p.grad = None
+    whole = memopt.plan(model, _batch(1))
+    assert not isinstance(whole, StepPlan)
+    assert whole.predicted_peak_bytes == memopt.plan(fresh, _batch(1)).predicted_peak_bytes
+
+
 def test_deeper_stacks_capture_the_same_graphs() -> None:
     """Depth adds runs, not graphs: one capture of the block for every layer."""
     counts = []
