@@ -56,16 +56,16 @@ def leaves(out: Any) -> list[torch.Tensor]:
     return []
 
 
-_LOSS_WEIGHTS: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+_LOSS_WEIGHTS: dict[tuple[tuple[int, ...], int, str], torch.Tensor] = {}
 
 
-def _weights(shape: tuple[int, ...], index: int) -> torch.Tensor:
-    """A fixed random tensor per output position, drawn from its own generator
-    (the global RNG, which dropout reads, is not touched)."""
-    key = (shape, index)
+def _weights(shape: tuple[int, ...], index: int, device: torch.device) -> torch.Tensor:
+    """A fixed random tensor per output position, drawn on the CPU from its own generator
+    (the global RNG, which dropout reads, is not touched), on `device`."""
+    key = (shape, index, str(device))
     if key not in _LOSS_WEIGHTS:
         gen = torch.Generator().manual_seed(1234 + index)
-        _LOSS_WEIGHTS[key] = torch.randn(shape, generator=gen)
+        _LOSS_WEIGHTS[key] = torch.randn(shape, generator=gen).to(device)
     return _LOSS_WEIGHTS[key]
 
 
@@ -75,7 +75,7 @@ def default_loss(out: Any) -> torch.Tensor:
     total = None
     for i, t in enumerate(leaves(out)):
         if t.is_floating_point():
-            term = (t.float() * _weights(tuple(t.shape), i)).sum()
+            term = (t.float() * _weights(tuple(t.shape), i, t.device)).sum()
             total = term if total is None else total + term
     assert total is not None, "model has no floating-point output"
     return total

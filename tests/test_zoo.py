@@ -83,6 +83,19 @@ def _step(case: ZooCase, module: object, seed: int) -> None:
     case.run_step(module)
 
 
+#: On CUDA, PyTorch's own traced graph (torch.compile's, memopt's alike) draws BERT's
+#: dropout numbers otherwise than eager does (SDPA with an attention mask; 13% of the
+#: largest gradient, tests/test_cuda.py REFERENCE): there the reference is aot_eager's step
+_TRACED_REFERENCE_ON_CUDA = frozenset({"bert", "distilbert_item"})
+
+
+def _reference(name: str, eager_case: ZooCase) -> object:
+    """What the compiled step's gradients are compared with: eager's, or aot_eager's."""
+    if DEVICE.startswith("cuda") and name in _TRACED_REFERENCE_ON_CUDA:
+        return torch.compile(eager_case.model, backend="aot_eager")
+    return None
+
+
 def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = False) -> None:
     """`name` trained through memopt.compile (`kernels`, `blocks`) at no budget or a
     binding one (below the flat no-budget plan's peak): eager's gradients, the measured
@@ -91,7 +104,7 @@ def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = Fals
     eager_case = build(name, device=DEVICE)
     case = ZooCase(name, copy.deepcopy(eager_case.model), eager_case.args,
                    eager_case.kwargs, eager_case.loss)
-    _step(eager_case, None, seed=1)
+    _step(eager_case, _reference(name, eager_case), seed=1)
     expected = _gradients(eager_case)
 
     budget = None
@@ -118,12 +131,17 @@ def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = Fals
             _step(case, compiled, seed=1)
     first_step_s = time.perf_counter() - start  # plans and, under inductor, compiles
     try:
-        _compare_gradients(name, case, expected)
+        _compare_gradients(name, case, expected, kernels)
     except AssertionError as err:
         mismatch: AssertionError | None = err
     else:
         mismatch = None
 
+    if DEVICE.startswith("cuda") and kernels == "inductor":
+        # the second step runs the kernels of graphs re-planned at the first step's end
+        # (graph breaks), whose Triton autotuning holds a buffer of the L2 cache's size
+        # once (docs/kernels.md, "The budget under inductor"): measure the step after it
+        _step(case, compiled, seed=2)
     plan = compiled.memopt_plan  # the plan the next step runs (a forward's end may re-plan)
     predicted = plan.predicted_peak_bytes
     if budget is None and kernels == "aten" and not blocks:
@@ -165,21 +183,25 @@ def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = Fals
         assert abs(measured - predicted) <= 0.10 * predicted, (name, measured, predicted)
 
 
-def _compare_gradients(name: str, case: ZooCase, expected: list[torch.Tensor | None]) -> None:
+def _compare_gradients(name: str, case: ZooCase, expected: list[torch.Tensor | None],
+                       kernels: str = "aten") -> None:
     # A gradient that is zero in exact arithmetic is float32 rounding noise of the size of
     # what feeds it: an attention key's bias (softmax is invariant to it), or a BatchNorm's
     # bias whose output reaches another BatchNorm through a 1x1 convolution (EfficientNet
     # under transformers 4.46: noise up to 7e-8 of the largest gradient, in eager's run
     # and memopt's alike). So the absolute tolerance has a floor of 1e-6 of the model's
-    # largest gradient; every gradient above that is held to 1e-4 of its own size.
+    # largest gradient; every gradient above that is held to 1e-4 of its own size (1e-3
+    # under inductor on CUDA, as tests/test_cuda.py's INDUCTOR_TOL: its fused reductions
+    # and convolution layouts sum in another order there).
+    rtol = 1e-3 if kernels == "inductor" and DEVICE.startswith("cuda") else 1e-4
     floor = 1e-1 * max(w.abs().max().item() for w in expected if w is not None)
     for (pname, p), want in zip(case.model.named_parameters(), expected, strict=True):
         if want is None:
             assert p.grad is None, pname
             continue
         scale = max(want.abs().max().item(), floor) or 1.0
-        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5 * scale,
-                                   msg=f"{name}: gradient of {pname}")
+        torch.testing.assert_close(p.grad, want, rtol=rtol, atol=rtol / 10 * scale,
+                                   msg=lambda m, n=pname: f"{name}: gradient of {n}: {m}")
 
 
 #: -m slow at budget=None (seconds on one core of the 2-core machine), and the default
