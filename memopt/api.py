@@ -39,6 +39,7 @@ from .fsdp_blocks import block_shards, check_sharded_blocks, fsdp_units
 from .input_checks import check_options, input_mismatch, refuse_meta, refuse_wrappers
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
+from .plan_blocks import check_meta, plan_blocks
 from .recurrent.modules import substitute_rnns
 from .settled import ModelTensors
 
@@ -435,7 +436,8 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
 
 
 def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
-         example_kwargs: dict[str, Any] | None = None, **options: Any) -> MemoryPlan:
+         example_kwargs: dict[str, Any] | None = None, **options: Any
+         ) -> MemoryPlan | StepPlan:
     """Plan one training step of `model` on `example_inputs` without running it.
 
     Activations exist only as FakeTensors while planning; the model is not
@@ -445,18 +447,20 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
     A model on the meta device plans on meta inputs. Raises memopt.InputError when
     there is no backward to plan, or the inputs do not match the model's device or dtype.
     `optimizer=opt` counts the optimizer's state and step in the plan (memopt.compile).
+    `blocks=True` (a model and inputs on the meta device) gives the plan of
+    memopt.compile(model, blocks=True), a StepPlan of the block graphs: the forward runs
+    on shapes alone, which the loop over the blocks needs (memopt.plan_blocks).
     """
     if isinstance(model, CompiledModule):
         model = model.original_module
-    if options.pop("blocks", False):
-        raise InputError(
-            "blocks=True is an option of memopt.compile: each repeated block is its own "
-            "graph, and memopt.plan, which never runs the model, captures the step as one "
-            "graph (it cannot run the code between graphs). memopt.plan the model as one "
-            "graph (the same plan the flat path trains with), or run one step of "
-            "memopt.compile(model, blocks=True) and read its memopt_plan.")
+    blocks = options.pop("blocks", False)
+    if not isinstance(blocks, bool):
+        raise ValueError(f"blocks must be True or False, got {blocks!r}")
     optimizer = options.pop("optimizer", None)
     check_options(options, "memopt.plan", model)
+    if blocks:
+        return _plan_with_blocks(model, example_inputs, example_kwargs or {}, budget,
+                                 optimizer, options)
     backend = MemoptBackend(budget, plan_only=True, **options)
     refuse_fsdp(model, "memopt.plan")
     if optimizer is not None:
@@ -486,6 +490,23 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
         "parameter with requires_grad=True, and make forward return the loss or an output "
         "tensor; memopt.compile runs such a forward as eager does, with no plan."
     )
+
+
+def _plan_with_blocks(model: nn.Module, args: tuple, kwargs: dict[str, Any], budget: object,
+                      optimizer: Any, options: dict[str, Any]) -> MemoryPlan | StepPlan:
+    """memopt.plan(..., blocks=True): a meta model's blocks=True step, run forward on
+    shapes (memopt.plan_blocks)."""
+    if options.pop("existing_grads", False):
+        raise InputError("memopt.plan(..., blocks=True) plans the step without .grad "
+                         "tensors; existing_grads=True is for the one-graph plan")
+    check_meta(model, args, kwargs)
+    refuse_fsdp(model, "memopt.plan")
+    backend = MemoptBackend(budget, **options)
+    if optimizer is not None:
+        check_optimizer(optimizer, model)
+        backend.optimizer_source = optimizer
+    compiled = CompiledModule(model, backend, blocks=True)
+    return plan_blocks(compiled, args, _without_meta_cache(model, args, kwargs))
 
 
 def _without_meta_cache(model: nn.Module, args: tuple, kwargs: dict[str, Any]

@@ -38,9 +38,11 @@ import torch
 
 from memopt.passes._torch_compat import engine_will_accumulate
 
+from .steps import storage_id
 
-def _storage(t: torch.Tensor) -> tuple[torch.device, int]:
-    return (t.device, t.untyped_storage().data_ptr())
+
+def _storage(t: torch.Tensor) -> tuple[str, int]:
+    return storage_id(t)
 
 
 def parameter_slots(kinds: dict[str, str], inputs: Sequence[Any],

@@ -23,12 +23,15 @@ and the backend re-plans the graphs whose plan assumed less (memopt.backend). A 
 that is one graph whose plan has settled runs without a trace (memopt.settled).
 
 Storages are identified by (device, data pointer) of real tensors: what runs, not what
-was traced.
+was traced. Meta tensors hold nothing, except while `meta_counted()` is entered
+(memopt.plan(blocks=True) runs a meta model's step: shapes alone); a meta storage is then
+identified by its StorageImpl, as all have data pointer 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,15 +52,35 @@ DDP_BUCKETS: StorageId = ("ddp buckets", 0)
 OPTIMIZER_STATE: StorageId = ("optimizer state", 0)
 
 
+#: meta tensors count as holding their bytes (`meta_counted`)
+_META_COUNTED = False
+
+
+@contextmanager
+def meta_counted() -> Iterator[None]:
+    """A step run on the meta device counts its meta tensors' bytes as a real one's
+    (memopt.plan(blocks=True)); outside it meta tensors are memopt's own templates."""
+    global _META_COUNTED
+    before, _META_COUNTED = _META_COUNTED, True
+    try:
+        yield
+    finally:
+        _META_COUNTED = before
+
+
 def holds_memory(t: Any) -> bool:
-    """A tensor with memory of its own to count: not on the meta device, not one of memopt's
-    memoryless placeholders (memopt.markers)."""
-    return isinstance(t, torch.Tensor) and t.device.type != "meta" \
+    """A tensor with memory of its own to count: not on the meta device (but in
+    `meta_counted`), not one of memopt's memoryless placeholders (memopt.markers)."""
+    return isinstance(t, torch.Tensor) and (_META_COUNTED or t.device.type != "meta") \
         and not isinstance(t, Memoryless)
 
 
 def storage_id(t: torch.Tensor) -> StorageId:
-    return (str(t.device), t.untyped_storage().data_ptr())
+    """(device, data pointer); on meta, where every data pointer is 0, the StorageImpl's."""
+    storage = t.untyped_storage()
+    if t.device.type == "meta":
+        return ("meta", storage_ref(storage).cdata)
+    return (str(t.device), storage.data_ptr())
 
 
 def storages(values: Iterable[Any]) -> dict[StorageId, int]:
@@ -132,6 +155,10 @@ class GraphRun:
     held_bytes: int                      # what its plan holds for backward (not outputs)
     base: Outside = Outside()
     outputs: list[tuple[Any, StorageId, int]] = field(default_factory=list)
+    #: parameters that eager code between the previous run and this one reads
+    #: (`eager_parameters`), by storage: their gradients are made between this run's
+    #: backward and the previous run's
+    eager: dict[StorageId, int] = field(default_factory=dict)
 
     def alive_outputs(self) -> dict[StorageId, int]:
         """The storages of its outputs that something still holds: a Python reference, a
@@ -143,6 +170,34 @@ class GraphRun:
             if holds_memory(t):
                 storage = t.untyped_storage()
                 self.outputs.append((storage_ref(storage), storage_id(t), storage.nbytes()))
+
+
+def eager_parameters(values: Any, walked: set[int]) -> dict[StorageId, int]:
+    """{storage: bytes} of the parameters that eager code read to make `values`: the leaves
+    their autograd graph reaches without passing through a compiled graph's backward
+    (AOTAutograd's CompiledFunctionBackward, behind which are the graphs' own inputs).
+    A model run with blocks=True or graph breaks reads some parameters outside every graph
+    (a Hugging Face model's token embedding, in the frame that loops over the blocks):
+    their gradients are made in the backward between the graphs', and no graph's plan
+    has them as its own. `walked` (node ids, one forward's) makes each node walked once."""
+    found: dict[StorageId, int] = {}
+    stack = [t.grad_fn for t in pytree.tree_leaves(values)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in walked:
+            continue
+        walked.add(id(node))
+        kind = type(node).__name__
+        if kind == "CompiledFunctionBackward":
+            continue
+        if kind == "AccumulateGrad":
+            leaf = local_tensor(node.variable)
+            if holds_memory(leaf):
+                found[storage_id(leaf)] = leaf.untyped_storage().nbytes()
+            continue
+        stack.extend(f for f, _ in node.next_functions if f is not None)
+    return found
 
 
 @dataclass
@@ -167,6 +222,10 @@ class ForwardTrace:
     _root_counted: bool = False
     #: runs so far of each captured graph (by id of its CompiledGraph.primary)
     _runs_of: dict[int, int] = field(default_factory=dict)
+    #: autograd nodes walked by `eager_parameters` in this forward
+    _walked: set[int] = field(default_factory=set)
+    #: parameters eager code read after the last graph run (`end`)
+    _eager_after: dict[StorageId, int] = field(default_factory=dict)
 
     @classmethod
     def begin(cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], args: tuple,
@@ -202,7 +261,10 @@ class ForwardTrace:
             self._root_counted = True
         key = id(getattr(graph, "primary", graph))
         self._runs_of[key] = self._runs_of.get(key, 0) + 1
+        inputs = list(inputs)
         run = GraphRun(graph, storages(inputs), held_bytes)
+        run.eager = {s: n for s, n in eager_parameters(inputs, self._walked).items()
+                     if s in self.grads and s not in run.inputs}
         run.base = self._base(len(self.runs), run.inputs)
         self.runs.append(run)
         return run
@@ -240,6 +302,7 @@ class ForwardTrace:
             later_inputs = set().union(*(run.inputs for run in self.runs[position + 1:]))
             other_grads = sum(n for s, n in self.grads.items()
                               if s in later_inputs and s not in own)
+            other_grads += sum(self._eager_grads(position, set(own) | later_inputs).values())
         backward = forward + other_grads + sum(later.values())
         if self.shards is not None:  # what FSDP2's hooks hold between the graphs
             kept = position * self.shards.per_earlier_run
@@ -247,11 +310,26 @@ class ForwardTrace:
             backward += self.shards.backward_extra + kept
         return Outside(forward, backward)
 
+    def _eager_grads(self, position: int, counted: set | dict) -> dict[StorageId, int]:
+        """Gradients of parameters read by eager code (`eager_parameters`) that exist while
+        run `position`'s backward runs: those read after it in the forward; for the first
+        run, also those read before it, whose gradients are the step's last (made after
+        every graph's backward, on top of what the first graph's backward leaves: counted
+        there, a little early)."""
+        eager = dict(self._eager_after)
+        for run in self.runs[position + 1:]:
+            eager.update(run.eager)
+        if position == 0 and self.runs:
+            eager.update(self.runs[0].eager)
+        return {s: n for s, n in eager.items() if s not in counted}
+
     def end(self, returned: Any) -> list[Outside]:
         """The forward returned `returned`: every run's base with the whole forward known
         (forward: as when it ran; backward: the outputs alive now, the return value, the
         gradients of the graphs after it). Add `saved_before(i)` (or the saved bytes of
         new plans of the graphs before run i) for what the run's plan must count."""
         self.returned = storages([returned])
+        self._eager_after = {s: n for s, n in eager_parameters(returned, self._walked).items()
+                             if s in self.grads}
         return [Outside(run.base.forward, self._base(i, run.inputs).backward)
                 for i, run in enumerate(self.runs)]
