@@ -17,4 +17,8 @@ def test_scale_row_and_table():
     # a budget keeps its headroom free: the smallest budget's plan peaks below it
     assert row["peak"] >= row["smallest"] * (1 - default_headroom("meta")) > 0
     assert row["total_s"] >= row["capture_s"] > 0 and row["plan_s"] > 0
+    # blocks=True plans each layer once under the step's budget: the flat plan's peak
+    # within 5% (the first graph's backward counts the embedding's gradient a little early)
+    assert row["blocks_peak"] == pytest.approx(row["peak"], rel=0.05)
+    assert row["blocks_peak"] >= row["blocks_smallest"] * (1 - default_headroom("meta")) > 0
     assert "| 2 |" in scale.table([row])
