@@ -122,11 +122,10 @@ def _grad_of_logits(log_probs_or_logits: Tensor, from_logits: bool, target: Tens
         g = torch.softmax(log_probs_or_logits, dim=1)
     else:
         g = log_probs_or_logits.exp_()
-    valid = target != ignore_index
-    picked = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
-    g.scatter_add_(1, picked, -valid.to(g.dtype).unsqueeze(1))
-    g.mul_(valid.to(g.dtype).unsqueeze(1))
-    g.mul_(scale.to(g.dtype))
+    valid = (target != ignore_index).to(g.dtype).unsqueeze(1)
+    picked = target.masked_fill(target == ignore_index, 0).unsqueeze(1)
+    g.scatter_add_(1, picked, -valid)
+    g.mul_(valid.mul_(scale.to(g.dtype)))  # one pass over (rows, V): mask and scale at once
     return g
 
 
@@ -142,10 +141,14 @@ def head_bwd(chunk: int, upcast: bool, ignore_index: int, reduction: str, handle
     if reduction == "mean":
         scale = scale / _valid_count(target, ignore_index)
     grad_h = torch.empty_like(h) if need_h else h.new_empty((0,))
-    grad_w = torch.zeros_like(weight) if need_weight else weight.new_empty((0,))
-    grad_b = torch.zeros_like(bias) if need_bias and bias is not None else weight.new_empty((0,))
-    weight, bias = _as(weight, h.dtype), _as(bias, h.dtype)  # the compute dtype (_as)
     spans = [(0, rows)] if kept is not None else _chunks(rows, chunk)
+    # summed over the chunks into zeros; one span writes them at once (no (V, d) memset)
+    whole = len(spans) == 1
+    grad_w = weight.new_empty((0,)) if not need_weight or whole else torch.zeros_like(weight)
+    grad_b = weight.new_empty((0,)) if not need_bias or bias is None or whole \
+        else torch.zeros_like(bias)
+    out_w, out_b = weight, bias  # their own dtypes
+    weight, bias = _as(weight, h.dtype), _as(bias, h.dtype)  # the compute dtype (_as)
     for i, j in spans:
         if kept is not None:
             g = _grad_of_logits(kept, False, target[i:j], ignore_index, scale)
@@ -160,11 +163,15 @@ def head_bwd(chunk: int, upcast: bool, ignore_index: int, reduction: str, handle
         g = g.to(h.dtype)
         if need_h:
             torch.mm(g, weight, out=grad_h[i:j])
-        if need_weight and grad_w.dtype == g.dtype:
+        if need_weight and whole:
+            grad_w = torch.mm(g.t(), h[i:j]).to(out_w.dtype)
+        elif need_weight and grad_w.dtype == g.dtype:
             grad_w.addmm_(g.t(), h[i:j])
         elif need_weight:  # summed in the weight's own dtype (_as)
             grad_w.add_(torch.mm(g.t(), h[i:j]))
-        if need_bias and bias is not None:
+        if need_bias and bias is not None and whole:
+            grad_b = g.sum(0).to(out_b.dtype)
+        elif need_bias and bias is not None:
             grad_b.add_(g.sum(0))
         del g
     return [grad_h, grad_w, grad_b]
