@@ -20,8 +20,9 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified, pytree,
-                                         loss_decompositions, make_boxed, storage_key)
+from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
+                                         loss_decompositions, make_boxed, pytree,
+                                         storage_key)
 from memopt.passes.lm_heads import Attach
 from memopt.passes.runtime_views import views_as_reshapes
 from memopt.passes.scans import scan_saved_bytes
@@ -95,6 +96,10 @@ class CompiledGraph:
         self.primary: CompiledGraph = self
         self.later: tuple[int, CompiledGraph] | None = None
         self.first_run, self.pinned = 0, False
+        #: positions among its inputs whose gradient it returns as a view (a weight
+        #: F.linear reads transposed): autograd adds another gradient into such a one
+        #: out of place (memopt.steps.ForwardTrace._eager_grads)
+        self.strided_grads: frozenset[int] = frozenset()
         self.plan: MemoryPlan | None = None
         self.compiled: Callable | None = None
         #: what its last traced step counted, for steps without the trace (memopt.settled)
@@ -164,6 +169,7 @@ class CompiledGraph:
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             captured = plans.capture_seconds()
+            self.strided_grads = _strided_grads(joint, num_fwd_outputs)
             request = PlanRequest(
                 joint, num_fwd_outputs, budget, primal_kinds=self.kinds, options=options,
                 grads=self.grads, outside_grad_bytes=self.outside_grads, outside=outside,
@@ -368,7 +374,8 @@ class CompiledGraph:
         if call is not None:
             skipped = call.admits(self)
             if not skipped:
-                record = call.trace().start_run(self, flat, self.plan.held_bytes)
+                record = call.trace().start_run(self, flat, self.plan.held_bytes,
+                                                [flat[i] for i in self.strided_grads])
         if self.sink is not None:
             self.sink.bind(flat)
         elif self.steps_in_backward:
@@ -418,6 +425,21 @@ class DroppedOutputs:
                 f"calling backward (loss = model(**batch).loss), or compile without "
                 f"drop_outputs.", stacklevel=2)
 
+
+
+def _strided_grads(joint: fx.GraphModule, num_fwd_outputs: int) -> frozenset[int]:
+    """Positions of the primals whose gradient the joint graph returns as a view of another
+    tensor (F.linear's weight gradient is `t` of a product): autograd cannot add into
+    it in place, since the view's base still holds its storage."""
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    grads = pytree.tree_leaves(output.args[0])[num_fwd_outputs:]
+    return frozenset(i for i, g in enumerate(grads) if isinstance(g, fx.Node)
+                     and isinstance(g.target, OpOverload) and _returns_alias(g.target))
+
+
+def _returns_alias(op: OpOverload) -> bool:
+    returns = op._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None
 
 
 def _primal_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:

@@ -159,6 +159,8 @@ class GraphRun:
     #: (`eager_parameters`), by storage: their gradients are made between this run's
     #: backward and the previous run's
     eager: dict[StorageId, int] = field(default_factory=dict)
+    #: the parameter storages whose gradient it returns as a strided view
+    strided: set[StorageId] = field(default_factory=set)
 
     def alive_outputs(self) -> dict[StorageId, int]:
         """The storages of its outputs that something still holds: a Python reference, a
@@ -254,8 +256,10 @@ class ForwardTrace:
                    after_backward=after_backward + (shards.after_backward if shards else 0),
                    shards=shards)
 
-    def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int) -> GraphRun:
-        """A graph is about to run: record it, with what the rest holds now."""
+    def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int,
+                  strided: Iterable[Any] = ()) -> GraphRun:
+        """A graph is about to run: record it, with what the rest holds now. `strided`:
+        the inputs whose gradient it returns as a strided view (CompiledGraph)."""
         if self.shards is not None and not self._root_counted:  # gathered by now
             self.resident.update(storages(self.shards.gathered_root()))
             self._root_counted = True
@@ -265,6 +269,7 @@ class ForwardTrace:
         run = GraphRun(graph, storages(inputs), held_bytes)
         run.eager = {s: n for s, n in eager_parameters(inputs, self._walked).items()
                      if s in self.grads and s not in run.inputs}
+        run.strided = set(storages(strided))
         run.base = self._base(len(self.runs), run.inputs)
         self.runs.append(run)
         return run
@@ -302,7 +307,7 @@ class ForwardTrace:
             later_inputs = set().union(*(run.inputs for run in self.runs[position + 1:]))
             other_grads = sum(n for s, n in self.grads.items()
                               if s in later_inputs and s not in own)
-            other_grads += sum(self._eager_grads(position, set(own) | later_inputs).values())
+            other_grads += sum(self._eager_grads(position, own, set(own) | later_inputs).values())
         backward = forward + other_grads + sum(later.values())
         if self.shards is not None:  # what FSDP2's hooks hold between the graphs
             kept = position * self.shards.per_earlier_run
@@ -310,18 +315,28 @@ class ForwardTrace:
             backward += self.shards.backward_extra + kept
         return Outside(forward, backward)
 
-    def _eager_grads(self, position: int, counted: set | dict) -> dict[StorageId, int]:
+    def _eager_grads(self, position: int, own: dict[StorageId, int],
+                     counted: set[StorageId]) -> dict[StorageId, int]:
         """Gradients of parameters read by eager code (`eager_parameters`) that exist while
-        run `position`'s backward runs: those read after it in the forward; for the first
-        run, also those read before it, whose gradients are the step's last (made after
-        every graph's backward, on top of what the first graph's backward leaves: counted
-        there, a little early)."""
+        run `position`'s backward runs and are not in `counted` (its own inputs', and the
+        later runs'): those read after it in the forward. For the first run, also those
+        read before it: the step's last gradients, made after every graph's backward (on
+        top of what the first graph's backward leaves: counted there, a little early),
+        each a fresh tensor even where a graph's backward already made that parameter's
+        `.grad` (a tied embedding, whose head is a graph's), which it is then added into
+        (out of place where that gradient is strided: one more such tensor)."""
         eager = dict(self._eager_after)
         for run in self.runs[position + 1:]:
             eager.update(run.eager)
+        found = {s: n for s, n in eager.items() if s not in counted}
         if position == 0 and self.runs:
-            eager.update(self.runs[0].eager)
-        return {s: n for s, n in eager.items() if s not in counted}
+            # autograd adds the two in place into the first to arrive, unless it is a
+            # strided view (F.linear's weight gradient, a transposed product): then the sum
+            # is a third tensor (eager PyTorch's tied embedding: three (V, d) at its end)
+            strided = set().union(*(run.strided for run in self.runs))
+            found.update({s: n * (2 if s in strided else 1)
+                          for s, n in self.runs[0].eager.items() if s not in own})
+        return found
 
     def end(self, returned: Any) -> list[Outside]:
         """The forward returned `returned`: every run's base with the whole forward known
