@@ -38,7 +38,7 @@ import torch
 
 from memopt.passes._torch_compat import engine_will_accumulate
 
-from .steps import storage_id
+from .storages import storage_id
 
 
 def _storage(t: torch.Tensor) -> tuple[str, int]:

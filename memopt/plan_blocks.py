@@ -29,7 +29,7 @@ from memopt.passes._torch_compat import pytree
 
 from .errors import InputError
 from .memory_plan import MemoryPlan, StepPlan
-from .steps import meta_counted
+from .storages import meta_counted
 
 
 def check_meta(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

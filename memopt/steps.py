@@ -30,8 +30,7 @@ identified by its StorageImpl, as all have data pointer 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +38,10 @@ import torch
 
 from memopt.passes._torch_compat import pytree, storage_ref
 
+from .eager_reads import eager_reads
 from .fsdp import local_tensor
-from .markers import Memoryless
+from .storages import StorageId, holds_memory, storage_id
 
-StorageId = tuple[str, int]
 
 
 #: The key of DDP's gradient buckets among a trace's resident storages: memopt does not
@@ -50,37 +49,6 @@ StorageId = tuple[str, int]
 DDP_BUCKETS: StorageId = ("ddp buckets", 0)
 #: the optimizer's state (memopt.optimizer), held for the whole step like DDP's buckets
 OPTIMIZER_STATE: StorageId = ("optimizer state", 0)
-
-
-#: meta tensors count as holding their bytes (`meta_counted`)
-_META_COUNTED = False
-
-
-@contextmanager
-def meta_counted() -> Iterator[None]:
-    """A step run on the meta device counts its meta tensors' bytes as a real one's
-    (memopt.plan(blocks=True)); outside it meta tensors are memopt's own templates."""
-    global _META_COUNTED
-    before, _META_COUNTED = _META_COUNTED, True
-    try:
-        yield
-    finally:
-        _META_COUNTED = before
-
-
-def holds_memory(t: Any) -> bool:
-    """A tensor with memory of its own to count: not on the meta device (but in
-    `meta_counted`), not one of memopt's memoryless placeholders (memopt.markers)."""
-    return isinstance(t, torch.Tensor) and (_META_COUNTED or t.device.type != "meta") \
-        and not isinstance(t, Memoryless)
-
-
-def storage_id(t: torch.Tensor) -> StorageId:
-    """(device, data pointer); on meta, where every data pointer is 0, the StorageImpl's."""
-    storage = t.untyped_storage()
-    if t.device.type == "meta":
-        return ("meta", storage_ref(storage).cdata)
-    return (str(t.device), storage.data_ptr())
 
 
 def storages(values: Iterable[Any]) -> dict[StorageId, int]:
@@ -155,10 +123,11 @@ class GraphRun:
     held_bytes: int                      # what its plan holds for backward (not outputs)
     base: Outside = Outside()
     outputs: list[tuple[Any, StorageId, int]] = field(default_factory=list)
-    #: parameters that eager code between the previous run and this one reads
-    #: (`eager_parameters`), by storage: their gradients are made between this run's
-    #: backward and the previous run's
+    #: what eager code between the previous run and this one reads and saves
+    #: (memopt.eager_reads): the parameters, whose gradients are made between this run's
+    #: backward and the previous run's, and the tensors autograd saved, held until then
     eager: dict[StorageId, int] = field(default_factory=dict)
+    eager_saved: dict[StorageId, int] = field(default_factory=dict)
     #: the parameter storages whose gradient it returns as a strided view
     strided: set[StorageId] = field(default_factory=set)
 
@@ -172,34 +141,6 @@ class GraphRun:
             if holds_memory(t):
                 storage = t.untyped_storage()
                 self.outputs.append((storage_ref(storage), storage_id(t), storage.nbytes()))
-
-
-def eager_parameters(values: Any, walked: set[int]) -> dict[StorageId, int]:
-    """{storage: bytes} of the parameters that eager code read to make `values`: the leaves
-    their autograd graph reaches without passing through a compiled graph's backward
-    (AOTAutograd's CompiledFunctionBackward, behind which are the graphs' own inputs).
-    A model run with blocks=True or graph breaks reads some parameters outside every graph
-    (a Hugging Face model's token embedding, in the frame that loops over the blocks):
-    their gradients are made in the backward between the graphs', and no graph's plan
-    has them as its own. `walked` (node ids, one forward's) makes each node walked once."""
-    found: dict[StorageId, int] = {}
-    stack = [t.grad_fn for t in pytree.tree_leaves(values)
-             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in walked:
-            continue
-        walked.add(id(node))
-        kind = type(node).__name__
-        if kind == "CompiledFunctionBackward":
-            continue
-        if kind == "AccumulateGrad":
-            leaf = local_tensor(node.variable)
-            if holds_memory(leaf):
-                found[storage_id(leaf)] = leaf.untyped_storage().nbytes()
-            continue
-        stack.extend(f for f, _ in node.next_functions if f is not None)
-    return found
 
 
 @dataclass
@@ -224,10 +165,11 @@ class ForwardTrace:
     _root_counted: bool = False
     #: runs so far of each captured graph (by id of its CompiledGraph.primary)
     _runs_of: dict[int, int] = field(default_factory=dict)
-    #: autograd nodes walked by `eager_parameters` in this forward
+    #: autograd nodes walked by memopt.eager_reads in this forward
     _walked: set[int] = field(default_factory=set)
-    #: parameters eager code read after the last graph run (`end`)
+    #: what eager code read and saved after the last graph run (`end`)
     _eager_after: dict[StorageId, int] = field(default_factory=dict)
+    _eager_after_saved: dict[StorageId, int] = field(default_factory=dict)
 
     @classmethod
     def begin(cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], args: tuple,
@@ -267,11 +209,13 @@ class ForwardTrace:
         self._runs_of[key] = self._runs_of.get(key, 0) + 1
         inputs = list(inputs)
         run = GraphRun(graph, storages(inputs), held_bytes)
-        run.eager = {s: n for s, n in eager_parameters(inputs, self._walked).items()
+        reads = eager_reads(inputs, self._walked)
+        run.eager = {s: n for s, n in reads.params.items()
                      if s in self.grads and s not in run.inputs}
+        run.eager_saved = {s: n for s, n in reads.saved.items() if s not in self.resident}
         run.strided = set(storages(strided))
-        run.base = self._base(len(self.runs), run.inputs)
         self.runs.append(run)
+        run.base = self._base(len(self.runs) - 1, run.inputs)
         return run
 
     def runs_of(self, graph: Any) -> int:
@@ -296,6 +240,8 @@ class ForwardTrace:
         held = {s: n for s, n in self.resident.items() if s not in own and s not in own_grads}
         for run in self.runs[:position]:
             held.update({s: n for s, n in run.alive_outputs().items() if s not in own})
+        for run in self.runs[:position + 1]:  # saved by eager code before it ran
+            held.update({s: n for s, n in run.eager_saved.items() if s not in own})
         forward = sum(held.values())
         returned = self.returned or {}
         later = {s: n for run in self.runs[position + 1:] for s, n in run.alive_outputs().items()
@@ -308,7 +254,9 @@ class ForwardTrace:
             other_grads = sum(n for s, n in self.grads.items()
                               if s in later_inputs and s not in own)
             other_grads += sum(self._eager_grads(position, own, set(own) | later_inputs).values())
-        backward = forward + other_grads + sum(later.values())
+        after = {s: n for s, n in self._eager_after_saved.items()  # their backward is first
+                 if s not in own and s not in held and s not in later}
+        backward = forward + other_grads + sum(later.values()) + sum(after.values())
         if self.shards is not None:  # what FSDP2's hooks hold between the graphs
             kept = position * self.shards.per_earlier_run
             forward += self.shards.forward_extra + kept
@@ -317,7 +265,7 @@ class ForwardTrace:
 
     def _eager_grads(self, position: int, own: dict[StorageId, int],
                      counted: set[StorageId]) -> dict[StorageId, int]:
-        """Gradients of parameters read by eager code (`eager_parameters`) that exist while
+        """Gradients of parameters read by eager code (memopt.eager_reads) that exist while
         run `position`'s backward runs and are not in `counted` (its own inputs', and the
         later runs'): those read after it in the forward. For the first run, also those
         read before it: the step's last gradients, made after every graph's backward (on
@@ -344,7 +292,11 @@ class ForwardTrace:
         gradients of the graphs after it). Add `saved_before(i)` (or the saved bytes of
         new plans of the graphs before run i) for what the run's plan must count."""
         self.returned = storages([returned])
-        self._eager_after = {s: n for s, n in eager_parameters(returned, self._walked).items()
-                             if s in self.grads}
+        reads = eager_reads(returned, self._walked)
+        self._eager_after = {s: n for s, n in reads.params.items() if s in self.grads}
+        produced = {sid for run in self.runs for _, sid, _ in run.outputs}  # their plans'
+        self._eager_after_saved = {s: n for s, n in reads.saved.items()
+                                   if s not in self.resident and s not in self.returned
+                                   and s not in produced}
         return [Outside(run.base.forward, self._base(i, run.inputs).backward)
                 for i, run in enumerate(self.runs)]

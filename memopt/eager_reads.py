@@ -1,0 +1,84 @@
+"""What eager code between a step's graphs reads and saves, from autograd's graph.
+
+A model run with graph breaks or `blocks=True` runs some of its forward eagerly: the frame
+that loops over the blocks (dynamo skips a frame with a break inside a loop), with what it
+calls from `torch.nn` (a Hugging Face model's token embedding, a final norm). No graph's
+plan has that code's parameters or saved tensors as its own, yet the step holds them:
+
+- each parameter it reads gets a gradient in the backward, between the graphs' (the token
+  embedding's is the step's last, made after every graph's backward);
+- autograd keeps what its ops save (a layer norm's input, a dropout's mask) from the
+  moment they run in the forward until their backward, after the later graphs'.
+
+`eager_reads(values, walked)` walks the autograd graph of `values` (a graph's inputs, or
+the forward's return value) back to the previous graph: it stops at AOTAutograd's
+CompiledFunctionBackward, behind which are the graphs' own inputs, and at leaves, and
+collects the parameters (AccumulateGrad's variables) and the tensors the eager nodes saved
+(their `_saved_*` attributes, a Python Function's `saved_tensors`). memopt.steps charges
+them to the graphs that run while they are held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memopt.passes._torch_compat import pytree
+
+from .fsdp import local_tensor
+from .storages import StorageId, holds_memory, storage_id
+
+#: AOTAutograd's autograd.Function for a compiled graph: the walk stops there
+_COMPILED = "CompiledFunctionBackward"
+
+
+@dataclass
+class EagerReads:
+    """{storage: bytes} of the parameters eager code read and of the tensors it saved."""
+
+    params: dict[StorageId, int] = field(default_factory=dict)
+    saved: dict[StorageId, int] = field(default_factory=dict)
+
+
+def eager_reads(values: Any, walked: set[int]) -> EagerReads:
+    """What eager code read and saved to make `values` (module docstring). `walked` (node
+    ids, one forward's) makes each node walked once."""
+    found = EagerReads()
+
+    def add(into: dict, t: Any) -> None:
+        t = local_tensor(t)
+        if holds_memory(t):
+            into[storage_id(t)] = t.untyped_storage().nbytes()
+
+    stack = [t.grad_fn for t in pytree.tree_leaves(values)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in walked:
+            continue
+        walked.add(id(node))
+        kind = type(node).__name__
+        if kind == _COMPILED:
+            continue
+        if kind == "AccumulateGrad":
+            add(found.params, node.variable)
+            continue
+        for t in _saved(node):
+            add(found.saved, t)
+        stack.extend(f for f, _ in node.next_functions if f is not None)
+    return found
+
+
+def _saved(node: Any) -> list[torch.Tensor]:
+    """The tensors an autograd node saved for its backward (none once it ran)."""
+    values = []
+    for name in dir(node):
+        if name.startswith("_saved_") or name == "saved_tensors":
+            try:
+                values.append(getattr(node, name))
+            except RuntimeError:  # freed (its backward ran), or not a tensor to unpack
+                continue
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+
