@@ -32,6 +32,9 @@ from .storages import StorageId, holds_memory, storage_id
 
 #: AOTAutograd's autograd.Function for a compiled graph: the walk stops there
 _COMPILED = "CompiledFunctionBackward"
+#: memopt's own Functions applied outside a graph, whose saved tensors that graph's plan
+#: counts (a head's input and weight: memopt.lm_head.attach_logits)
+_PLANNED = frozenset({"_AttachLogitsBackward"})
 
 
 @dataclass
@@ -65,8 +68,9 @@ def eager_reads(values: Any, walked: set[int]) -> EagerReads:
         if kind == "AccumulateGrad":
             add(found.params, node.variable)
             continue
-        for t in _saved(node):
-            add(found.saved, t)
+        if kind not in _PLANNED:
+            for t in _saved(node):
+                add(found.saved, t)
         stack.extend(f for f, _ in node.next_functions if f is not None)
     return found
 

@@ -301,7 +301,7 @@ def _language_model(name: str) -> nn.Module:
 def test_parameters_read_between_the_graphs_are_in_the_plan(name: str) -> None:
     """A Hugging Face language model under blocks=True reads its token embedding in the
     frame that loops over the blocks, outside every graph: its gradient, the step's last,
-    is made after every graph's backward (memopt.steps.eager_parameters), and where the
+    is made after every graph's backward (memopt.eager_reads), and where the
     head is tied to it (GPT-2) it is a fresh tensor added into the `.grad` the head's
     graph made, out of place where that `.grad` is a view (transformers 4.x's GPT-2 head,
     traced as F.linear: a `t` of a product), one more (V, d) tensor, as in eager. Left
