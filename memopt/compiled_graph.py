@@ -99,7 +99,7 @@ class CompiledGraph:
         #: positions among its inputs whose gradient it returns as a view (a weight
         #: F.linear reads transposed): autograd adds another gradient into such a one
         #: out of place (memopt.steps.ForwardTrace._eager_grads)
-        self.strided_grads: frozenset[int] = frozenset()
+        self.view_grads: frozenset[int] = frozenset()
         self.plan: MemoryPlan | None = None
         self.compiled: Callable | None = None
         #: what its last traced step counted, for steps without the trace (memopt.settled)
@@ -169,7 +169,7 @@ class CompiledGraph:
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             captured = plans.capture_seconds()
-            self.strided_grads = _strided_grads(joint, num_fwd_outputs)
+            self.view_grads = _view_grads(joint, num_fwd_outputs)
             request = PlanRequest(
                 joint, num_fwd_outputs, budget, primal_kinds=self.kinds, options=options,
                 grads=self.grads, outside_grad_bytes=self.outside_grads, outside=outside,
@@ -375,7 +375,7 @@ class CompiledGraph:
             skipped = call.admits(self)
             if not skipped:
                 record = call.trace().start_run(self, flat, self.plan.held_bytes,
-                                                [flat[i] for i in self.strided_grads])
+                                                [flat[i] for i in self.view_grads])
         if self.sink is not None:
             self.sink.bind(flat)
         elif self.steps_in_backward:
@@ -427,7 +427,7 @@ class DroppedOutputs:
 
 
 
-def _strided_grads(joint: fx.GraphModule, num_fwd_outputs: int) -> frozenset[int]:
+def _view_grads(joint: fx.GraphModule, num_fwd_outputs: int) -> frozenset[int]:
     """Positions of the primals whose gradient the joint graph returns as a view of another
     tensor (F.linear's weight gradient is `t` of a product): autograd cannot add into
     it in place, since the view's base still holds its storage."""

@@ -8,7 +8,8 @@ plan has that code's parameters or saved tensors as its own, yet the step holds 
 - each parameter it reads gets a gradient in the backward, between the graphs' (the token
   embedding's is the step's last, made after every graph's backward);
 - autograd keeps what its ops save (a layer norm's input, a dropout's mask) from the
-  moment they run in the forward until their backward, after the later graphs'.
+  moment they run in the forward until their backward, after the later graphs' (what
+  eager code after the last graph saves is freed before any graph's backward runs).
 
 `eager_reads(values, walked)` walks the autograd graph of `values` (a graph's inputs, or
 the forward's return value) back to the previous graph: it stops at AOTAutograd's
@@ -85,4 +86,3 @@ def _saved(node: Any) -> list[torch.Tensor]:
             except RuntimeError:  # freed (its backward ran), or not a tensor to unpack
                 continue
     return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
-

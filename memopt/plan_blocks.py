@@ -6,7 +6,7 @@ memopt.plan never runs the model: it captures the step as one graph and plans it
 over them is Python (memopt.blocks), so the step has to run for the graphs to exist. On
 the meta device it can: every tensor is a shape without data, the eager code between the
 graphs runs on shapes, and memopt's compiled graphs run op by op on meta tensors, at no
-cost. The forward of such a step is run here once, under `steps.meta_counted()` (meta
+cost. The forward of such a step is run here once, under `storages.meta_counted()` (meta
 tensors count their bytes, as the real ones of the same shapes would), and its plan is
 returned: a StepPlan of the graphs, with the block graph's plan per block position
 (memopt.run_plans). The backward is not run: every plan is made, and re-made with the

@@ -43,7 +43,6 @@ from .fsdp import local_tensor
 from .storages import StorageId, holds_memory, storage_id
 
 
-
 #: The key of DDP's gradient buckets among a trace's resident storages: memopt does not
 #: see their tensors (they live in DDP's C++ reducer), only their bytes.
 DDP_BUCKETS: StorageId = ("ddp buckets", 0)
@@ -128,8 +127,8 @@ class GraphRun:
     #: backward and the previous run's, and the tensors autograd saved, held until then
     eager: dict[StorageId, int] = field(default_factory=dict)
     eager_saved: dict[StorageId, int] = field(default_factory=dict)
-    #: the parameter storages whose gradient it returns as a strided view
-    strided: set[StorageId] = field(default_factory=set)
+    #: the parameter storages whose gradient it returns as a view (CompiledGraph.view_grads)
+    views: set[StorageId] = field(default_factory=set)
 
     def alive_outputs(self) -> dict[StorageId, int]:
         """The storages of its outputs that something still holds: a Python reference, a
@@ -167,9 +166,9 @@ class ForwardTrace:
     _runs_of: dict[int, int] = field(default_factory=dict)
     #: autograd nodes walked by memopt.eager_reads in this forward
     _walked: set[int] = field(default_factory=set)
-    #: what eager code read and saved after the last graph run (`end`)
+    #: parameters eager code read after the last graph run (`end`); what it saved is
+    #: freed by its backward, which runs before every graph's
     _eager_after: dict[StorageId, int] = field(default_factory=dict)
-    _eager_after_saved: dict[StorageId, int] = field(default_factory=dict)
 
     @classmethod
     def begin(cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], args: tuple,
@@ -199,9 +198,9 @@ class ForwardTrace:
                    shards=shards)
 
     def start_run(self, graph: Any, inputs: Iterable[Any], held_bytes: int,
-                  strided: Iterable[Any] = ()) -> GraphRun:
-        """A graph is about to run: record it, with what the rest holds now. `strided`:
-        the inputs whose gradient it returns as a strided view (CompiledGraph)."""
+                  views: Iterable[Any] = ()) -> GraphRun:
+        """A graph is about to run: record it, with what the rest holds now. `views`: the
+        inputs whose gradient it returns as a view of another tensor (CompiledGraph)."""
         if self.shards is not None and not self._root_counted:  # gathered by now
             self.resident.update(storages(self.shards.gathered_root()))
             self._root_counted = True
@@ -213,7 +212,7 @@ class ForwardTrace:
         run.eager = {s: n for s, n in reads.params.items()
                      if s in self.grads and s not in run.inputs}
         run.eager_saved = {s: n for s, n in reads.saved.items() if s not in self.resident}
-        run.strided = set(storages(strided))
+        run.views = set(storages(views))
         self.runs.append(run)
         run.base = self._base(len(self.runs) - 1, run.inputs)
         return run
@@ -254,9 +253,7 @@ class ForwardTrace:
             other_grads = sum(n for s, n in self.grads.items()
                               if s in later_inputs and s not in own)
             other_grads += sum(self._eager_grads(position, own, set(own) | later_inputs).values())
-        after = {s: n for s, n in self._eager_after_saved.items()  # their backward is first
-                 if s not in own and s not in held and s not in later}
-        backward = forward + other_grads + sum(later.values()) + sum(after.values())
+        backward = forward + other_grads + sum(later.values())
         if self.shards is not None:  # what FSDP2's hooks hold between the graphs
             kept = position * self.shards.per_earlier_run
             forward += self.shards.forward_extra + kept
@@ -272,17 +269,18 @@ class ForwardTrace:
         top of what the first graph's backward leaves: counted there, a little early),
         each a fresh tensor even where a graph's backward already made that parameter's
         `.grad` (a tied embedding, whose head is a graph's), which it is then added into
-        (out of place where that gradient is strided: one more such tensor)."""
+        (out of place where that gradient is a view: one more such tensor)."""
         eager = dict(self._eager_after)
         for run in self.runs[position + 1:]:
             eager.update(run.eager)
         found = {s: n for s, n in eager.items() if s not in counted}
         if position == 0 and self.runs:
-            # autograd adds the two in place into the first to arrive, unless it is a
-            # strided view (F.linear's weight gradient, a transposed product): then the sum
-            # is a third tensor (eager PyTorch's tied embedding: three (V, d) at its end)
-            strided = set().union(*(run.strided for run in self.runs))
-            found.update({s: n * (2 if s in strided else 1)
+            # autograd adds the two in place into the first to arrive, unless it is a view
+            # (F.linear's weight gradient, a transposed product), whose base holds its
+            # storage: then the sum is a third tensor (eager PyTorch's tied embedding:
+            # three (V, d) at its end)
+            views = set().union(*(run.views for run in self.runs))
+            found.update({s: n * (2 if s in views else 1)
                           for s, n in self.runs[0].eager.items() if s not in own})
         return found
 
@@ -294,9 +292,5 @@ class ForwardTrace:
         self.returned = storages([returned])
         reads = eager_reads(returned, self._walked)
         self._eager_after = {s: n for s, n in reads.params.items() if s in self.grads}
-        produced = {sid for run in self.runs for _, sid, _ in run.outputs}  # their plans'
-        self._eager_after_saved = {s: n for s, n in reads.saved.items()
-                                   if s not in self.resident and s not in self.returned
-                                   and s not in produced}
         return [Outside(run.base.forward, self._base(i, run.inputs).backward)
                 for i, run in enumerate(self.runs)]
