@@ -37,6 +37,7 @@ from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
 from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
+from .planner.fusible import returns_view
 from .steps import Outside, holds_memory
 from .stepper import Stepping, stepping_for
 
@@ -434,12 +435,7 @@ def _view_grads(joint: fx.GraphModule, num_fwd_outputs: int) -> frozenset[int]:
     output = next(iter(joint.graph.find_nodes(op="output")))
     grads = pytree.tree_leaves(output.args[0])[num_fwd_outputs:]
     return frozenset(i for i, g in enumerate(grads) if isinstance(g, fx.Node)
-                     and isinstance(g.target, OpOverload) and _returns_alias(g.target))
-
-
-def _returns_alias(op: OpOverload) -> bool:
-    returns = op._schema.returns
-    return len(returns) == 1 and returns[0].alias_info is not None
+                     and isinstance(g.target, OpOverload) and returns_view(g.target))
 
 
 def _primal_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:

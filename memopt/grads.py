@@ -41,10 +41,6 @@ from memopt.passes._torch_compat import engine_will_accumulate
 from .storages import storage_id
 
 
-def _storage(t: torch.Tensor) -> tuple[str, int]:
-    return storage_id(t)
-
-
 def parameter_slots(kinds: dict[str, str], inputs: Sequence[Any],
                     keep: Callable[[torch.Tensor], bool] = lambda p: True) -> dict[str, int]:
     """{joint-graph primal name: index among `inputs`} of the parameters that require grad
@@ -93,11 +89,11 @@ class GradSink:
         self._bound = bound
         for p in params:
             if isinstance(p, torch.Tensor):
-                self._params[_storage(p)] = weakref.ref(p)
+                self._params[storage_id(p)] = weakref.ref(p)
 
     def _param(self, saved: torch.Tensor) -> torch.Tensor | None:
         """The live parameter `saved` is (or aliases), among those bound, or None."""
-        ref = self._params.get(_storage(saved))
+        ref = self._params.get(storage_id(saved))
         return ref() if ref is not None else None
 
     def add(self, grad: torch.Tensor | None, saved: torch.Tensor) -> torch.Tensor | None:

@@ -34,9 +34,13 @@ def is_fusible(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
-    if torch.Tag.pointwise in target.tags:
-        return True
-    returns = target._schema.returns
+    return torch.Tag.pointwise in target.tags or returns_view(target)
+
+
+def returns_view(op: OpOverload) -> bool:
+    """Whether the operator returns a view of an input (its schema's one return aliases
+    one, without writing it): `t`, `view`, `expand`, ..."""
+    returns = op._schema.returns
     return len(returns) == 1 and returns[0].alias_info is not None \
         and not returns[0].alias_info.is_write
 
