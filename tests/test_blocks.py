@@ -81,6 +81,9 @@ def test_bad_options_are_refused() -> None:
         memopt.plan(Stack(), _batch(0), blocks=True)  # weights in memory: compile it
     with pytest.raises(ValueError, match="blocks must be True or False"):
         memopt.plan(Stack(), _batch(0), blocks=1)
+    with pytest.raises(memopt.InputError, match="existing_grads=True is for the one-graph"):
+        memopt.plan(Stack().to("meta"), _batch(0).to("meta"), blocks=True,
+                    existing_grads=True)
 
 
 def _train(module, model: nn.Module, steps: int) -> list[int]:
