@@ -166,6 +166,7 @@ class CompiledGraph:
         if self.kernels is not Kernels.INDUCTOR:  # op by op, a recomputed op is one more kernel
             options = dataclasses.replace(options, fusible=False)
         planned: list[MemoryPlan] = []
+        reserve = [0]  # bytes inductor's schedule of an earlier plan held above it
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -177,7 +178,8 @@ class CompiledGraph:
                 label="" if self.alone else self.label(),
                 lowest_peak=policy == ReplanPolicy.LOWEST, step_baseline=step_baseline,
                 must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
-                fraction_floor=plans.fraction_floor if self.alone else 0)
+                fraction_floor=plans.fraction_floor if self.alone else 0,
+                reserve_bytes=reserve[0])
             try:
                 fw, bw, plan = self._plan_joint(request)
             except BudgetError as err:
@@ -230,7 +232,8 @@ class CompiledGraph:
 
         with torch.random.fork_rng(devices=_cuda_devices()):
             if self.kernels is Kernels.INDUCTOR:
-                compiled = self._inductor_or_aten(example_inputs, partition_fn, planned, aten)
+                compiled = self._inductor_or_aten(example_inputs, partition_fn, planned, aten,
+                                                  reserve)
             else:
                 compiled = aten()
         if self.attaches:
@@ -314,26 +317,42 @@ class CompiledGraph:
         raise err
 
     def _inductor_or_aten(self, example_inputs: Sequence[Any], partition_fn: Callable,
-                          planned: list[MemoryPlan], aten: Callable[[], Callable]) -> Callable:
-        """The graphs compiled by inductor, checked against the plan: where inductor's
-        schedule would hold more than the plan and the step would then exceed the budget
-        (memopt.kernels.schedule_excess), the graph is planned and compiled again to run
-        op by op (`aten`), and its plan says why."""
-        compiled, peaks = compile_with_inductor(self.gm, example_inputs, partition_fn)
-        if not planned:
-            return compiled
-        plan = planned[-1]
-        excess = schedule_excess(plan, peaks)
-        budget = plan.budget_bytes
-        if budget is None or plan.predicted_peak_bytes + excess <= budget:
-            planned[-1] = plan.model_copy(update={"schedule_excess_bytes": excess})
-            self.backend.plan_log.amend(planned[-1])
-            return compiled
+                          planned: list[MemoryPlan], aten: Callable[[], Callable],
+                          reserve: list[int]) -> Callable:
+        """The graphs compiled by inductor, checked against the plan. Inductor's schedule
+        of each graph can hold more than the plan counts (memopt.kernels.schedule_peak):
+        the plan's predicted peak is raised to it. Where that is over the budget, the
+        graph is planned again with the budget less the excess (`reserve`) and compiled
+        again; where it is still over, it is planned and compiled once more to run op by
+        op (`aten`), and its plan says why."""
+        for attempt in range(2):
+            try:
+                compiled, peaks = compile_with_inductor(self.gm, example_inputs, partition_fn)
+            except BudgetError:
+                if attempt == 0:
+                    raise
+                planned.append(plan)  # no plan leaves room for the excess: op by op
+                break
+            if not planned:
+                return compiled
+            plan = planned[-1]
+            excess = schedule_excess(plan, peaks)
+            budget = plan.budget_bytes
+            peak = plan.predicted_peak_bytes + excess
+            if budget is None or peak <= budget:
+                planned[-1] = plan.model_copy(update={"schedule_excess_bytes": excess,
+                                                      "predicted_peak_bytes": peak})
+                self.backend.plan_log.amend(planned[-1])
+                return compiled
+            if attempt == 0:  # plan again, leaving the excess free
+                reserve[0] += peak - budget
+                planned.clear()
         planned.clear()
+        reserve[0] = 0  # op by op, the plan's own liveness is the step's
         compiled = aten()
         note = (f"aten: inductor's schedule holds {format_bytes(excess)} more than the plan, "
-                f"which would end at {format_bytes(plan.predicted_peak_bytes + excess)}, over "
-                f"the budget of {format_bytes(budget)}")
+                f"which would end at {format_bytes(peak)}, over the budget of "
+                f"{format_bytes(budget)}")
         planned[-1] = planned[-1].model_copy(update={"kernels": Kernels.ATEN.value,
                                                      "kernels_note": note,
                                                      "schedule_excess_bytes": excess})

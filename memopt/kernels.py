@@ -111,24 +111,40 @@ def views_of_primals(joint: fx.GraphModule, backward: fx.GraphModule) -> set[str
 _NOT_IN_SCHEDULE = ("parameters", "inputs", "other_graphs", "workspace")
 
 
-def schedule_excess(plan: MemoryPlan, schedule_peaks: dict[str, int]) -> int:
-    """Bytes by which inductor's schedule of the plan's graphs holds more than the plan.
+def schedule_peak(plan: MemoryPlan, schedule_peaks: dict[str, int]) -> int:
+    """The step's peak with each graph's own buffers as inductor's schedule holds them
+    where that is more than the plan counts (at least the plan's predicted peak).
 
-    The plan's timeline gives, for the forward and for the backward, the most bytes its
-    graph's own buffers hold at once (live bytes less what inductor does not count:
-    `_NOT_IN_SCHEDULE`); inductor's estimate of the same graph as it scheduled it
-    (after fusion: passes._torch_compat._schedule_peak) counts the same buffers its way.
-    Fusion removes buffers, so the estimate is usually lower; copies inductor adds for
-    a kernel's layout, or an order that keeps more alive, make it higher. The excess (0
-    where inductor holds no more, in either graph) is what the step can hold above the
-    plan's prediction."""
+    The plan's timeline gives, at each point of the forward and of the backward, the
+    bytes its graph's own buffers hold (live bytes less what inductor's estimate does not
+    count: `_NOT_IN_SCHEDULE`). Inductor's estimate of the same graph as it scheduled it
+    (after fusion, in its kernels' order: passes._torch_compat._schedule_peak) counts
+    its buffers without its in-place writes and frees; the plan's liveness models those
+    (passes.fusion) on the graph's own order, which inductor's fusion can change. The plan
+    also knows the same estimate on its own order (`plan.fusion_estimate_bytes`): where
+    inductor's is higher, the kernels' order costs the difference, and that graph's points
+    are raised by it. (A plan without that estimate compares with its most own bytes.) Inductor's pool lets a freed buffer be held until reused
+    only while its estimate stays at or below its own peak, and in-place writes only
+    lower what it holds, so the estimate bounds the graph's own bytes."""
     timeline = plan.timeline
     if timeline is None or not schedule_peaks:
-        return 0
+        return plan.predicted_peak_bytes
     own = [k for k, kind in enumerate(timeline.kinds) if kind not in _NOT_IN_SCHEDULE]
     planned = {"forward": 0, "backward": 0}
-    for point, step in enumerate(timeline.steps):
+    totals = {"forward": 0, "backward": 0}
+    for point, (step, total) in enumerate(zip(timeline.steps, timeline.totals)):
         graph = "forward" if step < timeline.num_forward_steps else "backward"
         held = sum(timeline.live[k][point] for k in own)
         planned[graph] = max(planned[graph], held)
-    return max(0, *(peak - planned[graph] for graph, peak in schedule_peaks.items()))
+        totals[graph] = max(totals[graph], total)
+    if any(plan.fusion_estimate_bytes):  # the same estimate, on memopt's order
+        planned = dict(zip(("forward", "backward"), plan.fusion_estimate_bytes))
+    raised = [totals[graph] + max(0, schedule_peaks.get(graph, 0) - planned[graph])
+              for graph in planned]
+    return max(plan.predicted_peak_bytes, *raised)
+
+
+def schedule_excess(plan: MemoryPlan, schedule_peaks: dict[str, int]) -> int:
+    """Bytes by which inductor's schedule of the plan's graphs raises the step's peak
+    above the plan's prediction (`schedule_peak`; 0 where it does not)."""
+    return schedule_peak(plan, schedule_peaks) - plan.predicted_peak_bytes

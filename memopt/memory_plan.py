@@ -374,9 +374,14 @@ class MemoryPlan(BaseModel):
     #: allocator would reserve for the step (`cuda_reserved_bytes`), not only allocated
     reserved_bounded: bool = False
     kernels_note: str = ""
-    #: kernels="inductor": how many bytes inductor's schedule of the graphs holds above
-    #: the plan's own buffers (memopt.kernels.schedule_excess; 0: none)
+    #: kernels="inductor": how many bytes inductor's schedule of the graphs raises the
+    #: step's peak above memopt's model of its fused kernels (memopt.kernels
+    #: .schedule_excess; 0: none); the predicted peak includes them
     schedule_excess_bytes: Bytes = 0
+    #: kernels="inductor": inductor's own estimate of the forward's and the backward's
+    #: peak as memopt's fusion model predicts it on memopt's order (passes.fusion), which
+    #: memopt.kernels compares with inductor's estimate of its own order
+    fusion_estimate_bytes: tuple[Bytes, Bytes] = (0, 0)
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""

@@ -37,6 +37,9 @@ from memopt.allocator.lifetimes import RESIDENT_KINDS, Holds, StepShape, held_ou
 
 from ._torch_compat import OpOverload, is_tangent, storage_key
 
+from memopt.allocator.fusion import EXTERN, Fusion
+
+from .fusion import Traits, graph_fusion, kernel_kind, traits
 from .meta import (fake_value, held_bytes, inplace_source, recomputed_from, value_tensors,
                    workspace_bytes)
 
@@ -121,6 +124,9 @@ class StepSchedule:
     steps: tuple[str, ...]            # "fw.<node>" then "bw.<node>", execution order
     num_forward_steps: int
     storages: tuple[StorageLife, ...]
+    #: with fused kernels: inductor's own estimate of the forward's and the backward's
+    #: peak on this order (memopt.allocator.fusion.Fusion.estimate), else (0, 0)
+    fusion_estimates: tuple[int, int] = (0, 0)
 
     @property
     def last_step(self) -> int:
@@ -166,6 +172,7 @@ def analyze_liveness(
     outside_grad_bytes: int = 0,
     outside_bytes: tuple[int, ...] = (0, 0),
     outputs_dropped: bool = False,
+    fused: bool = False,
 ) -> StepSchedule:
     """Lifetimes of every storage of a training step. `saved`: names of saved values;
     the forward returns `num_user_outputs` outputs for the caller, then the saved values
@@ -182,7 +189,9 @@ def analyze_liveness(
     earlier runs in the forward, each holding its saved storages (allocator.lifetimes). `outputs_dropped`: the caller
     keeps only its scalar outputs (the loss it calls backward on) past the forward
     (memopt.compile's drop_outputs); the others die as the forward ends, unless backward
-    reads them."""
+    reads them. `fused`: inductor runs the graphs (kernels="inductor"); what its fused
+    kernels compute inside their readers has no storage, what they write in place shares
+    its input's, and only extern kernels have workspaces (passes.fusion)."""
     primal_kinds = primal_kinds or {}
     stores = _Storages()
     node_keys: dict[tuple[str, str], list[object]] = {}
@@ -200,7 +209,10 @@ def analyze_liveness(
     # getitems take their source's; every other op allocates a new storage. A node
     # recomputed in backward shares its FakeTensor with the forward original but
     # allocates its own memory, so FakeTensor identity cannot be trusted there.
+    fusions = _fusions(fw, bw, num_user_outputs) if fused else {}
     for prefix, gm in graphs:
+        # inductor's kernels: outputs written into an input, or into a pooled buffer
+        takes = {**fusions[prefix].inplace, **fusions[prefix].reuse} if fused else {}
         for node in gm.graph.nodes:
             if node.op not in ("placeholder", "call_function", "get_attr"):
                 continue
@@ -214,7 +226,7 @@ def analyze_liveness(
             for index, nbytes in held_bytes(node).items():  # an opaque op's stored state
                 if index < len(keys):
                     stores.nbytes[stores.find(keys[index])] = nbytes
-            src = inplace_source(node)
+            src = takes[node].name if node in takes else inplace_source(node)
             if src is not None and keys and (prefix, src) in node_keys:
                 stores.union(keys[0], node_keys[(prefix, src)][0])
             node_keys[(prefix, node.name)] = keys
@@ -234,6 +246,8 @@ def analyze_liveness(
     num_forward = 0
     for prefix, gm in graphs:
         bw_start = len(steps)
+        virtual = fusions[prefix].virtual if fused else frozenset()
+        reads = fusions[prefix].reads if fused else {}
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 for key in keys_of(prefix, node):
@@ -248,10 +262,12 @@ def analyze_liveness(
             elif node.op in ("call_function", "get_attr"):
                 step = len(steps)
                 steps.append(f"{prefix}.{node.name}")
-                for arg in node.all_input_nodes:
+                if node in virtual:  # computed inside the kernels that read it
+                    continue
+                for arg in reads.get(node, node.all_input_nodes):
                     for key in keys_of(prefix, arg):
                         touch(key, step)
-                if workspace_bytes(node):  # freed before the next step
+                if workspace_bytes(node) and not (fused and kernel_kind(node) != EXTERN):
                     ws = ("workspace", prefix, node.name)
                     stores.parent[ws], stores.nbytes[ws] = ws, workspace_bytes(node)
                     touch(ws, step, f"{prefix}.{node.name}.workspace")
@@ -298,7 +314,48 @@ def analyze_liveness(
                                     outside_grad_bytes=outside_grad_bytes,
                                     has_backward=bw is not None, saved_bytes=saved_bytes)]
     lives.sort(key=lambda s: (s.start, s.name))
-    return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives))
+    return StepSchedule(steps=tuple(steps), num_forward_steps=num_forward, storages=tuple(lives),
+                        fusion_estimates=(fusions["fw"].estimate, fusions["bw"].estimate)
+                        if fused and bw is not None else (0, 0))
+
+
+def _fusions(fw: fx.GraphModule, bw: fx.GraphModule | None, num_user_outputs: int
+             ) -> dict[str, Fusion]:
+    """passes.fusion's answer for each graph ("fw", "bw"): a backward may reuse a saved
+    value's buffer unless it is resident (a primal's) or an output to the caller."""
+    def raw(node: fx.Node) -> tuple:
+        return tuple(storage_key(t) for t in value_tensors(fake_value(node)))
+
+    fw_out = next(iter(fw.graph.find_nodes(op="output")))
+    resident = {r for n in fw.graph.find_nodes(op="placeholder") for r in raw(n)}
+    kept = resident | \
+        {r for a in fw_out.args[0][:num_user_outputs] if isinstance(a, fx.Node) for r in raw(a)}
+    devices = {t.device.type for gm in (fw, bw) if gm is not None for n in gm.graph.nodes
+               for t in value_tensors(fake_value(n))[:1]}
+    known: dict[fx.Node, Traits] = {}
+
+    def traits_of(node: fx.Node) -> Traits:
+        if node not in known:
+            known[node] = traits(node)
+        return known[node]
+
+    answers = {}
+    for prefix, gm in (("fw", fw), ("bw", bw)):
+        if gm is None:
+            continue
+        nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function", "get_attr")]
+        out = next(iter(gm.graph.find_nodes(op="output")))
+
+        def donated(node: fx.Node, backward: bool = prefix == "bw") -> bool:
+            return backward and not is_tangent(node) and not kept.intersection(raw(node))
+
+        answers[prefix] = graph_fusion(
+            [n for n in nodes if n.op == "placeholder"],
+            [n for n in nodes if n.op != "placeholder"], out.all_input_nodes,
+            read=lambda n: n.all_input_nodes, traits_of=traits_of, raw=raw, donated=donated,
+            freeable=lambda n, b=prefix == "bw": b and not resident.intersection(raw(n)),
+            cpu=devices == {"cpu"})
+    return answers
 
 
 def _backward_keys(node: fx.Node, tensors: list[torch.Tensor],

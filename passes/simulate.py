@@ -58,6 +58,7 @@ from torch import fx
 
 from ._torch_compat import OpOverload, is_sym_node, is_tangent, storage_key
 
+from .fusion import Traits, traits
 from .liveness import kept_by_caller
 from .inplace import inplace_overload, is_whole_dense, opaque_output, out_overload
 from .meta import WORKSPACE_BYTES, OpBytes, fake_value, tensor_value, value_tensors
@@ -78,8 +79,12 @@ class StepModel:
                  step_bytes: dict[str, int] | None = None, outside_grad_bytes: int = 0,
                  outside: tuple[int, ...] = (0, 0), granularity: int = 1,
                  impure_random: bool = False, outputs_dropped: bool = False,
-                 workspaces: WorkspaceCache | None = None) -> None:
+                 workspaces: WorkspaceCache | None = None, fused: bool = False) -> None:
         self.num_fwd_outputs = num_fwd_outputs
+        #: inductor runs the graphs (kernels="inductor"): liveness counts the buffers its
+        #: fused kernels allocate (passes.fusion)
+        self.fused = fused
+        self._traits: dict[fx.Node, Traits] = {}
         #: the owner's measured workspaces (passes.workspace): read and filled per candidate
         self.workspaces = workspaces if workspaces is not None else WorkspaceCache()
         self.outputs_dropped = outputs_dropped  # passes.liveness's
@@ -143,8 +148,16 @@ class StepModel:
         self._twins: dict[tuple[int, str], tuple[list[tuple[Proto, tuple]], dict]] = {}
         self._accumulate: dict[int | None, Proto] = {}
         #: kernels' workspaces are measured on CPU and CUDA only (passes.workspace)
-        self.measures = any(t.device.type in ("cpu", "cuda")
-                            for n in nodes for t in value_tensors(fake_value(n))[:1])
+        devices = {t.device.type for n in nodes for t in value_tensors(fake_value(n))[:1]}
+        self.measures = bool(devices & {"cpu", "cuda"})
+        self.cpu = devices == {"cpu"}  # inductor's CPU realization heuristic (passes.fusion)
+
+    def traits(self, proto: Proto) -> Traits:
+        """passes.fusion's Traits of a proto's node, read once."""
+        node = proto.node
+        if node not in self._traits:
+            self._traits[node] = traits(node)
+        return self._traits[node]
 
     def accumulate_proto(self, step_bytes: int | None = None) -> Proto:
         """passes.gradients' `add(grad, parameter)` node: it reads, returns nothing; an

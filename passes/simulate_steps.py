@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 from memopt.allocator.lifetimes import Holds, StepShape, held_outside
 from memopt.allocator.mirror import placement_order
 
+from memopt.allocator.fusion import EXTERN, Fusion
+
+from .fusion import graph_fusion
 from .inplace import merge_storage
 from .liveness import timeline_kind
 from .meta import OpBytes, held_bytes, preset_workspace_bytes
@@ -323,6 +326,28 @@ class Candidate:
             return 0
         return p.flops
 
+    def _fusions(self, fw: "Graph", bw: "Graph") -> dict[bool, Fusion]:
+        """passes.fusion's answer for the forward (False) and the backward (True): what
+        inductor's fused kernels leave unallocated or write in place. A backward may
+        reuse a saved value's buffer unless it is resident or an output to the caller."""
+        m, P, I = self.m, self.P, self.I
+        resident = {raw for i in m.primals for raw in P[i].raw}
+        kept = resident | \
+            {raw for i in fw.outputs[:m.num_fwd_outputs] if i is not None for raw in P[i].raw}
+        answers = {}
+        for backward, graph in ((False, fw), (True, bw)):
+            def donated(i: int, backward: bool = backward) -> bool:
+                p = P[i]
+                return backward and p.kind != "tangent" and not p.symbolic \
+                    and not kept.intersection(p.raw)
+
+            answers[backward] = graph_fusion(
+                graph.inputs, graph.body, graph.outputs, read=I.__getitem__,
+                traits_of=lambda i: m.traits(P[i]), raw=lambda i: P[i].raw,
+                donated=donated, cpu=m.cpu,
+                freeable=lambda i, b=backward: b and not resident.intersection(P[i].raw))
+        return answers
+
     # Step 5: passes.liveness.analyze_liveness, and the peak.
     def liveness(self, fw: "Graph", bw: "Graph", saved_values: list[int],
                  with_kinds: bool = False) -> Simulated:
@@ -350,8 +375,10 @@ class Candidate:
         workspaces: list[tuple[int, int, bool]] = []  # (bytes, step, of an opaque op)
         keys_fw: dict[int, tuple[int, ...]] = {}
         keys_bw: dict[int, tuple[int, ...]] = {}
+        fusions = self._fusions(fw, bw) if m.fused else {}
         for graph, keys, backward in ((fw, keys_fw, False), (bw, keys_bw, True)):
             start = steps if backward else -1
+            fused = fusions.get(backward)
             for i in graph.inputs:
                 p = P[i]
                 keys[i] = own = p.raw
@@ -365,11 +392,22 @@ class Candidate:
                     if k not in first:
                         first[k] = start
                     last[k] = start
-            spaces = self._workspaces(graph.body, graph.rewrites)
             rewrites = graph.rewrites
+            if fused is None:
+                spaces = self._workspaces(graph.body, rewrites)
+                virtual, reads = frozenset(), {}
+            else:  # inductor's kernels: its own have no workspace; in-place is theirs
+                spaces = self._workspaces([i for i in graph.body
+                                           if m.traits(P[i]).kind == EXTERN], rewrites)
+                virtual, reads = fused.virtual, fused.reads
+                rewrites = {i: (a, ("fused",)) for i, a in
+                            (*fused.inplace.items(), *fused.reuse.items())}
             get = keys.get
             for i in graph.body:
                 p = P[i]
+                if i in virtual:  # computed inside the kernels that read it: no buffer
+                    steps += 1
+                    continue
                 if backward:  # a backward op aliases an input only where its value is a view
                     alias: dict[int, int] = {}
                     for a in I[i]:
@@ -403,7 +441,7 @@ class Candidate:
                 keys[i] = own
                 step = steps
                 steps += 1
-                for a in I[i]:
+                for a in reads.get(i, I[i]):
                     for key in get(a, ()):
                         k = find(key) if key in parent else key
                         if k not in first:

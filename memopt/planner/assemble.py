@@ -132,6 +132,7 @@ def assemble(final: Built, request: PlanRequest, decisions: Decisions, device: s
         grads_added_in_place=sum(1 for n in final.bw.graph.nodes if accumulates_into(n)),
         steps_in_backward=sum(1 for n in final.bw.graph.nodes if steps_in_backward(n)),
         reserved_bounded=request.options.reserved and decisions.fits is not None,
+        fusion_estimate_bytes=schedule.fusion_estimates,
     )
 
 

@@ -139,7 +139,8 @@ class _Planning:
                 step_bytes=r.grads.step_bytes if r.grads is not None else None,
                 outside_grad_bytes=r.outside_grad_bytes, outside=r.outside.bytes(),
                 granularity=self.gran, impure_random=dce_impure_random(),
-                outputs_dropped=self.step.outputs_dropped, workspaces=r.workspaces)
+                outputs_dropped=self.step.outputs_dropped, workspaces=r.workspaces,
+                fused=self.step.fused)
         notify(Observed(model=self.model, joint=self.joint, num_fwd_outputs=self.n,
                         primal_kinds=r.primal_kinds, options=self.options))
         label = f" {r.label}" if r.label else ""
@@ -183,7 +184,7 @@ class _Planning:
             headroom = default_headroom(device_of(self.joint))
         self.headroom = headroom if r.budget is not None else 0.0
         self.fits = self.budget_bytes - math.ceil(self.budget_bytes * self.headroom) \
-            if self.budget_bytes else None  # what the plan must fit
+            - r.reserve_bytes if self.budget_bytes else None  # what the plan must fit
         self.target = 1 if r.lowest_peak else self.fits  # what the search aims at
 
     # Step 5
@@ -362,7 +363,8 @@ class _Planning:
                         lambda m: as_simulated(self.build(m)))
                 final = self.build(mirror)
         families = tuple(self.found[f] for f in FAMILIES)
-        decisions = Decisions(budget_bytes=self.budget_bytes, fits=self.fits,
+        fits = None if self.fits is None else self.fits + self.request.reserve_bytes
+        decisions = Decisions(budget_bytes=self.budget_bytes, fits=fits,  # headroom's
                               baseline=self.baseline, search=search, families=families,
                               forward_flops=self.forward_flops())
         with stage("allocator", self.done):

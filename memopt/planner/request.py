@@ -58,6 +58,9 @@ class StepContext:
     outside: Outside = Outside()
     #: The caller drops every output but its scalar loss before backward (passes.liveness)
     outputs_dropped: bool = False
+    #: TorchInductor's fused kernels run the graphs (kernels="inductor"): liveness counts
+    #: the buffers they allocate (passes.fusion)
+    fused: bool = False
 
     @property
     def mutable_inputs(self) -> frozenset[str]:
@@ -74,7 +77,8 @@ class StepContext:
             fw, bw, saved=saved, num_user_outputs=num_user_outputs,
             primal_kinds=self.primal_kinds, existing_grads=self.existing_grad_bytes,
             outside_grad_bytes=self.outside_grad_bytes,
-            outside_bytes=self.outside.bytes(), outputs_dropped=self.outputs_dropped)
+            outside_bytes=self.outside.bytes(), outputs_dropped=self.outputs_dropped,
+            fused=self.fused)
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,9 @@ class PlanRequest:
     fraction_floor: int = 0
     #: the kernel workspaces measured so far by the module this graph belongs to
     workspaces: WorkspaceCache = field(default_factory=WorkspaceCache)
+    #: bytes of the budget the plan leaves free beyond its headroom: what inductor's
+    #: schedule of an earlier plan of this graph held above that plan (memopt.kernels)
+    reserve_bytes: int = 0
     step: StepContext = field(init=False)
 
     def __post_init__(self) -> None:
@@ -166,4 +173,5 @@ class PlanRequest:
             raise ValueError(f"primal kinds must be parameter, buffer or input: {unknown}")
         object.__setattr__(self, "step", StepContext(
             self.primal_kinds, self.grads, self.outside_grad_bytes, self.outside,
-            outputs_dropped=self.options.drop_outputs and self.whole_step))
+            outputs_dropped=self.options.drop_outputs and self.whole_step,
+            fused=self.options.fusible))
