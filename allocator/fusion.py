@@ -28,6 +28,11 @@ peak (a GELU gradient's three decomposed pointwise temporaries) and ConvNeXt 31%
         (0.95-1x), which the graph does not return and which is not resident (the forward's
         inputs; a backward reuses the saved values donated to it).
 
+    Step 4 (codegen/wrapper.py `memory_plan_reuse`): the wrapper's pool of freed buffers
+        (`_pool`).
+    Step 5 (a layout constraint, e.g. kernel/conv.py): an extern kernel's argument laid
+        out anew is a copy while it runs, unless a kernel of the graph writes it.
+
 What is not modelled, so the prediction stays an upper estimate there: buffers that two
 realized nodes fused into one kernel leave kernel-local (removed), the order a fused
 kernel runs in, and inductor's concatenation into slices of its output. Plain data in,
@@ -76,6 +81,10 @@ class FusionNode:
     #: an input inductor's own estimate of the graph counts until its last read (a
     #: backward's saved values and tangents; not the resident primals)
     freeable: bool = False
+    #: positions of the nodes an extern kernel is handed laid out anew (inductor's
+    #: layout constraint): a copy while it runs, unless that node's buffer is one a
+    #: kernel of this graph writes, which inductor lays out as asked
+    relaid: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -111,6 +120,9 @@ class Fusion:
     #: compared with the estimate of the order inductor chose, it tells what inductor's
     #: reordering of the kernels costs (memopt.kernels.schedule_peak)
     estimate: int = 0
+    #: node -> bytes of the copies of its arguments inductor lays out anew, held while
+    #: it runs (Step 5)
+    copies: dict[int, int] = field(default_factory=dict)
 
 
 def fuse(nodes: Sequence[FusionNode], thresholds: Thresholds = Thresholds()) -> Fusion:
@@ -215,8 +227,18 @@ def fuse(nodes: Sequence[FusionNode], thresholds: Thresholds = Thresholds()) -> 
                 pinned.add(theirs)
             break
     reuse, estimate = _pool(nodes, virtual, read_by, inplace)
+    # Step 5: the arguments an extern kernel needs laid out anew
+    copies: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.relaid:
+            base = a
+            while nodes[base].kind == VIEW and nodes[base].inputs:
+                base = nodes[base].inputs[0]
+            made_here = nodes[base].kind in (POINTWISE, KERNEL) and not returned[base]
+            if not made_here:
+                copies[i] = copies.get(i, 0) + nodes[a].nbytes
     return Fusion(virtual=frozenset(virtual), reads=reads, inplace=inplace, reuse=reuse,
-                  estimate=estimate)
+                  estimate=estimate, copies=copies)
 
 
 def _pool(nodes: Sequence[FusionNode], virtual: set[int], read_by, inplace: dict[int, int]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
-                                         loss_decompositions, make_boxed, pytree,
+                                         is_tangent, loss_decompositions, make_boxed, pytree,
                                          storage_key)
 from memopt.passes.lm_heads import Attach
 from memopt.passes.runtime_views import views_as_reshapes
@@ -31,12 +32,13 @@ from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError, InputError
 from .grads import GradSink, parameter_slots
-from .kernels import Kernels, compile_with_inductor, schedule_excess
+from .kernels import Kernels, compile_with_inductor, schedule_peak, scheduled_peak
 from .markers import SkippedLogits
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
 from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
+from .planner.build import allocation_granularity
 from .planner.fusible import returns_view
 from .steps import Outside, holds_memory
 from .stepper import Stepping, stepping_for
@@ -167,6 +169,7 @@ class CompiledGraph:
             options = dataclasses.replace(options, fusible=False)
         planned: list[MemoryPlan] = []
         reserve = [0]  # bytes inductor's schedule of an earlier plan held above it
+        requests: list[PlanRequest] = []  # the last is the plan's
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -180,6 +183,7 @@ class CompiledGraph:
                 must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
                 fraction_floor=plans.fraction_floor if self.alone else 0,
                 reserve_bytes=reserve[0])
+            requests.append(request)
             try:
                 fw, bw, plan = self._plan_joint(request)
             except BudgetError as err:
@@ -233,7 +237,7 @@ class CompiledGraph:
         with torch.random.fork_rng(devices=_cuda_devices()):
             if self.kernels is Kernels.INDUCTOR:
                 compiled = self._inductor_or_aten(example_inputs, partition_fn, planned, aten,
-                                                  reserve)
+                                                  reserve, requests)
             else:
                 compiled = aten()
         if self.attaches:
@@ -318,16 +322,18 @@ class CompiledGraph:
 
     def _inductor_or_aten(self, example_inputs: Sequence[Any], partition_fn: Callable,
                           planned: list[MemoryPlan], aten: Callable[[], Callable],
-                          reserve: list[int]) -> Callable:
-        """The graphs compiled by inductor, checked against the plan. Inductor's schedule
-        of each graph can hold more than the plan counts (memopt.kernels.schedule_peak):
-        the plan's predicted peak is raised to it. Where that is over the budget, the
-        graph is planned again with the budget less the excess (`reserve`) and compiled
-        again; where it is still over, it is planned and compiled once more to run op by
-        op (`aten`), and its plan says why."""
+                          reserve: list[int], requests: list[PlanRequest]) -> Callable:
+        """The graphs compiled by inductor, checked against the plan. memopt's liveness of
+        fused kernels ran on each graph's own order; inductor's fusion can run the kernels
+        in another (memopt.kernels.scheduled_peak), and the plan's predicted peak becomes
+        the step's on that order. Where that is over the budget, the graph is planned
+        again with the budget less the excess (`reserve`) and compiled again; where it is
+        still over, it is planned and compiled once more to run op by op (`aten`), and its
+        plan says why."""
         for attempt in range(2):
             try:
-                compiled, peaks = compile_with_inductor(self.gm, example_inputs, partition_fn)
+                compiled, schedule = compile_with_inductor(self.gm, example_inputs,
+                                                           partition_fn)
             except BudgetError:
                 if attempt == 0:
                     raise
@@ -335,10 +341,13 @@ class CompiledGraph:
                 break
             if not planned:
                 return compiled
-            plan = planned[-1]
-            excess = schedule_excess(plan, peaks)
+            plan, request = planned[-1], requests[-1]
+            peak = scheduled_peak(schedule, partial(_liveness, request),
+                                  allocation_granularity(plan.device))
+            if peak is None:  # not seen (inductor's cache): its own estimate bounds it
+                peak = schedule_peak(plan, schedule.peaks)
             budget = plan.budget_bytes
-            peak = plan.predicted_peak_bytes + excess
+            excess = max(0, peak - plan.predicted_peak_bytes)
             if budget is None or peak <= budget:
                 planned[-1] = plan.model_copy(update={"schedule_excess_bytes": excess,
                                                       "predicted_peak_bytes": peak})
@@ -583,3 +592,10 @@ def _grad_sink(kinds: dict[str, str], inputs: Sequence[Any]) -> tuple[GradSink, 
     return sink, ExistingGrads(nbytes=nbytes, add=sink.add)
 
 
+
+
+def _liveness(request: PlanRequest, fw: fx.GraphModule, bw: fx.GraphModule) -> Any:
+    """The liveness of a plan's graphs `fw` and `bw` as `request` plans its step."""
+    saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder")
+                      if not is_tangent(n))
+    return request.step.liveness(fw, bw, saved, request.num_fwd_outputs)

@@ -39,12 +39,15 @@ from __future__ import annotations
 import copy
 import enum
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
 
+from memopt.allocator import Interval, peak_live_bytes
 from memopt.passes._torch_compat import inductor_compile, storage_key
+from memopt.passes.fusion import in_schedule_order
 
 from .memory_plan import MemoryPlan
 
@@ -72,26 +75,62 @@ class Kernels(str, enum.Enum):
 _CACHE_KEY = "memopt-partitioner-1"
 
 
+@dataclass
+class InductorSchedule:
+    """What compiling a plan's graphs with inductor showed: its estimate of each graph's
+    own peak ("forward", "backward": passes._torch_compat._schedule_peak), the order its
+    kernels run each graph's nodes in (`orders`), and copies of the graphs memopt gave it
+    (`graphs`, as planned: inductor's passes change the graphs they compile)."""
+
+    peaks: dict[str, int] = field(default_factory=dict)
+    orders: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
+    graphs: tuple[fx.GraphModule, ...] = ()
+
+
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                          partition_fn: Callable[..., Any]) -> tuple[Callable, dict[str, int]]:
+                          partition_fn: Callable[..., Any]) -> tuple[Callable, InductorSchedule]:
     """`gm` (a dynamo graph) compiled by TorchInductor with `partition_fn` (memopt's
-    planner) partitioning its joint graph, and inductor's estimate of each graph's own
-    peak as it scheduled it ({"forward": bytes, "backward": bytes}, see `schedule_excess`).
-    `gm` itself is left as it was (inductor's pre-grad passes change the graph they are
-    given), so that it can be planned again."""
+    planner) partitioning its joint graph, and what inductor's schedule of the planned
+    graphs showed (InductorSchedule, see `schedule_peak`). `gm` itself is left as it was
+    (inductor's pre-grad passes change the graph they are given), so that it can be
+    planned again."""
     own = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     own.meta.update(gm.meta)
-    peaks: dict[str, int] = {}
+    schedule = InductorSchedule()
     resident: set[str] = set()
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         fw, bw = partition_fn(joint, joint_inputs, **kwargs)
         resident.update(views_of_primals(joint, bw))
+        schedule.graphs = (_copy(fw), _copy(bw))
         return fw, bw
 
-    compiled = inductor_compile(own, list(example_inputs), partition, _CACHE_KEY, peaks,
-                                resident)
-    return compiled, peaks
+    compiled = inductor_compile(own, list(example_inputs), partition, _CACHE_KEY,
+                                schedule.peaks, resident, schedule.orders)
+    return compiled, schedule
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` with a graph of its own (nodes copied, their meta shallow-copied)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def scheduled_peak(schedule: InductorSchedule, liveness: Callable[..., Any],
+                   granularity: int) -> int | None:
+    """The step's peak as memopt's liveness of fused kernels (passes.fusion) counts it
+    with each graph's nodes in the order inductor's kernels ran them
+    (passes.fusion.in_schedule_order); `liveness(fw, bw)` is the plan's (a StepSchedule).
+    None where the schedule was not seen (a graph compiled from inductor's cache)."""
+    if len(schedule.graphs) != 2 or set(schedule.orders) != {"forward", "backward"}:
+        return None
+    fw, bw = (in_schedule_order(g, schedule.orders[kind])
+              for g, kind in zip(schedule.graphs, ("forward", "backward")))
+    steps = liveness(fw, bw)
+    return peak_live_bytes([Interval(-(-s.nbytes // granularity) * granularity, s.start, s.end)
+                            for s in steps.storages], len(steps.steps)).peak_bytes
 
 
 def views_of_primals(joint: fx.GraphModule, backward: fx.GraphModule) -> set[str]:

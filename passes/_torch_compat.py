@@ -448,10 +448,20 @@ def _schedule_peak(nodes: list[Any], resident: set[str]) -> int:
     return int(peak)
 
 
+def _schedule_order(nodes: list[Any]) -> list[tuple[str, ...]]:
+    """The fx nodes of the graph inductor is scheduling, by name, in the order its kernels
+    run (after fusion: a fused kernel runs where its first node would): per kernel, its
+    nodes and the nodes computed inside them (inductor's `origins`), unordered."""
+    return [tuple(o.name for o in (getattr(getattr(inner, "node", None), "origins", None)
+                                   or ()))
+            for node in nodes for inner in node.get_nodes()]
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
                      partition_fn: Callable[..., Any], version: str,
                      schedule_peaks: dict[str, int] | None = None,
-                     resident: set[str] | None = None) -> Callable:
+                     resident: set[str] | None = None,
+                     schedule_orders: dict[str, list[tuple[str, ...]]] | None = None) -> Callable:
     """Compile a dynamo graph with TorchInductor (`compile_fx`), `partition_fn` in place
     of its min-cut partitioner (`config.custom_partitioner_fn`, run after inductor's
     joint-graph passes), under INDUCTOR_SETTINGS. AOTAutograd's cache is off for the call:
@@ -462,7 +472,8 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
     schedules it ("forward", "backward": _schedule_peak, less the inputs named in
     `resident`, which `partition_fn` may fill), read right after fusion; inductor's
     graph cache is then off (a hit would skip the scheduler), its compiled-kernel cache
-    stays on (keyed by the kernels' source)."""
+    stays on (keyed by the kernels' source). `schedule_orders`, when given, receives
+    the order of each graph's nodes as inductor's kernels run them (_schedule_order)."""
     from torch._functorch import config as functorch_cfg  # noqa: PLC0415
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: PLC0415
     from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: PLC0415
@@ -500,6 +511,8 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
 
             kind = "backward" if V.graph.is_backward else "forward"
             schedule_peaks[kind] = _schedule_peak(nodes, resident or set())
+            if schedule_orders is not None:
+                schedule_orders[kind] = _schedule_order(nodes)
             return nodes
 
         patches |= {"_post_fusion_custom_pass": after_fusion, "fx_graph_cache": False}

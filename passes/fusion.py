@@ -15,6 +15,7 @@ and which write in place (memopt.allocator.fusion.Fusion, keyed by the caller's 
 
 from __future__ import annotations
 
+import heapq
 import operator
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,19 @@ def kernel_kind(node: fx.Node) -> str:
     return EXTERN
 
 
+def relaid_args(node: fx.Node) -> tuple[int, ...]:
+    """Positions of `node`'s tensor arguments that inductor passes its extern kernel
+    contiguous where the graph's are not. Its convolution backward, with the weight's
+    gradient asked for and channels-last layouts off (memopt.kernels), lays the gradient
+    and the input out in the weight gradient's stride order (torch/_inductor/kernel/
+    conv.py): a ConvNeXt's channels-last depthwise gradients measured a 12.3 MiB CPU
+    workspace as the graph lays them out and 0.45 MiB as inductor does."""
+    if node.target is not aten.convolution_backward.default or not node.args[10][1]:
+        return ()
+    return tuple(k for k in (0, 1) if isinstance(node.args[k], fx.Node)
+                 and not fake_value(node.args[k]).is_contiguous())
+
+
 def is_heavy(node: fx.Node) -> bool:
     target = node.target
     return isinstance(target, OpOverload) and target.__name__.split(".")[0] in _HEAVY
@@ -109,6 +123,7 @@ class Traits:
     whole: bool = False
     heavy: bool = False
     out: bool = False  # an extern kernel called with a buffer the wrapper allocates
+    relaid: tuple[int, ...] = ()  # its arguments inductor lays out anew (relaid_args)
 
 
 def traits(node: fx.Node) -> Traits:
@@ -116,12 +131,13 @@ def traits(node: fx.Node) -> Traits:
     value = fake_value(node)
     kind = kernel_kind(node)
     if not isinstance(value, torch.Tensor):
-        return Traits(kind, heavy=is_heavy(node))
+        return Traits(kind, heavy=is_heavy(node), relaid=relaid_args(node))
     whole = value.storage_offset() == 0 and value.is_contiguous() \
         and value.untyped_storage().nbytes() == value.numel() * value.element_size()
     return Traits(kind, True, nbytes=value.untyped_storage().nbytes(),
                   layout=(tuple(value.shape), tuple(value.stride()), value.dtype),
-                  whole=whole, heavy=is_heavy(node), out=node.target in _OUT_EXTERN)
+                  whole=whole, heavy=is_heavy(node), out=node.target in _OUT_EXTERN,
+                  relaid=relaid_args(node))
 
 
 T = TypeVar("T", bound=Hashable)
@@ -130,13 +146,15 @@ T = TypeVar("T", bound=Hashable)
 def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | None], *,
                  read: Callable[[T], Sequence[T]], traits_of: Callable[[T], Traits],
                  raw: Callable[[T], tuple[Hashable, ...]], donated: Callable[[T], bool],
-                 freeable: Callable[[T], bool], cpu: bool) -> Fusion:
+                 freeable: Callable[[T], bool], arg: Callable[[T, int], T | None],
+                 cpu: bool) -> Fusion:
     """inductor's fusion (memopt.allocator.fusion.fuse) of one graph whose placeholders
     are `inputs` and whose other nodes, in order, are `body`; `outputs` are what it
     returns, `read(n)` the nodes `n` reads, `raw(n)` the storage identities of its
     tensors (passes.liveness's keys), `donated(n)` whether an input's buffer may be
     reused after its last read (a backward's saved value, not resident), `freeable(n)`
-    whether inductor's own estimate counts an input (not a resident primal's). Storages as
+    whether inductor's own estimate counts an input (not a resident primal's), `arg(n, k)`
+    the node at `n`'s k-th positional argument. Storages as
     passes.liveness keys a backward's: an input keeps its own, a node whose tensor is
     one of its inputs' storages aliases it, any other allocates a new one. The answer
     is keyed by the caller's ids."""
@@ -150,6 +168,7 @@ def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | N
     for k, n in enumerate(order):
         t = traits_of(n)
         reads = tuple(position[a] for a in read(n) if a in position)
+        relaid = tuple(position[a] for k in t.relaid if (a := arg(n, k)) in position)
         if k < len(inputs):  # inputs that share a storage (a saved value and its view) share it
             ids[n] = tuple(of_input.setdefault(r, next(fresh)) for r in raw(n))
             kind = INPUT
@@ -165,6 +184,7 @@ def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | N
             storage=ids[n][0] if t.single and ids[n] else None, nbytes=t.nbytes,
             whole=t.whole, layout=t.layout, heavy=t.heavy,
             donated=kind == INPUT and donated(n), freeable=kind == INPUT and freeable(n),
+            relaid=relaid,
             pooled=kind in (POINTWISE, KERNEL) or (kind == EXTERN and t.out),
             key=(t.layout[2], t.nbytes) if t.single else None))
     fused = fuse(nodes, Thresholds(heavy_on_reuse=cpu))
@@ -172,4 +192,45 @@ def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | N
                   reads={order[k]: tuple(order[a] for a in v) for k, v in fused.reads.items()},
                   inplace={order[k]: order[a] for k, a in fused.inplace.items()},
                   reuse={order[k]: order[a] for k, a in fused.reuse.items()},
-                  estimate=fused.estimate)
+                  estimate=fused.estimate,
+                  copies={order[k]: v for k, v in fused.copies.items()})
+
+
+
+def in_schedule_order(gm: fx.GraphModule, kernels: Sequence[Iterable[str]]) -> fx.GraphModule:
+    """A copy of `gm` with its nodes in the order inductor's kernels run them (`kernels`:
+    per kernel, in order, the names of the nodes it computes: passes._torch_compat
+    ._schedule_order). A node no kernel names (a view, a getitem, a node inductor left
+    out) runs just before its first reader; placeholders stay first, the output last,
+    and every node still follows its inputs."""
+    nodes = list(gm.graph.nodes)
+    position = {n.name: k for k, n in enumerate(nodes)}
+    key: dict[fx.Node, float] = {}
+    by_name = {n.name: n for n in nodes}
+    for group in kernels:
+        for name in sorted((n for n in group if n in position), key=position.__getitem__):
+            key.setdefault(by_name[name], len(key))
+    last = float(len(key))
+    for n in reversed(nodes):  # unnamed: where its first reader runs
+        if n.op == "placeholder":
+            key[n] = -1.0
+        elif n.op == "output":
+            key[n] = last + 1
+        elif n not in key:
+            key[n] = min((key[u] for u in n.users), default=last) - 0.5
+    indegree = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(key[n], position[n.name], n.name) for n in nodes if indegree[n] == 0]
+    heapq.heapify(ready)
+    order: list[fx.Node] = []
+    while ready:
+        node = by_name[heapq.heappop(ready)[2]]
+        order.append(node)
+        for user in node.users:
+            indegree[user] -= 1
+            if indegree[user] == 0:
+                heapq.heappush(ready, (key[user], position[user.name], user.name))
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in order:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    return fx.GraphModule(gm, graph)

@@ -248,6 +248,7 @@ def analyze_liveness(
         bw_start = len(steps)
         virtual = fusions[prefix].virtual if fused else frozenset()
         reads = fusions[prefix].reads if fused else {}
+        copies = fusions[prefix].copies if fused else {}
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 for key in keys_of(prefix, node):
@@ -267,9 +268,12 @@ def analyze_liveness(
                 for arg in reads.get(node, node.all_input_nodes):
                     for key in keys_of(prefix, arg):
                         touch(key, step)
-                if workspace_bytes(node) and not (fused and kernel_kind(node) != EXTERN):
+                space = workspace_bytes(node)
+                if fused:  # inductor's own kernels have none; copies it lays out anew
+                    space = space + copies.get(node, 0) if kernel_kind(node) == EXTERN else 0
+                if space:
                     ws = ("workspace", prefix, node.name)
-                    stores.parent[ws], stores.nbytes[ws] = ws, workspace_bytes(node)
+                    stores.parent[ws], stores.nbytes[ws] = ws, space
                     touch(ws, step, f"{prefix}.{node.name}.workspace")
                 keys = keys_of(prefix, node)
                 multi = isinstance(fake_value(node), (tuple, list))
@@ -353,6 +357,7 @@ def _fusions(fw: fx.GraphModule, bw: fx.GraphModule | None, num_user_outputs: in
             [n for n in nodes if n.op == "placeholder"],
             [n for n in nodes if n.op != "placeholder"], out.all_input_nodes,
             read=lambda n: n.all_input_nodes, traits_of=traits_of, raw=raw, donated=donated,
+            arg=lambda n, k: n.args[k],
             freeable=lambda n, b=prefix == "bw": b and not resident.intersection(raw(n)),
             cpu=devices == {"cpu"})
     return answers

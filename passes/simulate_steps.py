@@ -344,7 +344,7 @@ class Candidate:
             answers[backward] = graph_fusion(
                 graph.inputs, graph.body, graph.outputs, read=I.__getitem__,
                 traits_of=lambda i: m.traits(P[i]), raw=lambda i: P[i].raw,
-                donated=donated, cpu=m.cpu,
+                donated=donated, cpu=m.cpu, arg=lambda i, k: self.A[i][k],
                 freeable=lambda i, b=backward: b and not resident.intersection(P[i].raw))
         return answers
 
@@ -397,8 +397,12 @@ class Candidate:
                 spaces = self._workspaces(graph.body, rewrites)
                 virtual, reads = frozenset(), {}
             else:  # inductor's kernels: its own have no workspace; in-place is theirs
-                spaces = self._workspaces([i for i in graph.body
-                                           if m.traits(P[i]).kind == EXTERN], rewrites)
+                externs = [i for i in graph.body if m.traits(P[i]).kind == EXTERN]
+                spaces = self._workspaces(externs, {
+                    i: (None, ("relaid", m.traits(P[i]).relaid)) for i in externs
+                    if m.traits(P[i]).relaid})
+                for i, copied in fused.copies.items():  # arguments inductor lays out anew
+                    spaces[i] = spaces.get(i, 0) + copied
                 virtual, reads = fused.virtual, fused.reads
                 rewrites = {i: (a, ("fused",)) for i, a in
                             (*fused.inplace.items(), *fused.reuse.items())}
@@ -522,6 +526,8 @@ class Graph:
 def _variant_call(p: Proto, variant: Any) -> Call | None:
     if variant[0] == "fn":
         return node_call(p.node)
+    if variant[0] == "relaid":  # inductor's layout of the arguments (passes.fusion)
+        return node_call(p.node, relaid=variant[1])
     if variant[0] == "inplace":
         return node_call(p.node, target=p.inplace_target)
     target, out_name = p.out_variant

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,14 +121,16 @@ class WorkspaceResult:
     total_bytes: int       # sum of the bytes charged (each node once)
 
 
-def measure_workspaces(graphs: Sequence[fx.GraphModule], cache: WorkspaceCache
+def measure_workspaces(graphs: Sequence[fx.GraphModule], cache: WorkspaceCache,
+                       relaid: Callable[[fx.Node], tuple[int, ...]] | None = None
                        ) -> WorkspaceResult:
     """Measure (or look up) and record the workspace of every eligible node of
-    ``graphs`` (see the module docstring)."""
+    ``graphs`` (see the module docstring); `relaid(node)`: the positional arguments
+    the kernel that runs it is given contiguous (inductor's, passes.fusion)."""
     t0 = time.perf_counter()
     # Step 1: keys.
     calls = [(node, call) for gm in graphs for node in gm.graph.nodes
-             if (call := node_call(node)) is not None]
+             if (call := node_call(node, relaid=relaid(node) if relaid else ())) is not None]
     new_keys = {call.key for _, call in calls if call.key not in cache.bytes_of}
     hits = sum(1 for _, call in calls if call.key not in new_keys)
     found = workspace_bytes_of([call for _, call in calls], cache)   # Step 2
@@ -159,15 +161,26 @@ class Call:
     key: tuple
 
 
-def node_call(node: fx.Node, target: Any = None, kwargs: dict | None = None) -> Call | None:
+@dataclass(frozen=True)
+class Relaid:
+    """An argument passed as a contiguous copy of the node's tensor (what inductor
+    hands an extern kernel whose layout it constrains: passes.fusion.relaid_args)."""
+
+    node: fx.Node
+
+
+def node_call(node: fx.Node, target: Any = None, kwargs: dict | None = None,
+              relaid: tuple[int, ...] = ()) -> Call | None:
     """The Call of an eligible `node` (None otherwise), or of the variant of it that
-    calls `target` with `kwargs` (an in-place or `out=` rewrite: passes.inplace)."""
+    calls `target` with `kwargs` (an in-place or `out=` rewrite: passes.inplace), with
+    the positional arguments at `relaid` passed contiguous (Relaid)."""
     if not _eligible(node):
         return None
     target = node.target if target is None else target
     kwargs = dict(node.kwargs) if kwargs is None else kwargs
-    key = _key(target, node.args, kwargs)
-    return None if key is None else Call(target, node.args, kwargs, key)
+    args = tuple(Relaid(a) if k in relaid else a for k, a in enumerate(node.args))
+    key = _key(target, args, kwargs)
+    return None if key is None else Call(target, args, kwargs, key)
 
 
 def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int]:
@@ -214,6 +227,10 @@ def _key(target: Any, node_args: tuple, node_kwargs: dict) -> tuple | None:
     devices: set[str] = set()
 
     def freeze(value: Any) -> Any:
+        if isinstance(value, Relaid):
+            value = fake_value(value.node)
+            devices.add(str(value.device))
+            return ("contiguous", tuple(value.shape), str(value.dtype))
         if isinstance(value, fx.Node):
             value = fake_value(value)
             if isinstance(value, torch.Tensor):
@@ -277,6 +294,9 @@ def _run(call: Call, device: torch.device) -> int:
     host_scalars = _reads_host_scalars(call.target)
 
     def real(value: Any) -> Any:
+        if isinstance(value, Relaid):
+            fake = fake_value(value.node)
+            return torch.zeros(fake.shape, dtype=fake.dtype, device=fake.device)
         if isinstance(value, fx.Node):
             return real(fake_value(value))
         if isinstance(value, torch.Tensor):

@@ -136,3 +136,13 @@ def test_planning_scores_candidates_without_building_them() -> None:
     finally:
         planning.build = original
     assert len(plan.search) > 5 and len(calls) == 1, (len(plan.search), len(calls))
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c.name for c in CORPUS])
+def test_inductors_fused_kernels_simulate_as_they_build(case) -> None:
+    """kernels="inductor": liveness counts what inductor's fused kernels allocate
+    (passes.fusion: values computed inside their readers, in-place writes, the wrapper's
+    pool), in the simulator as in the exact build."""
+    torch.manual_seed(0)
+    model, inputs = case.make_model(), case.make_inputs()
+    assert _plan_everywhere(model, inputs, kernels="inductor") >= 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from memopt.allocator import Interval, peak_live_bytes
+from memopt.passes.fusion import relaid_args
 from memopt.passes.gradients import accumulate_in_place, save_parameters
 from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, timeline_kinds
@@ -129,7 +130,7 @@ def build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
                 rewrites += [InplaceRecord(graph=graph_name, **r.__dict__) for r in result.rewrites]
     # Step 3: workspaces
     with stage("kernel workspaces", done):
-        measure_workspaces([fw, bw], workspaces)
+        measure_workspaces([fw, bw], workspaces, relaid_args if step.fused else None)
     # Step 4: liveness
     with stage("liveness", done):
         schedule = step.liveness(fw, bw, saved_names, num_fwd_outputs)
