@@ -346,6 +346,7 @@ class CompiledGraph:
                                   allocation_granularity(plan.device))
             if peak is None:  # not seen (inductor's cache): its own estimate bounds it
                 peak = schedule_peak(plan, schedule.peaks)
+            peak = max(peak, plan.predicted_peak_bytes)
             budget = plan.budget_bytes
             excess = max(0, peak - plan.predicted_peak_bytes)
             if budget is None or peak <= budget:

@@ -18,8 +18,10 @@ What the inductor mode changes, and why (passes._torch_compat.INDUCTOR_SETTINGS)
 1. The captured graph is decomposed with inductor's table (plus memopt's loss
    decompositions), so the graph memopt plans is the one inductor compiles.
 2. memopt's in-place pass is off: inductor refuses ``out=`` ops, and reuses buffers
-   itself. Fusion only removes buffers the plan counts, and inductor frees each buffer
-   at its last use, so the plan's prediction is an upper estimate of what inductor holds.
+   itself. memopt's liveness counts what inductor's kernels allocate instead
+   (passes.fusion: values computed inside their readers, in-place writes, the wrapper's
+   pool), and once inductor has scheduled the graphs, counts them again in the order its
+   kernels run (`scheduled_peak`).
 3. ``fallback_random``: random ops run as eager's kernels on eager's generator, in
    program order, so dropout draws eager's masks, and memopt's saved-mask replay
    (passes.twins) recomputes dropout from eager's mask. Without it inductor would

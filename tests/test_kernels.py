@@ -347,10 +347,13 @@ def test_schedule_excess_compares_each_graph_with_the_plans_own_buffers() -> Non
 
 def test_a_schedule_over_the_budget_runs_aten_and_says_why(monkeypatch) -> None:
     """Where inductor's schedule would take the step over the budget, the graph is
-    planned again and runs op by op, with eager's gradients, and the plan says why."""
+    planned again leaving the excess free; where no plan leaves it, the graph runs op by
+    op, with eager's gradients, and the plan says why."""
     from memopt import compiled_graph
 
-    monkeypatch.setattr(compiled_graph, "schedule_excess", lambda plan, peaks: 1 << 30)
+    monkeypatch.setattr(compiled_graph, "scheduled_peak", lambda *args: None)
+    monkeypatch.setattr(compiled_graph, "schedule_peak",
+                        lambda plan, peaks: plan.predicted_peak_bytes + (1 << 30))
     run = check_matches_eager(
         Net, _inputs, steps=1, loss_fn=_square_mean,
         compile_fn=lambda m: memopt.compile(m, budget=0.8, kernels="inductor"))
@@ -358,6 +361,36 @@ def test_a_schedule_over_the_budget_runs_aten_and_says_why(monkeypatch) -> None:
     assert plan.kernels == "aten", plan.kernels
     assert "inductor's schedule holds 1.0 GiB more" in plan.kernels_note
     assert "over the budget" in plan.summary()
+
+
+def test_a_schedule_over_the_budget_is_planned_again_with_the_excess_free(monkeypatch
+                                                                          ) -> None:
+    """Where inductor's order of the kernels takes the step over the budget, the graph is
+    planned again with the budget less the excess, and inductor runs that plan, within the
+    budget."""
+    from memopt import compiled_graph
+
+    real = compiled_graph.scheduled_peak
+    calls: list[int] = []
+
+    def over_once(schedule, liveness, granularity):
+        peak = real(schedule, liveness, granularity)
+        calls.append(peak)
+        return budget + 50_000 if len(calls) == 1 else peak  # over by 50 kB, once
+
+    monkeypatch.setattr(compiled_graph, "scheduled_peak", over_once)
+    torch.manual_seed(0)
+    model = nn.Sequential(Net(width=256, depth=8), SquareMean())
+    x = torch.randn(512, 256)
+    budget = int(0.8 * memopt.plan(copy.deepcopy(model), x, kernels="inductor")
+                 .predicted_peak_bytes)
+    compiled = memopt.compile(model, budget=budget, kernels="inductor")
+    compiled(x).backward()
+    plan = compiled.memopt_plan
+    assert len(calls) == 2 and plan.kernels == "inductor", (calls, plan.kernels_note)
+    # the second plan fits the budget less the excess (its search's own prediction)
+    assert plan.predicted_peak_bytes - plan.schedule_excess_bytes <= budget - 50_000
+    assert plan.predicted_peak_bytes <= budget
 
 
 @pytest.mark.slow

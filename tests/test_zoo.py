@@ -54,6 +54,9 @@ def _fp32_convolutions() -> Iterator[None]:
 #: names in its BudgetError and the budget=None plan.
 BINDING = 0.85
 
+#: How far the allocated peak of a step inductor runs may be from the plan's prediction
+INDUCTOR_PREDICTION = 0.05
+
 #: The budget=None plan's predicted peak of each model, as the no-budget test found it
 #: (the binding test plans it again when it runs alone).
 _NO_BUDGET_PEAK: dict[str, int] = {}
@@ -176,9 +179,14 @@ def _check(name: str, budget_of: str, kernels: str = "aten", blocks: bool = Fals
         eager = allocated_peak(eager_case.model, eager_case)
         assert measured <= no_budget_over_eager(name) * eager, (name, measured, eager)
     if kernels == "inductor":
-        # fusion only removes buffers the plan counts: within the prediction (plus the
-        # aten test's 10%), not necessarily near it
-        assert measured <= 1.10 * predicted, (name, measured, predicted)
+        # the plan counts the buffers inductor's fused kernels allocate, on the order they
+        # run (passes.fusion, memopt.kernels.scheduled_peak): not below the measurement by
+        # more than the CPU headroom, and above it by at most 5% (issue 25); a step of
+        # several graphs only the first (docs/limits.md)
+        assert measured <= 1.015 * predicted, (name, measured, predicted)
+        if len(graphs) == 1:
+            assert predicted <= (1 + INDUCTOR_PREDICTION) * measured, \
+                (name, measured, predicted)
     else:
         assert abs(measured - predicted) <= 0.10 * predicted, (name, measured, predicted)
 
@@ -267,7 +275,7 @@ def test_zoo_model_trains_under_inductor_kernels(name: str, budget_of: str) -> N
     """kernels="inductor": memopt plans, TorchInductor compiles the partitioned graphs.
     The same checks as the aten tests, at the same budgets (the binding budget is 0.85 of
     the aten budget=None plan's predicted peak, as there): eager's gradients, the plan
-    ran inductor, the allocated peak within the budget and not above the prediction."""
+    ran inductor, the allocated peak within the budget and within 5% of the prediction."""
     _check(name, budget_of, kernels="inductor")
 
 
