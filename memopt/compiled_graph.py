@@ -330,6 +330,7 @@ class CompiledGraph:
         again with the budget less the excess (`reserve`) and compiled again; where it is
         still over, it is planned and compiled once more to run op by op (`aten`), and its
         plan says why."""
+        plan = planned[-1] if planned else None
         for attempt in range(2):
             try:
                 compiled, schedule = compile_with_inductor(self.gm, example_inputs,

@@ -200,9 +200,10 @@ def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | N
 def in_schedule_order(gm: fx.GraphModule, kernels: Sequence[Iterable[str]]) -> fx.GraphModule:
     """A copy of `gm` with its nodes in the order inductor's kernels run them (`kernels`:
     per kernel, in order, the names of the nodes it computes: passes._torch_compat
-    ._schedule_order). A node no kernel names (a view, a getitem, a node inductor left
-    out) runs just before its first reader; placeholders stay first, the output last,
-    and every node still follows its inputs."""
+    ._schedule_order). A view or a getitem no kernel names runs right after what it
+    aliases (a late getitem of an extern kernel's tuple would hold all its outputs), any
+    other node no kernel names just before its first reader; placeholders stay first,
+    the output last, and every node still follows its inputs."""
     nodes = list(gm.graph.nodes)
     position = {n.name: k for k, n in enumerate(nodes)}
     key: dict[fx.Node, float] = {}
@@ -211,13 +212,21 @@ def in_schedule_order(gm: fx.GraphModule, kernels: Sequence[Iterable[str]]) -> f
         for name in sorted((n for n in group if n in position), key=position.__getitem__):
             key.setdefault(by_name[name], len(key))
     last = float(len(key))
+
+    def aliases(n: fx.Node) -> bool:  # a view or a getitem: reads nothing, allocates nothing
+        return n.target is operator.getitem or (isinstance(n.target, OpOverload)
+                                                and n.target.is_view)
+
     for n in reversed(nodes):  # unnamed: where its first reader runs
         if n.op == "placeholder":
             key[n] = -1.0
         elif n.op == "output":
             key[n] = last + 1
-        elif n not in key:
-            key[n] = min((key[u] for u in n.users), default=last) - 0.5
+        elif n not in key and not aliases(n):
+            key[n] = min((key[u] for u in n.users if u in key), default=last) - 0.5
+    for n in nodes:  # an unnamed view or getitem: right after what it aliases
+        if n not in key:
+            key[n] = max((key[a] for a in n.all_input_nodes), default=-1.0) + 0.25
     indegree = {n: len(set(n.all_input_nodes)) for n in nodes}
     ready = [(key[n], position[n.name], n.name) for n in nodes if indegree[n] == 0]
     heapq.heapify(ready)

@@ -11,12 +11,12 @@ op-by-op counting got wrong (a GELU's decomposed gradient; a reordered backward)
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kernels import GeluStack, SquareMean
 from torch import fx, nn
 
 import memopt
@@ -113,13 +113,13 @@ def test_the_pool_holds_a_freed_buffer_until_a_later_allocation_takes_it() -> No
     """A buffer freed after step 1 is taken by a same-key allocation at step 3 where the
     estimate allows it (it stays at or below its peak over the gap), not where holding
     it would raise the estimate's peak."""
-    small = dict(nbytes=10, key=("f32", 10))
+    small = {"nbytes": 10, "key": ("f32", 10)}
     g = graph(node(INPUT), node(EXTERN, 0, pooled=True), node(EXTERN, 1, pooled=True, **small),
               node(EXTERN, 2, pooled=True, **small), node(EXTERN, 3, pooled=True),
               node(EXTERN, 4, output=True, pooled=True, **small))
     fused = fuse(g)
     assert fused.reuse.get(4) == 1  # mm 4 takes mm 1's buffer, freed after step 2
-    big = dict(nbytes=1000, key=("f32", 1000))
+    big = {"nbytes": 1000, "key": ("f32", 1000)}
     g = graph(node(INPUT), node(EXTERN, 0, pooled=True), node(EXTERN, 1, pooled=True, **small),
               node(EXTERN, 2, pooled=True, **big), node(EXTERN, 3, pooled=True),
               node(EXTERN, 4, output=True, pooled=True, **small))
@@ -199,10 +199,6 @@ def test_kernel_kinds_of_aten_ops() -> None:
     assert kernel_kind(nodes[torch.ops.aten.relu.default]) == POINTWISE
     assert kernel_kind(nodes[torch.ops.aten.native_dropout.default]) == EXTERN  # eager's RNG
     assert kernel_kind(s) == KERNEL
-
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_kernels import GeluStack, SquareMean  # noqa: E402
 
 
 def _measured(compiled: nn.Module, model: nn.Module, x: torch.Tensor) -> int:
