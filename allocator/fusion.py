@@ -27,15 +27,17 @@ peak (a GELU gradient's three decomposed pointwise temporaries) and ConvNeXt 31%
         time, read whole at its own layout (same shape, strides and dtype) and of its size
         (0.95-1x), which the graph does not return and which is not resident (the forward's
         inputs; a backward reuses the saved values donated to it).
-
-    Step 4 (codegen/wrapper.py `memory_plan_reuse`): the wrapper's pool of freed buffers
-        (`_pool`).
+    Step 4 (codegen/wrapper.py `memory_plan_reuse`): the wrapper's pool of freed buffers,
+        each held until a later allocation of its size takes it, where inductor's own
+        estimate of the graph allows (`_pool`).
     Step 5 (a layout constraint, e.g. kernel/conv.py): an extern kernel's argument laid
         out anew is a copy while it runs, unless a kernel of the graph writes it.
 
-What is not modelled, so the prediction stays an upper estimate there: buffers that two
-realized nodes fused into one kernel leave kernel-local (removed), the order a fused
-kernel runs in, and inductor's concatenation into slices of its output. Plain data in,
+The graph's order is the caller's: inductor runs a fused kernel where its first node
+would, which memopt.kernels.scheduled_peak gives once inductor has scheduled a plan. Not
+modelled: buffers that realized nodes fused into one kernel leave inside it, and
+inductor's concatenation into slices of its output (the prediction stays above the step
+there). A version of inductor with other heuristics decides otherwise. Plain data in,
 plain data out: no torch.
 """
 

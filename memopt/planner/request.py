@@ -109,8 +109,9 @@ class Options:
     #: step that is one graph; memopt warns at backward when such an output is still
     #: alive (memopt.backend). False: every output is held until the step ends.
     drop_outputs: bool = False
-    #: True (kernels="inductor"): with no budget, recompute the pointwise values fused
-    #: kernels make free (memopt.planner.fusible) where the peak does not rise.
+    #: True (kernels="inductor"): inductor's fused kernels run the graphs. With no budget,
+    #: recompute the pointwise values they make free (memopt.planner.fusible) where the
+    #: peak does not rise; liveness counts the buffers they allocate (passes.fusion).
     fusible: bool = False
     #: True: the budget bounds the bytes CUDA's caching allocator would reserve for the
     #: step (memopt.allocator.caching's model of its segments), not only the allocated
