@@ -344,7 +344,7 @@ class CompiledGraph:
                 return compiled
             plan, request = planned[-1], requests[-1]
             peak = scheduled_peak(schedule, partial(_liveness, request),
-                                  allocation_granularity(plan.device))
+                                  allocation_granularity(plan.device), request.workspaces)
             if peak is None:  # not seen (inductor's cache): its own estimate bounds it
                 peak = schedule_peak(plan, schedule.peaks)
             peak = max(peak, plan.predicted_peak_bytes)

@@ -49,7 +49,9 @@ from torch import fx
 
 from memopt.allocator import Interval, peak_live_bytes
 from memopt.passes._torch_compat import inductor_compile, storage_key
-from memopt.passes.fusion import in_schedule_order
+from memopt.passes.fusion import RELAID_OPS, in_schedule_order, relaid_args
+from memopt.passes.meta import EXTERN_STRIDES, WORKSPACE_BYTES
+from memopt.passes.workspace import WorkspaceCache, node_call, workspace_bytes_of
 
 from .memory_plan import MemoryPlan
 
@@ -87,6 +89,9 @@ class InductorSchedule:
     peaks: dict[str, int] = field(default_factory=dict)
     orders: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
     graphs: tuple[fx.GraphModule, ...] = ()
+    #: per graph, the (sizes, strides) of the tensors inductor hands each extern kernel
+    #: whose arguments it lays out anew (passes.fusion.RELAID_OPS), by fx node
+    layouts: dict[str, dict[str, tuple]] = field(default_factory=dict)
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -108,7 +113,8 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
         return fw, bw
 
     compiled = inductor_compile(own, list(example_inputs), partition, _CACHE_KEY,
-                                schedule.peaks, resident, schedule.orders)
+                                schedule.peaks, resident, schedule.orders, schedule.layouts,
+                                RELAID_OPS)
     return compiled, schedule
 
 
@@ -121,18 +127,39 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def scheduled_peak(schedule: InductorSchedule, liveness: Callable[..., Any],
-                   granularity: int) -> int | None:
+                   granularity: int, workspaces: WorkspaceCache) -> int | None:
     """The step's peak as memopt's liveness of fused kernels (passes.fusion) counts it
     with each graph's nodes in the order inductor's kernels ran them
-    (passes.fusion.in_schedule_order); `liveness(fw, bw)` is the plan's (a StepSchedule).
-    None where the schedule was not seen (a graph compiled from inductor's cache)."""
+    (passes.fusion.in_schedule_order), and each extern kernel whose arguments inductor
+    laid out anew charged the workspace it takes at those layouts (measured in
+    `workspaces`); `liveness(fw, bw)` is the plan's (a StepSchedule). None where the
+    schedule was not seen (a graph compiled from inductor's cache)."""
     if len(schedule.graphs) != 2 or set(schedule.orders) != {"forward", "backward"}:
         return None
-    fw, bw = (in_schedule_order(g, schedule.orders[kind])
+    fw, bw = (_at_inductors_layouts(in_schedule_order(g, schedule.orders[kind]),
+                                    schedule.layouts.get(kind, {}), workspaces)
               for g, kind in zip(schedule.graphs, ("forward", "backward")))
     steps = liveness(fw, bw)
     return peak_live_bytes([Interval(-(-s.nbytes // granularity) * granularity, s.start, s.end)
                             for s in steps.storages], len(steps.steps)).peak_bytes
+
+
+def _at_inductors_layouts(gm: fx.GraphModule, layouts: dict[str, tuple],
+                          workspaces: WorkspaceCache) -> fx.GraphModule:
+    """`gm` (a copy) with each extern kernel in `layouts` given the strides inductor
+    handed its tensor arguments (passes.meta.EXTERN_STRIDES) and the workspace it takes
+    at them (passes.workspace)."""
+    for node in gm.graph.nodes:
+        if node.name not in layouts:
+            continue
+        tensors = [k for k, a in enumerate(node.args) if isinstance(a, fx.Node)]
+        strides = {k: stride for k, (_, stride) in zip(tensors, layouts[node.name])}
+        node.meta[EXTERN_STRIDES] = strides
+        node.meta.pop(WORKSPACE_BYTES, None)
+        call = node_call(node, relaid=relaid_args(node), strides=strides)
+        if call is not None:
+            node.meta[WORKSPACE_BYTES] = workspace_bytes_of([call], workspaces)[0]
+    return gm
 
 
 def views_of_primals(joint: fx.GraphModule, backward: fx.GraphModule) -> set[str]:

@@ -457,11 +457,38 @@ def _schedule_order(nodes: list[Any]) -> list[tuple[str, ...]]:
             for node in nodes for inner in node.get_nodes()]
 
 
+def _extern_layouts(nodes: list[Any], ops: frozenset[Any]) -> dict[str, tuple]:
+    """The sizes and strides of the tensors inductor hands each extern kernel of `ops`
+    (by the fx node it computes): the layouts it chose for their arguments."""
+    from torch._inductor import ir  # noqa: PLC0415
+    from torch._inductor.virtualized import V  # noqa: PLC0415
+
+    sizevars = V.graph.sizevars  # torch 2.13 names it optimization_hints, 2.11 size_hints
+    hint = getattr(sizevars, "optimization_hints", None) or sizevars.size_hints
+    found: dict[str, tuple] = {}
+    for node in nodes:
+        kernel = getattr(node, "node", None)
+        if not isinstance(kernel, ir.FallbackKernel) or kernel.op_overload not in ops:
+            continue
+        origin = kernel.get_origin_node() or next(
+            (o for o in kernel.origins if o.target is kernel.op_overload), None)
+        if origin is None:
+            continue
+        try:
+            found[origin.name] = tuple((tuple(hint(x.get_size())), tuple(hint(x.get_stride())))
+                                       for x in kernel.inputs)
+        except Exception:  # noqa: BLE001 (a layout inductor has not fixed: not recorded)
+            continue
+    return found
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
                      partition_fn: Callable[..., Any], version: str,
                      schedule_peaks: dict[str, int] | None = None,
                      resident: set[str] | None = None,
-                     schedule_orders: dict[str, list[tuple[str, ...]]] | None = None) -> Callable:
+                     schedule_orders: dict[str, list[tuple[str, ...]]] | None = None,
+                     extern_layouts: dict[str, dict[str, tuple]] | None = None,
+                     relaid_ops: frozenset[Any] = frozenset()) -> Callable:
     """Compile a dynamo graph with TorchInductor (`compile_fx`), `partition_fn` in place
     of its min-cut partitioner (`config.custom_partitioner_fn`, run after inductor's
     joint-graph passes), under INDUCTOR_SETTINGS. AOTAutograd's cache is off for the call:
@@ -473,7 +500,9 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
     `resident`, which `partition_fn` may fill), read right after fusion; inductor's
     graph cache is then off (a hit would skip the scheduler), its compiled-kernel cache
     stays on (keyed by the kernels' source). `schedule_orders`, when given, receives
-    the order of each graph's nodes as inductor's kernels run them (_schedule_order)."""
+    the order of each graph's nodes as inductor's kernels run them (_schedule_order);
+    `extern_layouts` the layouts of the arguments inductor hands its extern kernels of
+    `relaid_ops` (_extern_layouts)."""
     from torch._functorch import config as functorch_cfg  # noqa: PLC0415
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: PLC0415
     from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: PLC0415
@@ -513,6 +542,8 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
             schedule_peaks[kind] = _schedule_peak(nodes, resident or set())
             if schedule_orders is not None:
                 schedule_orders[kind] = _schedule_order(nodes)
+            if extern_layouts is not None:
+                extern_layouts[kind] = _extern_layouts(nodes, relaid_ops)
             return nodes
 
         patches |= {"_post_fusion_custom_pass": after_fusion, "fx_graph_cache": False}

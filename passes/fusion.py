@@ -28,7 +28,7 @@ from memopt.allocator.fusion import (EXTERN, INPUT, KERNEL, POINTWISE, VIEW, Fus
                                      FusionNode, Thresholds, fuse)
 
 from ._torch_compat import OpOverload
-from .meta import fake_value
+from .meta import EXTERN_STRIDES, fake_value
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -91,14 +91,24 @@ def kernel_kind(node: fx.Node) -> str:
     return EXTERN
 
 
+#: Extern kernels whose arguments inductor lays out anew (`relaid_args`)
+RELAID_OPS = frozenset({aten.convolution_backward.default})
+
+
 def relaid_args(node: fx.Node) -> tuple[int, ...]:
-    """Positions of `node`'s tensor arguments that inductor passes its extern kernel
-    contiguous where the graph's are not. Its convolution backward, with the weight's
-    gradient asked for and channels-last layouts off (memopt.kernels), lays the gradient
-    and the input out in the weight gradient's stride order (torch/_inductor/kernel/
-    conv.py): a ConvNeXt's channels-last depthwise gradients measured a 12.3 MiB CPU
-    workspace as the graph lays them out and 0.45 MiB as inductor does."""
-    if node.target is not aten.convolution_backward.default or not node.args[10][1]:
+    """Positions of `node`'s tensor arguments that inductor passes its extern kernel in
+    another layout than the graph's. Its convolution backward, with the weight's gradient
+    asked for and channels-last layouts off (memopt.kernels), lays the gradient and the
+    input out in the weight gradient's stride order (torch/_inductor/kernel/conv.py): a
+    ConvNeXt's channels-last depthwise gradients measured a 12.3 MiB CPU workspace as
+    the graph lays them out and 0.45 MiB as inductor does. Before inductor has chosen,
+    the arguments that are not contiguous; after (`EXTERN_STRIDES`, memopt.kernels
+    .scheduled_peak), those whose strides it changed."""
+    chosen = node.meta.get(EXTERN_STRIDES)
+    if chosen is not None:
+        return tuple(k for k, stride in sorted(chosen.items())
+                     if stride != tuple(fake_value(node.args[k]).stride()))
+    if node.target not in RELAID_OPS or not node.args[10][1]:
         return ()
     return tuple(k for k in (0, 1) if isinstance(node.args[k], fx.Node)
                  and not fake_value(node.args[k]).is_contiguous())

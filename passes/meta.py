@@ -38,6 +38,11 @@ WORKSPACE_BYTES = "memopt.workspace_bytes"
 #: passes.chain_policy.
 KEPT_ARGS = "memopt.kept_args"
 
+#: The strides inductor hands an extern kernel's arguments, by argument position
+#: ({position: strides}), where it lays them out anew (passes.fusion.relaid_args). Set on
+#: a copy of a compiled graph by memopt.kernels.scheduled_peak.
+EXTERN_STRIDES = "memopt.extern_strides"
+
 #: Name of the parameter primal whose existing `.grad` a backward node adds a gradient
 #: into (str). Set by passes.gradients.
 ACCUMULATES = "memopt.accumulates_into"

@@ -163,22 +163,28 @@ class Call:
 
 @dataclass(frozen=True)
 class Relaid:
-    """An argument passed as a contiguous copy of the node's tensor (what inductor
-    hands an extern kernel whose layout it constrains: passes.fusion.relaid_args)."""
+    """An argument passed as a copy of the node's tensor laid out anew (what inductor
+    hands an extern kernel whose layout it constrains: passes.fusion.relaid_args), with
+    `stride`, or contiguous."""
 
     node: fx.Node
+    stride: tuple[int, ...] | None = None
 
 
 def node_call(node: fx.Node, target: Any = None, kwargs: dict | None = None,
-              relaid: tuple[int, ...] = ()) -> Call | None:
+              relaid: tuple[int, ...] = (),
+              strides: dict[int, tuple[int, ...]] | None = None) -> Call | None:
     """The Call of an eligible `node` (None otherwise), or of the variant of it that
     calls `target` with `kwargs` (an in-place or `out=` rewrite: passes.inplace), with
-    the positional arguments at `relaid` passed contiguous (Relaid)."""
+    the positional arguments at `relaid` passed laid out anew (Relaid: with `strides`
+    where given, else contiguous)."""
     if not _eligible(node):
         return None
     target = node.target if target is None else target
     kwargs = dict(node.kwargs) if kwargs is None else kwargs
-    args = tuple(Relaid(a) if k in relaid else a for k, a in enumerate(node.args))
+    strides = strides or {}
+    args = tuple(Relaid(a, strides.get(k)) if k in relaid else a
+                 for k, a in enumerate(node.args))
     key = _key(target, args, kwargs)
     return None if key is None else Call(target, args, kwargs, key)
 
@@ -228,9 +234,10 @@ def _key(target: Any, node_args: tuple, node_kwargs: dict) -> tuple | None:
 
     def freeze(value: Any) -> Any:
         if isinstance(value, Relaid):
+            stride = value.stride
             value = fake_value(value.node)
             devices.add(str(value.device))
-            return ("contiguous", tuple(value.shape), str(value.dtype))
+            return ("relaid", tuple(value.shape), stride, str(value.dtype))
         if isinstance(value, fx.Node):
             value = fake_value(value)
             if isinstance(value, torch.Tensor):
@@ -296,7 +303,10 @@ def _run(call: Call, device: torch.device) -> int:
     def real(value: Any) -> Any:
         if isinstance(value, Relaid):
             fake = fake_value(value.node)
-            return torch.zeros(fake.shape, dtype=fake.dtype, device=fake.device)
+            if value.stride is None:
+                return torch.zeros(fake.shape, dtype=fake.dtype, device=fake.device)
+            return torch.empty_strided(fake.shape, value.stride, dtype=fake.dtype,
+                                       device=fake.device).zero_()
         if isinstance(value, fx.Node):
             return real(fake_value(value))
         if isinstance(value, torch.Tensor):

@@ -181,7 +181,7 @@ class _Planning:
         # measured prediction error on the device (memopt.budget.HEADROOM)
         headroom = self.options.headroom
         if headroom is None:
-            headroom = default_headroom(device_of(self.joint))
+            headroom = default_headroom(device_of(self.joint), fused=self.step.fused)
         self.headroom = headroom if r.budget is not None else 0.0
         self.fits = self.budget_bytes - math.ceil(self.budget_bytes * self.headroom) \
             - r.reserve_bytes if self.budget_bytes else None  # what the plan must fit
