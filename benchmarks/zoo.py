@@ -149,6 +149,23 @@ def mamba(device: str = "cpu", seed: int = 0) -> ZooCase:
                    loss=_own_loss)
 
 
+def rwkv(device: str = "cpu", seed: int = 0) -> ZooCase:
+    """RwkvForCausalLM: 2 layers, hidden 64, vocabulary 4000, batch 4 x 32, causal-LM
+    labels: a linear-attention recurrence, whose time mixing off CUDA is a Python loop over
+    the tokens (transformers' `rwkv_linear_attention_cpu`) that carries its state through
+    elementwise ops and writes each token's output in place."""
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    torch.manual_seed(seed)
+    config = RwkvConfig(vocab_size=4000, hidden_size=64, num_hidden_layers=2,
+                        attention_hidden_size=64, intermediate_size=256, context_length=32,
+                        use_cache=False)
+    model = _train(RwkvForCausalLM(config), device, "ForCausalLM")
+    ids = torch.randint(0, config.vocab_size, (4, 32), device=device)
+    return ZooCase("rwkv", model, kwargs={"input_ids": ids, "labels": ids.clone()},
+                   loss=_own_loss)
+
+
 class LoggedClassifier(nn.Module):
     """A DistilBERT encoder and a linear head on the first token, which logs the mean
     norm of the hidden states with ``.item()`` between the two (a graph break) and
@@ -268,6 +285,7 @@ ZOO: dict[str, Callable[..., ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
     "mamba": mamba,
+    "rwkv": rwkv,
     "t5": t5,
     "distilbert_item": distilbert_item,
     "vit": vit,
