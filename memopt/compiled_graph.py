@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -22,7 +21,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
-                                         is_tangent, loss_decompositions, make_boxed, pytree,
+                                         loss_decompositions, make_boxed, pytree,
                                          storage_key)
 from memopt.passes.lm_heads import Attach
 from memopt.passes.runtime_views import views_as_reshapes
@@ -32,13 +31,12 @@ from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError, InputError
 from .grads import GradSink, parameter_slots
-from .kernels import Kernels, compile_with_inductor, schedule_peak, scheduled_peak
+from .kernels import Kernels, compile_with_inductor, inductor_peak
 from .markers import SkippedLogits
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
 from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
-from .planner.build import allocation_granularity
 from .planner.fusible import returns_view
 from .steps import Outside, holds_memory
 from .stepper import Stepping, stepping_for
@@ -343,11 +341,7 @@ class CompiledGraph:
             if not planned:
                 return compiled
             plan, request = planned[-1], requests[-1]
-            peak = scheduled_peak(schedule, partial(_liveness, request),
-                                  allocation_granularity(plan.device), request.workspaces)
-            if peak is None:  # not seen (inductor's cache): its own estimate bounds it
-                peak = schedule_peak(plan, schedule.peaks)
-            peak = max(peak, plan.predicted_peak_bytes)
+            peak = inductor_peak(plan, schedule, request)
             budget = plan.budget_bytes
             excess = max(0, peak - plan.predicted_peak_bytes)
             if budget is None or peak <= budget:
@@ -592,12 +586,3 @@ def _grad_sink(kinds: dict[str, str], inputs: Sequence[Any]) -> tuple[GradSink, 
     sink = GradSink(slots)
     nbytes = {name: inputs[i].numel() * inputs[i].element_size() for name, i in slots.items()}
     return sink, ExistingGrads(nbytes=nbytes, add=sink.add)
-
-
-
-
-def _liveness(request: PlanRequest, fw: fx.GraphModule, bw: fx.GraphModule) -> Any:
-    """The liveness of a plan's graphs `fw` and `bw` as `request` plans its step."""
-    saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder")
-                      if not is_tangent(n))
-    return request.step.liveness(fw, bw, saved, request.num_fwd_outputs)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,12 +49,13 @@ import torch
 from torch import fx
 
 from memopt.allocator import Interval, peak_live_bytes
-from memopt.passes._torch_compat import inductor_compile, storage_key
+from memopt.passes._torch_compat import inductor_compile, is_tangent, storage_key
 from memopt.passes.fusion import RELAID_OPS, in_schedule_order, relaid_args
 from memopt.passes.meta import EXTERN_STRIDES, WORKSPACE_BYTES
 from memopt.passes.workspace import WorkspaceCache, node_call, workspace_bytes_of
 
 from .memory_plan import MemoryPlan
+from .planner.build import allocation_granularity
 
 
 class Kernels(str, enum.Enum):
@@ -142,6 +144,30 @@ def scheduled_peak(schedule: InductorSchedule, liveness: Callable[..., Any],
     steps = liveness(fw, bw)
     return peak_live_bytes([Interval(-(-s.nbytes // granularity) * granularity, s.start, s.end)
                             for s in steps.storages], len(steps.steps)).peak_bytes
+
+
+def inductor_peak(plan: MemoryPlan, schedule: InductorSchedule, request: Any) -> int:
+    """The step's peak under inductor's kernels: `scheduled_peak` with the liveness of
+    `request` (the plan's PlanRequest), or, where the schedule was not seen or could not
+    be replayed, `schedule_peak` (inductor's own estimate bounds it); never below the
+    plan's own prediction."""
+    def liveness(fw: fx.GraphModule, bw: fx.GraphModule) -> Any:
+        saved = frozenset(n.name for n in bw.graph.find_nodes(op="placeholder")
+                          if not is_tangent(n))
+        return request.step.liveness(fw, bw, saved, request.num_fwd_outputs)
+
+    try:
+        peak = scheduled_peak(schedule, liveness, allocation_granularity(plan.device),
+                              request.workspaces)
+    except Exception as exc:  # noqa: BLE001 (a model of inductor, not the step)
+        warnings.warn(f"memopt could not count the plan's buffers in the order inductor's "
+                      f"kernels run ({type(exc).__name__}: {exc}); inductor's own estimate "
+                      f"of its schedule bounds the prediction instead. Please report this "
+                      f"model.", stacklevel=2)
+        peak = None
+    if peak is None:
+        peak = schedule_peak(plan, schedule.peaks)
+    return max(peak, plan.predicted_peak_bytes)
 
 
 def _at_inductors_layouts(gm: fx.GraphModule, layouts: dict[str, tuple],

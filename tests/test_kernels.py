@@ -349,10 +349,10 @@ def test_a_schedule_over_the_budget_runs_aten_and_says_why(monkeypatch) -> None:
     """Where inductor's schedule would take the step over the budget, the graph is
     planned again leaving the excess free; where no plan leaves it, the graph runs op by
     op, with eager's gradients, and the plan says why."""
-    from memopt import compiled_graph
+    from memopt import kernels
 
-    monkeypatch.setattr(compiled_graph, "scheduled_peak", lambda *args: None)
-    monkeypatch.setattr(compiled_graph, "schedule_peak",
+    monkeypatch.setattr(kernels, "scheduled_peak", lambda *args: None)
+    monkeypatch.setattr(kernels, "schedule_peak",
                         lambda plan, peaks: plan.predicted_peak_bytes + (1 << 30))
     run = check_matches_eager(
         Net, _inputs, steps=1, loss_fn=_square_mean,
@@ -368,17 +368,17 @@ def test_a_schedule_over_the_budget_is_planned_again_with_the_excess_free(monkey
     """Where inductor's order of the kernels takes the step over the budget, the graph is
     planned again with the budget less the excess, and inductor runs that plan, within the
     budget."""
-    from memopt import compiled_graph
+    from memopt import kernels
 
-    real = compiled_graph.scheduled_peak
+    real = kernels.scheduled_peak
     calls: list[int] = []
 
-    def over_once(schedule, liveness, granularity):
-        peak = real(schedule, liveness, granularity)
+    def over_once(schedule, liveness, granularity, workspaces):
+        peak = real(schedule, liveness, granularity, workspaces)
         calls.append(peak)
         return budget + 50_000 if len(calls) == 1 else peak  # over by 50 kB, once
 
-    monkeypatch.setattr(compiled_graph, "scheduled_peak", over_once)
+    monkeypatch.setattr(kernels, "scheduled_peak", over_once)
     torch.manual_seed(0)
     model = nn.Sequential(Net(width=256, depth=8), SquareMean())
     x = torch.randn(512, 256)
@@ -391,6 +391,26 @@ def test_a_schedule_over_the_budget_is_planned_again_with_the_excess_free(monkey
     # the second plan fits the budget less the excess (its search's own prediction)
     assert plan.predicted_peak_bytes - plan.schedule_excess_bytes <= budget - 50_000
     assert plan.predicted_peak_bytes <= budget
+
+
+def test_a_schedule_memopt_cannot_replay_falls_back_to_inductors_estimate(monkeypatch
+                                                                         ) -> None:
+    """Replaying the plan in inductor's order is a model of inductor: where it fails, a
+    warning says so and inductor's own estimate of its schedule bounds the prediction;
+    the step still trains with inductor's kernels."""
+    from memopt import kernels
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a schedule this replay does not know")
+
+    monkeypatch.setattr(kernels, "scheduled_peak", broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(GeluStack(width=64, depth=2), SquareMean())
+    compiled = memopt.compile(model, kernels="inductor")
+    with pytest.warns(UserWarning, match="could not count the plan's buffers"):
+        compiled(torch.randn(32, 64)).backward()
+    assert compiled.memopt_plan.kernels == "inductor"
+    assert all(p.grad is not None for p in model.parameters())
 
 
 @pytest.mark.slow
