@@ -1,6 +1,7 @@
-# Run from the repository root: python benchmarks/fuzz_inductor_slice.py [inductor] [aten]
-"""Draw the slice strategy's 6 models; run check_model under inductor (and aten for
-comparison) on each, without stopping or shrinking; print per model."""
+# Run from the repository root:
+#   python benchmarks/fuzz_inductor_slice.py [inductor] [aten] [--models N]
+"""Draw the slice strategy's 6 models (or N); run check_model under inductor (and aten
+for comparison) on each, without stopping or shrinking; print per model."""
 import sys, time, traceback
 sys.path.insert(0, "tests"); sys.path.insert(0, ".")
 import torch
@@ -8,15 +9,21 @@ from hypothesis import given, settings, Phase, HealthCheck
 from fuzz_models import model_specs
 import test_fuzz as tf
 
+args = sys.argv[1:]
+count = 6
+if "--models" in args:
+    at = args.index("--models")
+    count = int(args[at + 1])
+    del args[at:at + 2]
 specs = []
-@settings(max_examples=6, derandomize=True, database=None, deadline=None,
+@settings(max_examples=count, derandomize=True, database=None, deadline=None,
           phases=[Phase.generate], suppress_health_check=list(HealthCheck))
 @given(spec=model_specs(max_layers=6))
 def collect(spec):
     specs.append(spec)
 collect()
 torch.set_num_threads(1)
-kinds = sys.argv[1:] or ["inductor"]
+kinds = args or ["inductor"]
 for kernels in kinds:
     total = tf.Tally()
     for i, spec in enumerate(specs):

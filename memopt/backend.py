@@ -48,7 +48,7 @@ from .optimizer_step import ChunkedStep
 from .plan_log import PlanLog
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
-from .steps import Outside
+from .steps import Outside, repeated_output_grad_bytes
 
 log = logging.getLogger("memopt")
 
@@ -326,6 +326,21 @@ class MemoptBackend:
         return StepPlan(graphs=tuple(g.plan for g in graphs),
                         runs=tuple(graphs.index(g) for g in runs))
 
+    def _count_repeated_outputs(self, returned: Any, last: CompiledGraph) -> None:
+        """A forward that returns a tensor more than once: autograd sums the returns'
+        gradients outside the compiled backward (memopt.steps.repeated_output_grad_bytes),
+        which the graph that returned it (the forward's last) had not counted. It is
+        planned and compiled again with them, for the steps after this one; a budget it
+        no longer fits is raised at the next call."""
+        repeated = repeated_output_grad_bytes(returned)
+        if repeated <= last.repeated_grads or last.plan is None:
+            return
+        last.repeated_grads = repeated
+        last.replan(last.outside, last.policy, last.step_baseline)
+        self.plan_log.last = last.plan  # what the next steps run
+        if not last.plan.fits:
+            self.plan_log.pending = last.budget_error()
+
     def forward_ends(self, returned: Any) -> None:
         """The forward of a memopt module returned (memopt.api): with every graph of it
         known, re-plan the graphs whose plans assumed less than the rest of the step
@@ -349,6 +364,7 @@ class MemoptBackend:
         bases = trace.end(returned)
         runs = [run.graph for run in trace.runs]
         self.plan_log.last_runs = tuple(runs)
+        self._count_repeated_outputs(returned, runs[-1])
         if len(set(map(id, runs))) == 1 and runs[0].policy == ReplanPolicy.GREEDY \
                 and runs[0].outside.covers(required(runs[0], runs, bases)):
             # one graph, planned with what it needed: the usual case; the whole forward

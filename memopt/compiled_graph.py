@@ -86,6 +86,9 @@ class CompiledGraph:
                 kernels_inductor=backend.kernels is Kernels.INDUCTOR)
         self.steps_in_backward = False
         self.outside_grads = aliased_output_grad_bytes(gm)
+        #: the same for a tensor the forward returns more than once, which only the
+        #: returned value shows (memopt.steps.repeated_output_grad_bytes; memopt.backend)
+        self.repeated_grads = 0
         self.outside, self.policy, self.step_baseline = Outside(), ReplanPolicy.GREEDY, None
         self.provisional = False  # planned with a guess for the graphs after it
         #: run several times in a forward: its saved bytes counted 2^weight times as often
@@ -175,7 +178,8 @@ class CompiledGraph:
             self.view_grads = _view_grads(joint, num_fwd_outputs)
             request = PlanRequest(
                 joint, num_fwd_outputs, budget, primal_kinds=self.kinds, options=options,
-                grads=self.grads, outside_grad_bytes=self.outside_grads, outside=outside,
+                grads=self.grads, outside_grad_bytes=self.outside_grads + self.repeated_grads,
+                outside=outside,
                 label="" if self.alone else self.label(),
                 lowest_peak=policy == ReplanPolicy.LOWEST, step_baseline=step_baseline,
                 must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
@@ -564,7 +568,8 @@ def aliased_output_grad_bytes(gm: fx.GraphModule) -> int:
     tangent the plan counts: k more, every one for an input's storage. The fuzzer
     (tests/test_fuzz.py) measured a model returning `{"a": h[:, :1], "b": h}` 1.10x its
     budget when the plan left them out. Dynamo hands memopt the same tensor returned
-    twice as one output, so `return h, h` is not seen here (README, "Known limits")."""
+    twice as one output, so `return h, h` is not seen here: memopt.backend counts it from
+    the returned value (memopt.steps.repeated_output_grad_bytes)."""
     placeholders = {storage_key(v): True for v in
                     (n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder"))
                     if isinstance(v, torch.Tensor)}

@@ -28,7 +28,10 @@ eager copy and on a float64 eager copy, from the same state, inputs and dropout 
       while a smaller one is accepted.
 
 A budget below what memopt can reach raising BudgetError is no failure (0.3, and for
-shallow models 0.6, is refused); the minimum itself and budget=None must be accepted.
+shallow models 0.6, is refused); the minimum itself and budget=None must be accepted,
+except that a model returning one tensor twice is planned again as its first forward
+ends (memopt.backend counts the returns' gradients autograd sums), and a budget that
+plan misses is refused at the second call.
 Anything else memopt raises is a failure, and so is every check above: hypothesis then
 shrinks the model to a minimal description and prints it (its repr is Python: paste it
 into a reproducer with `from fuzz_models import *`). Nothing is marked xfail.
@@ -338,7 +341,7 @@ def check_budget(spec: ModelSpec, budget: object, outcome: Outcome, tally: Tally
     nbytes = budget.nbytes if isinstance(budget, ByteBudget) else budget
     models = Models(memopt.compile(model, budget=nbytes, kernels=kernels), model, eager,
                     copy.deepcopy(eager).double())
-    refusal = None
+    refusal, late, planned = None, False, 1
     try:
         try:
             # plans: a budget too low is refused here
@@ -347,7 +350,17 @@ def check_budget(spec: ModelSpec, budget: object, outcome: Outcome, tally: Tally
             refusal = err
         else:
             plan = models.compiled.memopt_plan
-            measured = step_and_compare(models, spec, 1, tally, measure=True, kernels=kernels)
+            planned = len(models.compiled.memopt_plans)
+            try:
+                measured = step_and_compare(models, spec, 1, tally, measure=True,
+                                            kernels=kernels)
+            except memopt.BudgetError as err:
+                # the first step's end planned again (a tensor returned twice: its returns'
+                # gradients summed outside the backward, memopt.backend), and that plan
+                # misses the budget: refused at the second call, as the docs say
+                if planned == 1:
+                    raise
+                refusal, late = err, True
     except AssertionError:
         if torch_traces_differently(spec, nbytes, tally, kernels):
             return
@@ -357,7 +370,7 @@ def check_budget(spec: ModelSpec, budget: object, outcome: Outcome, tally: Tally
         tally.errors += 1
         raise
     if refusal is not None:
-        if budget is None or not isinstance(budget, float):
+        if (budget is None or not isinstance(budget, float)) and not late:
             tally.errors += 1
             raise AssertionError(f"budget {budget!r} refused ({refusal})") from refusal
         assert refusal.budget_bytes < refusal.minimum_bytes, refusal  # names a higher minimum
@@ -369,8 +382,9 @@ def check_budget(spec: ModelSpec, budget: object, outcome: Outcome, tally: Tally
     tally.plans += 1
     tally.accepted[_label(budget)] = tally.accepted.get(_label(budget), 0) + 1
     assert measured is not None
-    assert plan is models.compiled.memopt_plan and len(models.compiled.memopt_plans) == 1, (
-        "the second step made a new plan")
+    # the first step's end may plan again (a tensor returned twice), the second not
+    assert plan is models.compiled.memopt_plan \
+        and len(models.compiled.memopt_plans) == planned, "the second step made a new plan"
     target = None if plan.budget_bytes is None else plan.budget_bytes - plan.headroom_bytes
     outcome.accepted.append(Accepted(budget, plan.budget_bytes, target,
                                      plan.predicted_peak_bytes, measured))
