@@ -48,6 +48,11 @@ state (m = 1) and recompute O(t^2) steps; such a plan is run only if it recomput
 predicted peak and chain and says "not run". A cell that takes longer than
 ``--cell-timeout`` seconds (default 900) is reported as timed out.
 
+Part 2b, packed sequences (``--parts packed``): ``PackedTagger`` of
+benchmarks/recurrent_workloads.py, a 2-layer LSTM(128, 256) tagger, uni- and bidirectional,
+over a PackedSequence of 32 sequences whose lengths spread 4x (64 to 256): eager, memopt
+with no budget, at 90%, 80% and 70% of eager's peak.
+
 Part 3, MacKay et al. 2018's reversible RNNs (benchmarks/reversible.py, also runnable
 alone as ``python -m benchmarks.reversible``): ``memopt.nn.RevGRU`` / ``RevLSTM`` with the
 paper's forgetting cap of 3 bits against nn.GRU / nn.LSTM and against the same module under
@@ -90,7 +95,7 @@ FRACTIONS = (0.25, 0.20, 0.15, 0.11, 0.10, 0.05)
 """Budgets of Part 1, as fractions of eager's activation memory."""
 LM_FRACTIONS = (0.90, 0.85, 0.50, 0.30)
 """Budgets of Part 2 below the two-chunk method's peak, as fractions of that peak."""
-PARTS = ("gruslys", "lm", "reversible")
+PARTS = ("gruslys", "lm", "packed", "reversible")
 
 
 # --------------------------------------------------------------------------
@@ -435,6 +440,48 @@ def run_lm(device: str, timed_steps: int, quick: bool, failures: list[tuple[str,
 
 
 # --------------------------------------------------------------------------
+# Part 2b: packed sequences
+# --------------------------------------------------------------------------
+
+PACKED_HEADER = ["model", "config", "budget", "predicted", "measured peak",
+                 "measured / eager", "within budget", "time / eager", *CHAIN_HEADER]
+PACKED_FRACTIONS = (0.9, 0.8, 0.7)
+"""Budgets of Part 2b, as fractions of eager's measured peak."""
+
+
+def run_packed(device: str, timed_steps: int, failures: list[tuple[str, str]], *,
+               cell_timeout: float) -> list[list[str]]:
+    rows = []
+    for spec in ("packed_tagger", "packed_tagger_bi"):
+        eager = measure(spec, "eager", mode="eager", budget=None, device=device,
+                        timed_steps=timed_steps, timeout=cell_timeout)
+        if not eager.ok:
+            failures.append((f"{spec} eager", eager.detail))
+            rows.append([spec, "eager", "-", "-", eager.error])
+            continue
+        e = eager.result
+        rows.append([spec, "eager", "-", "-", format_bytes(e.budget_peak_bytes), "1.00x", "-",
+                     f"1.00x ({e.step_seconds:.2f} s)"])
+        configs = [("memopt budget=None", None)] + [
+            (f"memopt {f:.0%} of eager", int(f * e.budget_peak_bytes)) for f in PACKED_FRACTIONS]
+        for label, budget in configs:
+            cell = measure(spec, label, mode="memopt", budget=budget, device=device,
+                           timed_steps=timed_steps, timeout=cell_timeout)
+            if not cell.ok:
+                failures.append((f"{spec} {label}", cell.detail))
+                rows.append([spec, label, _bytes(budget), "-", cell.error])
+                continue
+            m = cell.result
+            peak = m.budget_peak_bytes
+            fits = "-" if budget is None else ("yes" if peak <= budget else "**no**")
+            rows.append([spec, label, _bytes(budget), _bytes(m.predicted_peak_bytes),
+                         format_bytes(peak), _ratio(peak, e.budget_peak_bytes), fits,
+                         _ratio(m.step_seconds, e.step_seconds), *chain_cells(m.chains)])
+    print("# packed: done", file=sys.stderr, flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------
 
@@ -485,6 +532,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"device={args.device} (one fresh process per cell, "
                 f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})\n",
                 markdown(rows, LM_HEADER)]
+    if "packed" in args.parts:
+        rows = run_packed(args.device, args.timed_steps, failures,
+                          cell_timeout=args.cell_timeout)
+        out += [f"\nPacked sequences: 2-layer LSTM(128, 256) tagger, 32 sequences of 64 to 256 "
+                f"steps, device={args.device} (one fresh process per cell)\n",
+                markdown(rows, PACKED_HEADER)]
     if "reversible" in args.parts:
         out.append(run_reversible(quick=args.quick, repeats=args.timed_steps,
                                   cell_timeout=args.cell_timeout))

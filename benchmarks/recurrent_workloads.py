@@ -17,6 +17,12 @@ repository root as the working directory.
 - ``wlm_tiny``, ``wlm_tiny_two_chunk``: the same with vocabulary 50, sizes 16, batch 3,
   BPTT 24, chunk 8, for tests.
 
+- ``packed_tagger``, ``packed_tagger_bi``: a tagger over variable-length sequences packed
+  with ``pack_padded_sequence`` (unsorted): nn.LSTM(128, 256, 2 layers, dropout 0.2; the
+  second bidirectional) over T = 256, batch 32, lengths drawn uniformly from 64 to 256
+  (a 4x spread, the longest 256), a Linear(., 16) head and the cross-entropy of the
+  tokens' tags, both on the packed rows, inside the model.
+
 ``lstm_T<T>`` exists for any T (``lstm_T1000``), through the module's ``__getattr__``.
 
 The language model computes its loss inside ``forward`` (summed cross-entropy, as the
@@ -38,11 +44,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils.rnn import pack_padded_sequence
 
 from memopt.measure import Workload
 
-__all__ = ["ChunkedBPTT", "RNNModel", "SequenceRegression", "batchify", "gruslys_lstm",
-           "load_corpus", "wlm", "wlm_tiny", "wlm_tiny_two_chunk", "wlm_two_chunk", "word_lm"]
+__all__ = ["ChunkedBPTT", "PackedTagger", "RNNModel", "SequenceRegression", "batchify", "gruslys_lstm",
+           "load_corpus", "packed_tagger", "packed_tagger_bi", "wlm", "wlm_tiny", "wlm_tiny_two_chunk", "wlm_two_chunk", "word_lm"]
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "wikitext-2-valid-slice.txt"
 """The WikiText-2 slice shipped with the examples (see examples/data/README.md)."""
@@ -78,6 +85,38 @@ def gruslys_lstm(device: str, *, T: int, batch: int = 64, size: int = 256) -> Wo
     model = SequenceRegression(rnn, target).to(device).train()
     return Workload(model=model, args=(x.to(device),))
 
+
+class PackedTagger(nn.Module):
+    """Tags of variable-length sequences: the padded batch packed (unsorted), an LSTM over
+    the packed rows, a head and the tags' cross-entropy on the live tokens only."""
+
+    def __init__(self, rnn: nn.LSTM, tags: int = 16) -> None:
+        super().__init__()
+        self.rnn = rnn
+        self.head = nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), tags)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, tags: torch.Tensor
+                ) -> torch.Tensor:
+        y, _ = self.rnn(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        gold = pack_padded_sequence(tags, lengths, enforce_sorted=False).data
+        return F.cross_entropy(self.head(y.data), gold)
+
+
+def packed_tagger(device: str, *, bidirectional: bool = False, T: int = 256, batch: int = 32,
+                  size: int = 128, hidden: int = 256) -> Workload:
+    """``PackedTagger`` over T = 256 steps, lengths uniform in [T / 4, T] (the first T)."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(size, hidden, num_layers=2, dropout=0.2, bidirectional=bidirectional)
+    lengths = torch.randint(T // 4, T + 1, (batch,))
+    lengths[0] = T
+    x = torch.randn(T, batch, size)
+    tags = torch.randint(0, 16, (T, batch))
+    model = PackedTagger(rnn).to(device).train()
+    return Workload(model=model, args=(x.to(device), lengths, tags.to(device)),
+                    loss=lambda out: out)
+
+
+packed_tagger_bi = partial(packed_tagger, bidirectional=True)
 
 _LSTM_NAME = re.compile(r"lstm_T([1-9]\d*)")
 

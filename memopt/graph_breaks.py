@@ -93,6 +93,26 @@ def _stays(graph: CompiledGraph, need: Outside, policy: ReplanPolicy,
     return True
 
 
+#: A plan made around a little more than its graph's runs hold now is kept (the fraction of
+#: its predicted peak): eager code between graphs whose bytes change from step to step (a
+#: PackedSequence's rows, memopt.recurrent.packed) would otherwise plan and compile every
+#: graph of the forward again at every new size, and keep each plan.
+NEARLY = 0.05
+
+
+def _nearly(planned: Outside, need: Outside, plan) -> bool:
+    """Whether a plan made around `planned` still stands for `need`: equal, or covering it
+    (it fits) by at most NEARLY of its predicted peak around every run (more, and planning
+    again would keep more or recompute less)."""
+    if planned == need:
+        return True
+    slack = NEARLY * plan.predicted_peak_bytes
+    return planned.covers(need) and planned.own == need.own and all(
+        0 <= a - b <= slack for a, b in ((planned.forward, need.forward),
+                                        (planned.backward, need.backward),
+                                        (planned.after_backward, need.after_backward)))
+
+
 def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
                    policies: dict[int, ReplanPolicy], step_baseline: int | None,
                    lazy: Collection[int] = ()) -> None:
@@ -115,8 +135,8 @@ def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
             policy = policies[id(graph)]
             if _stays(graph, need, policy, lazy):
                 continue
-            if graph.provisional or graph.outside != need or graph.policy != policy \
-                    or graph.step_baseline != step_baseline:
+            if graph.provisional or not _nearly(graph.outside, need, graph.plan) \
+                    or graph.policy != policy or graph.step_baseline != step_baseline:
                 held = need.around(graph.plan.held_bytes)
                 log.info("memopt: planning %s again with the whole forward known (%s): %s "
                          "held around its forward, %s around its backward%s", graph.label(),

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from memopt.passes._torch_compat import autograd_inside_op
 from memopt.allocator.gruslys import Policy
@@ -43,13 +44,18 @@ class ChainStats:
 
 @dataclass
 class _Internal:
-    """A step run under autograd and kept: its leaf inputs and outputs."""
+    """A step run under autograd and kept: its leaf inputs, its output's place in the
+    autograd graph (``y``: a GradientEdge, not the tensor: backward needs where the
+    output's gradient enters, not its values, which the chain's output or the caller
+    holds as long as they are needed; None when it needs no gradient) and its output
+    state."""
 
     state_in: Tensors
     x_in: torch.Tensor
     params_in: Tensors
-    y: torch.Tensor
+    y: GradientEdge | None
     state_out: Tensors
+    y_bytes: int = 0
 
 
 @dataclass
@@ -119,7 +125,9 @@ class ChainRun:
         with autograd_inside_op():
             y, out = self.step(params, state_in, x)
         out = tuple(out)
-        return y, out, _Internal(state_in, x, params, y, out)
+        edge = get_gradient_edge(y) if y.requires_grad else None
+        return y, out, _Internal(state_in, x, params, edge, out,
+                                 y.untyped_storage().nbytes())
 
     def _keep_rng(self, device: torch.device) -> object:
         """The RNG state now, as the tensors of the state kept last when it is the same
@@ -155,7 +163,7 @@ class ChainRun:
                     y, out, node = self._run(i, self.available(i), grad=True, first=True)
                     self.internal[i] = node
                     self.core = i
-                self._emit(ys, i, self.internal[i].y.detach())
+                    self._emit(ys, i, y.detach())
                 final = tuple(s.detach() for s in self.internal[i].state_out)
                 return ys, final  # the cursor stays at this backward
             self._act(op, i, j, ys)
@@ -216,7 +224,10 @@ class ChainRun:
             _, _, node = self._run(i, self.available(i), grad=True, first=False)
             self._account(1 if self.policy.strategy == "ism" else 0, 0)
         outputs, grads = [], []
-        for out, g in zip((node.y, *node.state_out), (grad_y, *grad_h)):
+        if grad_y is not None and node.y is not None:
+            outputs.append(node.y)
+            grads.append(grad_y)
+        for out, g in zip(node.state_out, grad_h):
             if g is not None and out.requires_grad:
                 outputs.append(out)
                 grads.append(g)
@@ -252,7 +263,7 @@ def _nbytes(state: Tensors) -> int:
 def _graph_bytes(node: _Internal) -> int:
     """Bytes a kept step holds beyond its inputs: its outputs (its saved tensors are
     not reachable from Python; the outputs stand for them in the stats)."""
-    return _nbytes((node.y, *node.state_out))
+    return node.y_bytes + _nbytes(node.state_out)
 
 
 def _get_rng(device: torch.device) -> object:

@@ -24,9 +24,10 @@ Outside memopt.compile both run eagerly as a single chunk (plain BPTT).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import itertools
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +37,7 @@ from memopt.passes._torch_compat import rnn_kernels
 from memopt.passes.runtime import RUNTIMES
 from memopt.errors import CaptureError
 
-from . import ops
+from . import ops, packed
 from .executor import Step, Tensors
 
 _RNN_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
@@ -59,11 +60,15 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
     would.
 
     ``packed``: the chunk is time-major, padded, sorted by decreasing length (a
-    PackedSequence laid out by ``_packed_layout``), its last feature 1.0 where a sequence
-    has ended. Its active rows run through the kernel's packed overload (what nn.LSTM
-    runs on a PackedSequence: the same arithmetic), the ended sequences' state carried
-    unchanged and their outputs zero: in time order one call (the active counts only
-    fall); reversed, one call per run of steps with the same count (they rise)."""
+    PackedSequence laid out by ``packed.packed_layout``), its last feature 1.0 where a
+    sequence has ended. Its active rows run through one call of the kernel's packed
+    overload (what nn.LSTM runs on a PackedSequence: the same arithmetic), the ended
+    sequences' state carried unchanged and their outputs zero. A packed chain runs in
+    time order only: the reverse direction gets each sequence reversed within its own
+    length (``packed.reverse_each``), which keeps the active counts falling. (Run
+    backwards through the padded layout, the counts rise and the kernel takes them a
+    call per run of equal counts, where oneDNN's workspace made the reverse direction
+    hold 2.5x eager's bytes.)"""
     _VF = rnn_kernels()  # what nn.LSTM.forward calls
 
     batch_first = rnn.batch_first and not packed
@@ -86,40 +91,35 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
         return out, (h,)
 
     def packed_kernel(params, state, data, sizes):
-        """The packed overload (what nn.LSTM runs on a PackedSequence)."""
+        """The packed overload (what nn.LSTM runs on a PackedSequence), on CPU always
+        ATen's own step loop: where every sequence of a call is active at every step,
+        the overload takes oneDNN instead, whose saved workspace is 2.2x the bytes a
+        row (an LSTM(64, 128): 8.7 against 3.9 KB), so which path a chunk takes would
+        depend on the batch's lengths and the plan could not price it."""
         batch_sizes = torch.tensor(sizes, dtype=torch.int64)
         rest = (list(params), rnn.bias, layers, dropout, rnn.training, False)
-        if lstm:
-            out, h, c = _VF.lstm(data, batch_sizes, list(state), *rest)
-            return out, (h, c)
-        fn = _VF.gru if isinstance(rnn, nn.GRU) else (
-            _VF.rnn_tanh if rnn.nonlinearity == "tanh" else _VF.rnn_relu)
-        out, h = fn(data, batch_sizes, state[0], *rest)
-        return out, (h,)
+        with _native_rnn():
+            if lstm:
+                out, h, c = _VF.lstm(data, batch_sizes, list(state), *rest)
+                return out, (h, c)
+            fn = _VF.gru if isinstance(rnn, nn.GRU) else (
+                _VF.rnn_tanh if rnn.nonlinearity == "tanh" else _VF.rnn_relu)
+            out, h = fn(data, batch_sizes, state[0], *rest)
+            return out, (h,)
 
-    def segments(params, state, x):
+    def live_rows(params, state, x):
         valid = x[..., -1] == 0
-        active = valid.sum(1).tolist()  # sequences active at each step: a prefix
-        x, batch = x[..., :-1], x.shape[1]
-        # in time order the active counts only fall: one packed call; reversed, they
-        # rise: a call per run of steps with the same count
-        rises = (k for k in range(1, len(active)) if active[k] != active[k - 1])
-        bounds = [0, *(rises if reverse else ()), len(active)]
-        outs = []
-        for start, end in itertools.pairwise(bounds):
-            n = active[start]
-            mask = valid[start:end, :n]
-            out, new = packed_kernel(params, tuple(s[:, :n] for s in state),
-                                     x[start:end, :n][mask], active[start:end])
-            out = out.new_zeros((end - start, n, out.shape[-1])).index_put((mask,), out)
-            if n < batch:
-                out = torch.cat([out, out.new_zeros((end - start, batch - n, out.shape[-1]))], 1)
-                new = tuple(torch.cat([a, b[:, n:].to(a.dtype)], 1) for a, b in zip(new, state))
-            outs.append(out)
-            state = new
-        return torch.cat(outs) if len(outs) > 1 else outs[0], tuple(state)
+        active = valid.sum(1).tolist()  # sequences active at each step: only falls
+        x, steps, batch = x[..., :-1], x.shape[0], x.shape[1]
+        n = active[0]
+        out, new = packed_kernel(params, tuple(s[:, :n] for s in state),
+                                 x[:, :n][valid[:, :n]], active)
+        out = out.new_zeros((steps, batch, out.shape[-1])).index_put((valid,), out)
+        if n < batch:
+            new = tuple(torch.cat([a, b[:, n:].to(a.dtype)], 1) for a, b in zip(new, state))
+        return out, tuple(new)
 
-    run = segments if packed else kernel
+    run = live_rows if packed else kernel
 
     def step(params, state, x):
         if reverse:
@@ -134,18 +134,14 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
     return step
 
 
-@torch.compiler.disable
-def _packed_layout(batch_sizes: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
-    """Where a PackedSequence's rows go in the time-major padded layout (T, B) of its
-    sorted sequences: each row's flat index t * B + b, and a (T, B, 1) tensor (``like``'s
-    dtype and device), 1.0 where sequence b has ended by step t. Run eagerly (the
-    layout depends on the values of ``batch_sizes``; a graph break)."""
-    sizes = batch_sizes.tolist()
-    batch = sizes[0]
-    index = torch.cat([torch.arange(n) + t * batch for t, n in enumerate(sizes)])
-    ended = torch.arange(batch)[None, :] >= torch.tensor(sizes)[:, None]
-    return (index.to(like.device),
-            ended.to(dtype=like.dtype, device=like.device).unsqueeze(-1))
+@contextlib.contextmanager
+def _native_rnn() -> Iterator[None]:
+    """oneDNN off for the RNN kernels called inside (torch.backends.mkldnn's scoped
+    flags; its note on TF32 for Intel GPUs, which it prints on entering, is silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+        with torch.backends.mkldnn.flags(enabled=False):
+            yield
 
 
 def loop_step(cell_step: Callable[[Tensors, Tensors, Tensor], tuple[Tensor, Tensors]],
@@ -217,7 +213,8 @@ class ChainedRNN(nn.Module):
             return xs.new_empty((*xs.shape[:-1], out_size))
 
         # PackedSequence inputs: one chain per layer and direction, time-major
-        layered = [{"layers": 1, "reverse": bool(d), "packed": True,
+        # (the reverse direction reversed within each sequence: a forward chain)
+        layered = [{"layers": 1, "reverse": False, "packed": True,
                     "name": f"{name}.l{layer}{'_reverse' if d else ''}"}
                    for layer in range(rnn.num_layers) for d in range(self.directions)]
         self.chain_ids: dict[tuple[str, torch.dtype] | None, list[int]] = {}
@@ -309,11 +306,12 @@ class ChainedRNN(nn.Module):
                 input = nn.functional.dropout(input, self.dropout, True)
         return input, [torch.cat([f[i] for f in finals]) for i in range(len(state))]
 
+    @torch.compiler.disable(recursive=False)
     def _packed(self, input: PackedSequence, hx: Any) -> tuple[PackedSequence, Any]:
-        """A PackedSequence: its rows laid out time-major and padded in the sorted order
-        (``_packed_layout``), an ended flag beside each step's features, and one chain
-        per layer and direction over that (``_rnn_step(packed=True)``); the inter-layer
-        dropout on the layer's packed rows, as nn.LSTM's packed kernel draws it. The
+        """A PackedSequence, in eager code (memopt.recurrent.packed): its rows laid out
+        time-major and padded in the sorted order, the chains run on that
+        (``_packed_chains``, which dynamo traces as a frame of its own: no tensor shaped
+        by the batch's total length enters it), the output's live rows packed again. The
         states are permuted by ``sorted_indices`` / ``unsorted_indices`` as nn.LSTM's."""
         data, batch_sizes, sorted_indices, unsorted_indices = input
         if self.fused_ids and data.device.type == "cuda" and self.training:
@@ -322,43 +320,57 @@ class ChainedRNN(nn.Module):
                 "layers on a CUDA PackedSequence in training as chains: cuDNN draws that "
                 "dropout inside its fused call; pad the batch (it then runs as one chunk), "
                 "or set dropout=0")
-        index, ended = _packed_layout(batch_sizes, data)
-        steps, batch = ended.shape[0], ended.shape[1]
+        y, ended = packed.unpack(data, batch_sizes)
+        batch = ended.shape[1]
         if hx is None:
-            h0 = data.new_zeros(self.layers, batch, self.h_size)
-            state = [h0, data.new_zeros(self.layers, batch, self.c_size)] if self.lstm else [h0]
+            h0 = y.new_zeros(self.layers, batch, self.h_size)
+            state = [h0, y.new_zeros(self.layers, batch, self.c_size)] if self.lstm else [h0]
         else:
             state = list(hx) if self.lstm else [hx]
             if sorted_indices is not None:
                 state = [s.index_select(1, sorted_indices) for s in state]
-        ids = self._chains(data.device.type, self.packed_ids)
-        keep = torch.is_grad_enabled()
-        directions, layers = self.directions, len(ids) // self.directions
-        y = data.new_zeros(steps * batch, data.shape[-1]).index_copy(0, index, data)
-        y = y.view(steps, batch, -1)
+        layers = self.layers // self.directions
+        # the inter-layer dropout is a graph break: a graph a layer then, else one for all
+        spans = ([(k, k + 1) for k in range(layers)] if self.dropout > 0 and self.training
+                 else [(0, layers)])
         finals: list[list[Tensor]] = []
-        for layer in range(layers):
+        for first, last in spans:
+            y, final = self._packed_chains(y, ended, state, first, last)
+            finals.append(final)
+            if last < layers:
+                y = packed.dropout(y, batch_sizes, self.dropout)
+        final = [torch.cat([f[i] for f in finals]) for i in range(len(state))]
+        if unsorted_indices is not None:
+            final = [f.index_select(1, unsorted_indices) for f in final]
+        output = PackedSequence(packed.repack(y, batch_sizes), batch_sizes,
+                                sorted_indices, unsorted_indices)
+        return output, (final[0], final[1]) if self.lstm else final[0]
+
+    def _packed_chains(self, y: Tensor, ended: Tensor, state: list[Tensor], first: int,
+                       last: int) -> tuple[Tensor, list[Tensor]]:
+        """Layers ``first`` to ``last - 1``, one chain per layer and direction over the
+        padded rows ``y`` (T, B, features), the ended flag beside each step's features
+        (``_rnn_step(packed=True)``): their output and final states (rows of nn.LSTM's
+        h_n). ``state``: every layer's and direction's initial state."""
+        steps = ended.shape[0]
+        ids = self._chains(y.device.type, self.packed_ids)
+        keep = torch.is_grad_enabled()
+        directions = self.directions
+        finals: list[list[Tensor]] = []
+        order = packed.reversal(ended) if directions > 1 else None
+        for layer in range(first, last):
             xs = torch.cat([y, ended], -1)
             ys = []
             for d in range(directions):
                 k = directions * layer + d
                 params = [getattr(self, n) for n in self.part_weights[k]]
+                seq = packed.reverse_each(xs, order) if d else xs
                 out = torch.ops.memopt.chain_fwd(ids[k], steps, 1, "hsm", keep,
-                                                 [s[k:k + 1] for s in state], xs, params)
-                ys.append(out[0])
+                                                 [s[k:k + 1] for s in state], seq, params)
+                ys.append(packed.reverse_each(out[0], order) if d else out[0])
                 finals.append(out[1:-1])
             y = torch.cat(ys, -1) if directions > 1 else ys[0]
-            if self.dropout > 0 and self.training and layer < layers - 1:
-                rows = nn.functional.dropout(y.flatten(0, 1).index_select(0, index),
-                                             self.dropout, True)
-                y = y.new_zeros(steps * batch, y.shape[-1]).index_copy(0, index, rows)
-                y = y.view(steps, batch, -1)
-        final = [torch.cat([f[i] for f in finals]) for i in range(len(state))]
-        if unsorted_indices is not None:
-            final = [f.index_select(1, unsorted_indices) for f in final]
-        output = PackedSequence(y.flatten(0, 1).index_select(0, index), batch_sizes,
-                                sorted_indices, unsorted_indices)
-        return output, (final[0], final[1]) if self.lstm else final[0]
+        return y, [torch.cat([f[i] for f in finals]) for i in range(len(state))]
 
 
 class Recurrent(nn.Module):
