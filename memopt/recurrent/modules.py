@@ -330,35 +330,36 @@ class ChainedRNN(nn.Module):
             if sorted_indices is not None:
                 state = [s.index_select(1, sorted_indices) for s in state]
         layers = self.layers // self.directions
-        # the inter-layer dropout is a graph break: a graph a layer then, else one for all
-        spans = ([(k, k + 1) for k in range(layers)] if self.dropout > 0 and self.training
-                 else [(0, layers)])
-        finals: list[list[Tensor]] = []
-        for first, last in spans:
-            y, final = self._packed_chains(y, ended, state, first, last)
-            finals.append(final)
-            if last < layers:
-                y = packed.dropout(y, batch_sizes, self.dropout)
-        final = [torch.cat([f[i] for f in finals]) for i in range(len(state))]
+        masks = []
+        if self.dropout > 0 and self.training:  # drawn here: the rows are eager code's
+            dtype = (torch.get_autocast_dtype(y.device.type)
+                     if torch.is_autocast_enabled(y.device.type) else y.dtype)
+            masks = packed.dropout_masks(batch_sizes, layers - 1,
+                                         self.h_size * self.directions, self.dropout,
+                                         y.new_empty((), dtype=dtype))
+        y, final = self._packed_chains(y, ended, state, masks)
         if unsorted_indices is not None:
             final = [f.index_select(1, unsorted_indices) for f in final]
         output = PackedSequence(packed.repack(y, batch_sizes), batch_sizes,
                                 sorted_indices, unsorted_indices)
         return output, (final[0], final[1]) if self.lstm else final[0]
 
-    def _packed_chains(self, y: Tensor, ended: Tensor, state: list[Tensor], first: int,
-                       last: int) -> tuple[Tensor, list[Tensor]]:
-        """Layers ``first`` to ``last - 1``, one chain per layer and direction over the
-        padded rows ``y`` (T, B, features), the ended flag beside each step's features
-        (``_rnn_step(packed=True)``): their output and final states (rows of nn.LSTM's
-        h_n). ``state``: every layer's and direction's initial state."""
+    def _packed_chains(self, y: Tensor, ended: Tensor, state: list[Tensor],
+                       masks: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """One chain per layer and direction over the padded rows ``y`` (T, B, features),
+        the ended flag beside each step's features (``_rnn_step(packed=True)``): the last
+        layer's output and the final states (nn.LSTM's h_n). ``state``: every layer's
+        and direction's initial state; ``masks``: the inter-layer dropout's, drawn by
+        ``packed.dropout_masks`` (none outside training or without dropout)."""
         steps = ended.shape[0]
         ids = self._chains(y.device.type, self.packed_ids)
         keep = torch.is_grad_enabled()
         directions = self.directions
         finals: list[list[Tensor]] = []
         order = packed.reversal(ended) if directions > 1 else None
-        for layer in range(first, last):
+        for layer in range(self.layers // directions):
+            if layer and masks:
+                y = packed.apply_dropout(y, masks[layer - 1], self.dropout)
             xs = torch.cat([y, ended], -1)
             ys = []
             for d in range(directions):

@@ -7,9 +7,9 @@ lengths, changes from batch to batch even when the padded input keeps its shape.
 inside a graph, every new total length would be a new graph, planned again, and after
 dynamo's recompile limit memopt refuses the module (``CaptureError``). So the rows never
 enter a graph: ``unpack`` lays them out padded (T, B) in eager code before the chains'
-graph, ``repack`` packs the chains' padded output again after it, and ``dropout`` draws
-the inter-layer dropout on the packed rows (as nn.LSTM's packed kernel does: the same
-numbers) between two layers' graphs. What the graphs see is shaped by T (the longest
+graph, ``repack`` packs the chains' padded output again after it, and ``dropout_masks`` draws
+the inter-layer dropout's noise on the packed rows before the layers run (as nn.LSTM's
+packed kernel draws it: the same numbers), handed to the graph padded. What the graphs see is shaped by T (the longest
 sequence) and B only. Each function is a graph break; autograd records the copies as
 eager code (index_copy / index_select, which save the row index only), which memopt
 counts between its graphs (memopt.eager_reads)."""
@@ -78,6 +78,24 @@ def repack(padded: Tensor, batch_sizes: Tensor) -> Tensor:
 
 
 @torch.compiler.disable
-def dropout(padded: Tensor, batch_sizes: Tensor, p: float) -> Tensor:
-    """Inter-layer dropout drawn on the packed rows, padded again."""
-    return _pad(nn.functional.dropout(_rows(padded, batch_sizes), p, True), batch_sizes)
+def dropout_masks(batch_sizes: Tensor, layers: int, width: int, p: float,
+                  like: Tensor) -> list[Tensor]:
+    """The inter-layer dropout masks of a packed RNN, drawn before its layers run: for each
+    of ``layers`` boundaries the noise eager's dropout draws on the layer's packed rows
+    (``empty((rows, width)).bernoulli_(1 - p)``, ``like``'s dtype and device, in layer
+    order: nothing between two layers draws, so the numbers are eager's), kept as a
+    padded (T, B, width) bool mask. The graph scales by it (``apply_dropout``); the bool
+    padded mask is a quarter of eager's float noise a row."""
+    rows = int(batch_sizes.sum())
+    masks = []
+    for _ in range(layers):
+        noise = torch.empty((rows, width), dtype=like.dtype, device=like.device)
+        masks.append(_pad(noise.bernoulli_(1 - p).bool(), batch_sizes))
+    return masks
+
+
+def apply_dropout(y: Tensor, mask: Tensor, p: float) -> Tensor:
+    """Eager's dropout with a drawn mask: ``y * noise`` where ``noise`` is the mask in
+    ``y``'s dtype divided by 1 - p (torch's CPU dropout: the same operations, the same
+    rounding). Traced."""
+    return y * mask.to(y.dtype).div(1 - p)
