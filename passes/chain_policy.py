@@ -29,7 +29,8 @@ Memory model of one configuration of chunks of L steps (H: the state's bytes; P:
 step's parameters; I(L), F(L), B(L): a chunk's saved bytes (its graph's saved tensors,
 its input and final states), its forward's and its backward's transients, measured on
 real tensors at two lengths, see ChunkCosts; Y(L): a chunk's output when the chain is
-split, else 0). S(a) is the bytes the policy's stores hold after action a of its
+split, else 0; an upper bound for the packed RNN step, whose kept chunks hold only their
+output's gradient edge: ChainSpec.keep_output). S(a) is the bytes the policy's stores hold after action a of its
 schedule, walked with the real sizes (``_stored_bytes``): H a stored hidden state,
 I(L) + Y(L) a stored internal state (a chunk's graph and its output), H less where its
 input state is held anyway (h_0, a stored hidden state, the previous chunk's stored

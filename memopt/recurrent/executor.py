@@ -44,16 +44,16 @@ class ChainStats:
 
 @dataclass
 class _Internal:
-    """A step run under autograd and kept: its leaf inputs, its output's place in the
-    autograd graph (``y``: a GradientEdge, not the tensor: backward needs where the
-    output's gradient enters, not its values, which the chain's output or the caller
-    holds as long as they are needed; None when it needs no gradient) and its output
-    state."""
+    """A step run under autograd and kept: its leaf inputs, its output and its output
+    state. With ``ChainRun.keep_output`` off, ``y`` is the output's gradient edge, not
+    the tensor (backward needs where the output's gradient enters, not its values; None
+    when it needs no gradient): a step whose graph does not save its output then does
+    not hold it (the packed RNN step, memopt.recurrent.modules)."""
 
     state_in: Tensors
     x_in: torch.Tensor
     params_in: Tensors
-    y: GradientEdge | None
+    y: torch.Tensor | GradientEdge | None
     state_out: Tensors
     y_bytes: int = 0
 
@@ -84,6 +84,8 @@ class ChainRun:
     units: int = 0
     stored_bytes: int = 0
     last_rng: object = None         # the RNG state kept last (shared while it is unchanged)
+    #: False: a kept step holds its output's gradient edge only (see _Internal)
+    keep_output: bool = True
 
     # -- state ---------------------------------------------------------------
 
@@ -125,9 +127,8 @@ class ChainRun:
         with autograd_inside_op():
             y, out = self.step(params, state_in, x)
         out = tuple(out)
-        edge = get_gradient_edge(y) if y.requires_grad else None
-        return y, out, _Internal(state_in, x, params, edge, out,
-                                 y.untyped_storage().nbytes())
+        kept = y if self.keep_output else get_gradient_edge(y) if y.requires_grad else None
+        return y, out, _Internal(state_in, x, params, kept, out, y.untyped_storage().nbytes())
 
     def _keep_rng(self, device: torch.device) -> object:
         """The RNG state now, as the tensors of the state kept last when it is the same
@@ -224,7 +225,8 @@ class ChainRun:
             _, _, node = self._run(i, self.available(i), grad=True, first=False)
             self._account(1 if self.policy.strategy == "ism" else 0, 0)
         outputs, grads = [], []
-        if grad_y is not None and node.y is not None:
+        if grad_y is not None and node.y is not None and (
+                isinstance(node.y, GradientEdge) or node.y.requires_grad):
             outputs.append(node.y)
             grads.append(grad_y)
         for out, g in zip(node.state_out, grad_h):

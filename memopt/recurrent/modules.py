@@ -227,7 +227,8 @@ class ChainedRNN(nn.Module):
                                    autocast=autocast, packed=part.get("packed", False)),
                     time_dim=0 if part.get("packed") else time_dim, output_like=output_like,
                     preserve_rng=part["layers"] > 1 and rnn.dropout > 0,
-                    reverse=part["reverse"], autocast=autocast)) for part in specs]
+                    reverse=part["reverse"], autocast=autocast,
+                    keep_output=not part.get("packed", False))) for part in specs]
         self.chain_id = self.chain_ids[None][0]  # the (first) chain without autocast
         # cuDNN draws a bidirectional stack's inter-layer dropout inside its fused call
         # (its own generator): on CUDA, training, that case stays one unsplittable chunk

@@ -58,6 +58,9 @@ class ChainSpec:
     #: (device type, dtype) of the autocast state the step enters, or None: its outputs'
     #: dtypes are then found by running it once on one time step (``_outputs_like``)
     autocast: tuple[str, torch.dtype] | None = None
+    #: False: a kept chunk holds only its output's gradient edge, not the output (the
+    #: packed RNN step, whose graph does not save it; executor._Internal)
+    keep_output: bool = True
 
 
 _SPECS: dict[int, ChainSpec] = {}
@@ -144,7 +147,7 @@ def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], x
     LAST_STATS[chain] = stats
     run = ChainRun(spec.step, _policy(len(chunks), m, strategy), tuple(params), chunks,
                    tuple(s.detach() for s in state), spec.preserve_rng, x_grad=True,
-                   stats=stats)
+                   stats=stats, keep_output=spec.keep_output)
     # One chunk: the output is the step's own (kept for backward anyway), not a copy.
     box: list[Tensor] = []
 

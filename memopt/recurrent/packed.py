@@ -6,13 +6,20 @@ one row per live (time step, sequence): its length, the sum of the batch's seque
 lengths, changes from batch to batch even when the padded input keeps its shape. Read
 inside a graph, every new total length would be a new graph, planned again, and after
 dynamo's recompile limit memopt refuses the module (``CaptureError``). So the rows never
-enter a graph: ``unpack`` lays them out padded (T, B) in eager code before the chains'
-graph, ``repack`` packs the chains' padded output again after it, and ``dropout_masks`` draws
-the inter-layer dropout's noise on the packed rows before the layers run (as nn.LSTM's
-packed kernel draws it: the same numbers), handed to the graph padded. What the graphs see is shaped by T (the longest
-sequence) and B only. Each function is a graph break; autograd records the copies as
-eager code (index_copy / index_select, which save the row index only), which memopt
-counts between its graphs (memopt.eager_reads)."""
+enter a graph:
+
+- ``unpack`` lays them out padded (T, B) in eager code before the chains' graph;
+- ``dropout_masks`` draws the inter-layer dropout's noise on the packed rows before the
+  layers run (as nn.LSTM's packed kernel draws it: the same numbers), handed to the
+  graph as padded bool masks (``apply_dropout``);
+- ``reversal`` / ``reverse_each`` (traced) reverse each sequence within its length for
+  the reverse direction of a bidirectional RNN;
+- ``repack`` packs the chains' padded output again after the graph.
+
+What the graphs see is shaped by T (the longest sequence) and B only. The eager functions
+are graph breaks; autograd records their copies (index_copy / index_select, which save
+the row index only) as eager code, which memopt counts between its graphs
+(memopt.eager_reads)."""
 
 from __future__ import annotations
 
