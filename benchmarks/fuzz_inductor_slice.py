@@ -2,7 +2,7 @@
 #   python benchmarks/fuzz_inductor_slice.py [inductor] [aten] [--models N]
 """Draw the slice strategy's 6 models (or N); run check_model under inductor (and aten
 for comparison) on each, without stopping or shrinking; print per model."""
-import sys, time, traceback
+import sys, time
 sys.path.insert(0, "tests"); sys.path.insert(0, ".")
 import torch
 from hypothesis import given, settings, Phase, HealthCheck

@@ -192,7 +192,7 @@ def table(name: str, configs: list[Config]) -> str:
     base = statistics.median(configs[0].times)
     eager_peak = configs[0].peak
     rows = [f"{name}: the whole step (forward, backward, AdamW step, state resident)",
-            f"| configuration | step / eager | peak | peak / eager | predicted | budget |",
+            "| configuration | step / eager | peak | peak / eager | predicted | budget |",
             "|---|---|---|---|---|---|"]
     for c in configs:
         plan = c.plan
