@@ -417,8 +417,11 @@ def torch_traces_differently(spec: ModelSpec, budget: object, tally: Tally,
     eager = build_model(spec)
     ours, theirs = copy.deepcopy(eager), copy.deepcopy(eager)
     compiled = memopt.compile(ours, budget=budget, kernels=kernels)
-    # under kernels="inductor", PyTorch's own inductor is the trace to compare with
-    traced = torch.compile(theirs, backend="inductor" if kernels == "inductor" else "aot_eager")
+    # under kernels="inductor", PyTorch's own inductor is the trace to compare with, drawing
+    # its random numbers as memopt's inductor graphs do (aten's generator, not inductor's
+    # own: fallback_random; without it every dropout differs and this never matched)
+    traced = (torch.compile(theirs, backend="inductor", options={"fallback_random": True})
+              if kernels == "inductor" else torch.compile(theirs, backend="aot_eager"))
     torch.manual_seed(100)
     inputs = make_inputs(spec)
     outs = {}
@@ -430,7 +433,11 @@ def torch_traces_differently(spec: ModelSpec, budget: object, tally: Tally,
         pairs = list(zip(leaves(x), leaves(y)))
         pairs += [(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters())
                   if p.grad is not None and q.grad is not None]
-        return all(torch.allclose(u, v, **FP32) for u, v in pairs)
+        # inductor's fused kernels round differently from each other: relative to the
+        # largest value there (a conv weight's gradient of 45 was 1.7e-5 apart)
+        return all(torch.allclose(u, v, rtol=FP32["rtol"], atol=FP32["atol"] + (
+            FP32["rtol"] * v.abs().max().item() if kernels == "inductor" else 0.0))
+            for u, v in pairs)
 
     if same(theirs, eager, outs["aot_eager"], outs["eager"]):
         return False  # PyTorch's trace is eager's: the difference is memopt's
