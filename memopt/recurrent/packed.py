@@ -24,7 +24,7 @@ the row index only) as eager code, which memopt counts between its graphs
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 
 def packed_layout(batch_sizes: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
