@@ -106,6 +106,7 @@ def test_reserved_must_be_a_bool() -> None:
         memopt.plan(model, x, budget=0.9, reserved="yes")
 
 
+@pytest.mark.slow  # 19 s; the reserved=True budget itself: the GELU MLP test above
 def test_reserved_true_trains_a_transformers_model_with_gradients_kept() -> None:
     """`reserved=True` on the zoo's Llama at 1.05x its no-budget plan's peak (or the
     smallest budget its step with .grad kept accepts), which the plain plan's modelled

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from benchmarks import whole_step  # noqa: E402
 
 
+@pytest.mark.slow  # 16 s; optimizer= plans: tests/test_optimizer_step.py and friends
 def test_whole_step_table(capsys):
     results = whole_step.main(["--models", "tiny", "--rounds", "1"])
     out = capsys.readouterr().out

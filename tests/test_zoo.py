@@ -233,6 +233,7 @@ _SLOW_AT_A_BINDING_BUDGET = {
     "convnext": "3 s; tests/test_workspace.py at 60% of eager's peak, a lower budget",
     "efficientnet": "5 s; resnet, and ConvNeXt in tests/test_workspace.py",
     "gpt2": "3 s; tests/test_drop_outputs.py: GPT-2 2% above its minimum, eager's gradients",
+    "rwkv": "18 s; the mamba here: another per-token loop of a language model at a binding budget",
     "llama": "3 s; tests/test_training_loops.py: two micro-batches at 0.85, eager's gradients",
 }
 
