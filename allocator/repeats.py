@@ -37,7 +37,8 @@ of this is refused with a reason.
 
 Algorithm:
     Step 1: candidate step lengths L: distances between ops with equal keys that read
-        an outside value (a cell reads its parameters once per step).
+        an outside value or an indexed one (a cell reads its parameters once per step; a
+        scan reads its per-step slices).
     Step 2: for each L, the regions where key[i] == key[i + L]; in each, grow a loop
         from each start: the argument kinds from the first two steps, then steps while
         they fit, then a partial last step; check what leaves the loop.
@@ -150,7 +151,9 @@ def find_loops(ops: Sequence[Op], min_steps: int = MIN_STEPS) -> LoopSearch:
 
 
 def _reads_outside(ref: Ref) -> bool:
-    return ref[0] == "in" or (ref[0] == "at" and _reads_outside(ref[1]))
+    """A value from outside the list, or one indexed at a constant (``xs[t]``: a scan's
+    per-step slice of a tensor computed before it, where its step reads no parameter)."""
+    return ref[0] in ("in", "at")
 
 
 def _periods(ops: Sequence[Op], min_steps: int) -> list[int]:

@@ -67,8 +67,8 @@ from torch import fx, nn
 from memopt.allocator.repeats import MIN_STEPS, Loop, Op, Ref, Slot, find_loops
 
 from ._torch_compat import OpOverload, OpOverloadPacket
-from .loop_packing import (Packing, example_value, is_packed, pack_inputs, packing_of,
-                           time_dim_of, unpack_outputs)
+from .loop_packing import (Packing, example_value, is_packed, packing_of, slices_inputs,
+                           sliced_inputs, time_dim_of, unpack_outputs)
 from .runtime import runtime
 
 from .meta import NN_MODULE_STACK, _clean_path
@@ -181,7 +181,9 @@ def _plain(gm: fx.GraphModule) -> PlainGraph:
             refs[node] = ("in", node.name)
             continue
         index = _index(node)
-        if index is not None and refs[index[0]][0] != "at":
+        # an indexed value that is stacked (``ys.append(out[:, :, 0])``) is a step's op
+        stacked = any(_stack_dim(u) is not None for u in node.users)
+        if index is not None and refs[index[0]][0] != "at" and not stacked:
             refs[node] = ("at", refs[index[0]], index[1], index[2], node.name)
             continue
         args = tuple(refs[n] for n in _inputs(node))
@@ -233,6 +235,23 @@ def _at(base: Any, dim: Any, i: Any) -> tuple[fx.Node, int, int] | None:
     return (base, dim, i % size) if -size <= i < size else None
 
 
+def _tuple_at(base: Any, idx: tuple) -> tuple[fx.Node, int, int] | None:
+    """``base[idx]`` as (base, dim, i) when idx is full slices and one integer, with at
+    most one ``...`` (``x[:, t]``, ``x[:, t, :]``, ``x[..., t]``)."""
+    ints = [k for k, s in enumerate(idx) if type(s) is int]
+    dots = [k for k, s in enumerate(idx) if s is Ellipsis]
+    if len(ints) != 1 or len(dots) > 1 or not all(
+            s == slice(None) for k, s in enumerate(idx) if k not in ints and k not in dots):
+        return None
+    k = ints[0]
+    if dots and dots[0] < k:  # counted from the end
+        value = example_value(base)
+        if not isinstance(value, torch.Tensor):
+            return None
+        return _at(base, value.dim() - (len(idx) - k), idx[k])
+    return _at(base, k, idx[k])
+
+
 def _index(node: fx.Node) -> tuple[fx.Node, int, int] | None:
     """(base, dim, i) when ``node`` is ``base`` indexed at the integer i along dim."""
     if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
@@ -240,9 +259,8 @@ def _index(node: fx.Node) -> tuple[fx.Node, int, int] | None:
         if _is_unbind(base):
             return _at(base.args[0], base.args[1] if len(base.args) > 1
                        else base.kwargs.get("dim", 0), idx)
-        if isinstance(idx, tuple) and idx and all(
-                isinstance(s, slice) and s == slice(None) for s in idx[:-1]):
-            return _at(base, len(idx) - 1, idx[-1])
+        if isinstance(idx, tuple):
+            return _tuple_at(base, idx)
         return _at(base, 0, idx)
     if ((node.op == "call_method" and node.target == "select")
             or (node.op == "call_function" and node.target is torch.select)) \
@@ -334,8 +352,6 @@ def _refusal(plain: PlainGraph, loop: Loop) -> str | None:
     outside = [plain.node(ref) for ref in _outside_refs(loop)]
     if not all(isinstance(example_value(n), torch.Tensor) for n in outside):
         return "the cell reads a value from before the loop that is not a tensor"
-    if not any(isinstance(example_value(n), nn.Parameter) for n in outside):
-        return "the cell reads no parameter"
     for o, ref in zip(loop.state, loop.init):
         init, value = example_value(plain.node(ref)), example_value(first[o])
         if not (isinstance(init, torch.Tensor) and isinstance(value, torch.Tensor)
@@ -356,7 +372,7 @@ def _refusal(plain: PlainGraph, loop: Loop) -> str | None:
         xs = example_value(plain.node(base))
         if i0 + loop.steps > xs.shape[dim] or xs.device != device:
             return "a per-step input does not cover every step on the state's device"
-    if is_packed(loop):
+    if len(loop.outputs) > 1:
         packing = packing_of(plain, loop)
         if isinstance(packing, str):
             return packing
@@ -442,7 +458,7 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
     cell = _cell(gm, plain, loop, params)
     time_dim = time_dim_of(loop)
     first = [plain.nodes[j] for j in loop.ops[0]]
-    packing = packing_of(plain, loop) if is_packed(loop) else None
+    packing = packing_of(plain, loop) if len(loop.outputs) > 1 else None
     y_shape, y_dtype = (0,) * max(1, time_dim), None
     if isinstance(packing, Packing) and packing.outputs:
         y_shape = (sum(math.prod(shape) for shape in packing.outputs),)
@@ -453,11 +469,7 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
     carried = next(q for q, o in enumerate(loop.state) if example_value(first[o]).is_floating_point())
     n_inputs = len(loop.step_inputs)
 
-    def cell_step(p: tuple, state: tuple, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        if isinstance(packing, Packing):
-            xs = packing.split_inputs(x)
-        else:
-            xs = [x][:n_inputs]
+    def cell_step(p: tuple, state: tuple, xs: list[torch.Tensor]) -> tuple[torch.Tensor, tuple]:
         ys, new = cell(*p, *state, *xs)
         if not ys:  # nothing stacked: an empty output, still part of the step's graph
             out = new[carried].reshape(-1)[:0].clone().reshape(y_shape)
@@ -475,7 +487,17 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
     name, module_type = _describe(first)
     kind = example_value(first[loop.state[carried]]).device.type
     cast = (kind, autocast[kind]) if kind in autocast else None
-    step = loop_step(cell_step, time_dim)
+    sliced = tuple(dim for _, dim, _ in loop.step_inputs) if slices_inputs(loop) else ()
+    if sliced:
+        def step(p: tuple, state: tuple, x: tuple) -> tuple[torch.Tensor, tuple]:
+            # x: the chunk's (T', 0) length tensor, then each per-step input's chunk
+            outs = []
+            for k in range(x[0].shape[time_dim]):
+                y, state = cell_step(p, state, [part.select(d, k) for part, d in zip(x[1:], sliced)])
+                outs.append(y)
+            return torch.stack(outs, time_dim), tuple(state)
+    else:
+        step = loop_step(lambda p, state, x: cell_step(p, state, [x][:n_inputs]), time_dim)
     if cast is not None:
         plain_step = step
 
@@ -484,7 +506,8 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
                 return plain_step(p, state, x)
 
     spec = ops.ChainSpec(name=name, module_type=module_type, step=step, time_dim=time_dim,
-                         output_like=output_like, preserve_rng=True, autocast=cast)
+                         output_like=output_like, preserve_rng=True, autocast=cast,
+                         sliced=sliced)
     return ops.register(spec), spec
 
 
@@ -499,22 +522,24 @@ def _rewrite(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, keep: bool,
     run = [plain.nodes[j] for rep in loop.ops for j in rep if j is not None]
     init = [plain.node(ref) for ref in loop.init]
     time_dim = time_dim_of(loop)
-    packing = packing_of(plain, loop) if is_packed(loop) else None
+    packing = packing_of(plain, loop) if len(loop.outputs) > 1 else None
     with graph.inserting_before(plain.nodes[loop.end - 1].next):
-        if isinstance(packing, Packing) and loop.step_inputs:
-            xs = pack_inputs(graph, plain, loop, packing)
-        elif loop.step_input is not None:
-            base, dim, i0 = loop.step_input
-            xs = plain.node(base)
-            if i0 != 0 or example_value(xs).shape[dim] != loop.steps:
-                xs = graph.call_function(torch.narrow, (xs, dim, i0, loop.steps))
-        else:  # no per-step input: an empty tensor gives the chain its length
+        inputs = [plain.node(r) for r in params]
+        if slices_inputs(loop):  # read in place by each chunk: ChainSpec.sliced
+            inputs += sliced_inputs(graph, plain, loop)
+        if slices_inputs(loop) or loop.step_input is None:
+            # no per-step input, or sliced ones: an empty tensor gives the chain its length
             shape = [0] * (time_dim + 2)
             shape[time_dim] = loop.steps
             xs = graph.call_function(torch.empty, (shape,),
                                      {"device": example_value(init[0]).device})
+        else:
+            base, dim, i0 = loop.step_input
+            xs = plain.node(base)
+            if i0 != 0 or example_value(xs).shape[dim] != loop.steps:
+                xs = graph.call_function(torch.narrow, (xs, dim, i0, loop.steps))
         chain = graph.call_function(torch.ops.memopt.chain_fwd, (
-            chain_id, loop.steps, 1, "hsm", keep, init, xs, [plain.node(r) for r in params]))
+            chain_id, loop.steps, 1, "hsm", keep, init, xs, inputs))
         if "stack_trace" in run[0].meta:
             chain.meta["stack_trace"] = run[0].meta["stack_trace"]
         y = graph.call_function(operator.getitem, (chain, 0))

@@ -109,6 +109,9 @@ class ChainSite:
     #: where the forward op returns its handle, which holds what the op keeps for backward
     #: (its last output; -1 for a site made by hand)
     handle: int = -1
+    #: bytes of the floating per-step inputs the chain slices from its params
+    #: (ChainSpec.sliced): one chunk's backward returns their gradients as it makes them
+    sliced_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,14 @@ class ChainConfig:
     workspace_bytes: int       # the backward op's
     recompute_steps: int       # time steps run again in backward, over all chunks
     seconds: float             # estimated time of the chain's forward and backward
+    #: the params (by index) the backward op gets a stand-in for (``apply``): sliced
+    #: per-step inputs one chunk neither saves nor recomputes from (ChunkCosts.unsaved)
+    stand_ins: tuple[int, ...] = ()
+    #: False: the graph is not told (meta KEPT_ARGS) that one chunk's graph holds the sliced
+    #: inputs it saves views of, so the step model made on it counts their recomputation
+    #: as possible (a split chain's choice allows it); ChainFamily.choose says it again
+    #: where one chunk stays
+    holds_sliced: bool = True
 
 
 def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
@@ -150,15 +161,26 @@ def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
             output_bytes_per_step=fake_value(node)[0].untyped_storage().nbytes() // max(1, steps),
             param_bytes=sum(fake_value(p).untyped_storage().nbytes()
                             for p in node.args[_FWD_PARAMS]),
+            sliced_bytes=sum(fake_value(p).nbytes for p in _sliced(node, spec)
+                             if fake_value(p).is_floating_point()),
         ))
     return sites
 
 
+def _sliced(node: fx.Node, spec) -> list[fx.Node]:
+    """The chain's params that are per-step inputs it slices (ChainSpec.sliced)."""
+    params = node.args[_FWD_PARAMS]
+    return list(params[len(params) - len(spec.sliced):]) if spec.sliced else []
+
+
 def _inputs(node: fx.Node, chunk: int, spec):
+    """(state, x, params) of the chain's first chunk of ``chunk`` steps, on FakeTensors
+    (x a tuple where the chain slices per-step inputs from its params: ChainSpec.sliced)."""
     xs = fake_value(node.args[_FWD_XS])
     state = tuple(fake_value(s) for s in node.args[_FWD_STATE])
     params = tuple(fake_value(p) for p in node.args[_FWD_PARAMS])
-    return state, xs.narrow(spec.time_dim, 0, min(chunk, xs.shape[spec.time_dim])), params
+    x, params = _ops()[0].chunk_input(spec, xs, params, 0, min(chunk, xs.shape[spec.time_dim]))
+    return state, x, params
 
 
 def _fake_mode(node: fx.Node):
@@ -229,6 +251,13 @@ class ChunkCosts:
     rng_state_bytes: int = 0
     #: whether a chunk draws random numbers (its run moved the RNG state)
     random: bool = False
+    #: the params (by index) that are sliced per-step inputs a chunk's graph saves nothing
+    #: of (Mamba's ``deltaB_u``, read by an add): one chunk holds no reference to them
+    unsaved: tuple[int, ...] = ()
+    #: the bytes of a chunk's slices of the sliced per-step inputs its graph saves: a
+    #: split chain's steps read copies of their chunks (memopt.recurrent.executor._Sliced),
+    #: which its kept chunks hold
+    sliced_saved: Linear = Linear(0, 0)
 
     def rng_bytes(self, t: int) -> int:
         """The RNG states a chain of ``t`` chunks holds from its forward to its backward
@@ -268,6 +297,8 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
         runs = [_chunk_run(joint, site, n) for n in lengths]                 # Step 1
         rng_before = _rng_state(device)
         measured = [_chunk_bytes(run, device, tracked) for run in runs]     # Step 2
+        n_params = len(_fwd_node(joint, site).args[_FWD_PARAMS])
+        sliced = [_saved_sliced(run, n_params) for run in runs]
         random = not _same_rng(rng_before, _rng_state(device))
         for values, times in zip(measured, _chunk_times(runs, device)):     # Step 3
             values.extend(times)
@@ -277,7 +308,10 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
                       if s is not None and s.device.type == device.type) if replays else 0
     return ChunkCosts(*(Linear.through((lengths[0], a), (lengths[1], b))
                         for a, b in zip(short, long)),
-                      rng_state_bytes=state_bytes, random=replays and random)
+                      rng_state_bytes=state_bytes, random=replays and random,
+                      unsaved=sliced[-1][0],
+                      sliced_saved=Linear.through((lengths[0], sliced[0][1]),
+                                                  (lengths[1], sliced[1][1])))
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -307,7 +341,7 @@ class _ChunkRun:
     step: object
     params: tuple[torch.Tensor, ...]
     state: tuple[torch.Tensor, ...]
-    x: torch.Tensor
+    x: torch.Tensor | tuple[torch.Tensor, ...]
     x_grad: bool = True
 
     def forward(self):
@@ -320,8 +354,9 @@ class _ChunkRun:
 
     def backward(self, y: torch.Tensor, out, grads: list[torch.Tensor]) -> None:
         outputs = [t for t in (y, *out) if t.requires_grad]
-        inputs = [t for t in (*self.state, self.x, *self.params)
-                  if t.requires_grad and (t is not self.x or self.x_grad)]
+        xs = self.x if isinstance(self.x, tuple) else (self.x,)
+        inputs = [t for t in (*self.state, *xs, *self.params)
+                  if t.requires_grad and (t is not xs[0] or self.x_grad)]
         with autograd_inside_op():
             torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
@@ -340,8 +375,9 @@ def _chunk_run(joint: fx.GraphModule, site: ChainSite, chunk: int) -> _ChunkRun:
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device).requires_grad_(
             t.is_floating_point())
 
+    x = tuple(map(real, fake_x)) if isinstance(fake_x, tuple) else real(fake_x)
     return _ChunkRun(spec.step, tuple(real(p) for p in fake_params),
-                     tuple(real(s) for s in fake_state), real(fake_x), site.x_grad)
+                     tuple(real(s) for s in fake_state), x, site.x_grad)
 
 
 def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[int]:
@@ -354,7 +390,8 @@ def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[in
         raise RuntimeError("memopt could not record autograd for a chain step while "
                            "planning; this is a memopt bug")
     # the output sequence is the chain's output (counted by liveness), not its state
-    resident = {storage_key(t) for t in (run.x, y, *run.params)}
+    xs = run.x if isinstance(run.x, tuple) else (run.x,)
+    resident = {storage_key(t) for t in (*xs, y, *run.params)}
     # a kept chunk holds its input and final states (the executor's _Internal), saved
     # by its graph or not
     seen = {storage_key(t): t.untyped_storage().nbytes() for t in (*run.state, *out)}
@@ -365,6 +402,23 @@ def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[in
     with maybe_allocation_peak(device, tracked) as bwd:
         run.backward(y, out, grads)
     return [sum(seen.values()), fwd.peak - fwd.end, bwd.peak]
+
+
+def _saved_sliced(run: _ChunkRun, n_params: int) -> tuple[tuple[int, ...], int]:
+    """(the param indices of the sliced per-step inputs whose storage no tensor the chunk's
+    graph saves shares, the bytes of the chunks of those it saves): ChunkCosts.unsaved
+    and sliced_saved."""
+    if not isinstance(run.x, tuple):
+        return (), 0
+    y, out = run.forward()
+    saved = {storage_key(t) for t in _saved_by_graph((y, *out))}
+    first, unsaved, nbytes = n_params - (len(run.x) - 1), [], 0
+    for k, part in enumerate(run.x[1:]):
+        if storage_key(part) in saved:
+            nbytes += part.untyped_storage().nbytes()
+        elif part.is_floating_point():
+            unsaved.append(first + k)
+    return tuple(unsaved), nbytes
 
 
 def _chunk_times(runs: list[_ChunkRun], device: torch.device) -> list[tuple[int, int]]:
@@ -508,7 +562,7 @@ def configure(site: ChainSite, costs: ChunkCosts, chunk: int, m: int,
     out = site.output_bytes_per_step * chunk if split else 0
     # a split chain keeps its last chunk's output inside the core, beside the copy in
     # the chain's output (one chunk: the output is the core's own)
-    kept = costs.saved(chunk) + out
+    kept = costs.saved(chunk) + out + (costs.sliced_saved(chunk) if split else 0)
     alpha, beta = msm_units(H, kept) if strategy == "msm" else (None, None)
     m = useful_m(t, m, strategy, alpha)
     policy = solve(t, m, strategy, alpha, beta)
@@ -519,9 +573,13 @@ def configure(site: ChainSite, costs: ChunkCosts, chunk: int, m: int,
         recompute_steps=sum((n - 1) * size for n, size in zip(runs, sizes)),
         seconds=costs.seconds(runs, sizes),
         held_bytes=stored.at_backward + kept + costs.rng_bytes(t),
-        forward_workspace_bytes=costs.forward(chunk) + out,
+        # a split chain's step copies its chunk of each sliced input (executor._Sliced)
+        forward_workspace_bytes=costs.forward(chunk) + out
+        + (site.sliced_bytes * chunk // site.steps if split else 0),
+        # one chunk's sliced-input gradients are the op's outputs, which liveness counts
         workspace_bytes=stored.peak - stored.at_backward + costs.rng_state_bytes
-        + max(costs.backward(chunk), costs.forward(chunk) if split else 0),
+        + max(costs.backward(chunk) - (0 if split else site.sliced_bytes),
+              costs.forward(chunk) if split else 0),
     )
 
 
@@ -597,10 +655,60 @@ def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) ->
             if node.target is fwd_op and node.name == site.fwd:
                 _set_policy_args(node, config)
                 record_op_bytes(node, nbytes[node.name])
-                node.meta[KEPT_ARGS] = (_FWD_XS,)  # the core's graph reads its chunk of xs
+                # the core's graph reads its chunk of xs; one chunk's graph holds the
+                # sliced per-step inputs it saves views of (a split chain's, copies)
+                n_params = len(node.args[_FWD_PARAMS])
+                sliced = range(n_params - len(_ops()[0].spec_of(site.chain).sliced), n_params)
+                node.meta[KEPT_ARGS] = (_FWD_XS, *((_FWD_PARAMS, k) for k in sliced
+                                                   if config.t == 1 and config.holds_sliced
+                                                   and k not in config.stand_ins))
             elif node.target is bwd_op and node.name in site.bwds:
                 _set_policy_args(node, config)
                 record_op_bytes(node, nbytes[node.name])
+                _stand_in(gm.graph, node, config.stand_ins)
+
+
+#: chain_bwd's params argument, and the meta key of the params it had before stand-ins
+_BWD_PARAMS, _ORIGINAL_PARAMS = 10, "memopt.chain_params"
+
+
+def _stand_in(graph: fx.Graph, node: fx.Node, which: tuple[int, ...]) -> None:
+    """Give the backward op ``node`` a stand-in for each param in ``which``: a tensor of
+    its shape, dtype and device with every stride 0 (one element), so that liveness and the
+    partitioner do not keep the real one for backward; the others as they were. The op
+    reads a stand-in's shape only (memopt.recurrent.ops.chain_bwd: a chunk that is never
+    recomputed). Done before the joint graph is partitioned (ChainFamily.initial); an
+    ``apply`` without stand-ins puts the real params back."""
+    params = list(node.args[_BWD_PARAMS])
+    original = node.meta.setdefault(_ORIGINAL_PARAMS, list(params))
+    wanted = []
+    for k, real in enumerate(original):
+        if k not in which:
+            wanted.append(real)
+            continue
+        if params[k] is not real:  # a stand-in already
+            wanted.append(params[k])
+            continue
+        value = fake_value(real)
+        with graph.inserting_before(node), _fake_mode(node):
+            stand = graph.call_function(torch.ops.aten.empty_strided.default, (
+                list(value.shape), [0] * value.dim()),
+                {"dtype": value.dtype, "device": value.device})
+            stand.meta["val"] = torch.empty_strided(value.shape, [0] * value.dim(),
+                                                    dtype=value.dtype, device=value.device)
+        for key in ("partitioner_tag", "seq_nr", "stack_trace"):
+            if key in node.meta:
+                stand.meta[key] = node.meta[key]
+        wanted.append(stand)
+    if wanted == params:
+        return
+    args = list(node.args)
+    args[_BWD_PARAMS] = wanted
+    node.args = tuple(args)
+    for old in params:
+        if old not in wanted and old.op == "call_function" and not old.users \
+                and old.target is torch.ops.aten.empty_strided.default:
+            graph.erase_node(old)
 
 
 def _set_policy_args(node: fx.Node, config: ChainConfig) -> None:

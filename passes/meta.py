@@ -32,8 +32,9 @@ HELD_BYTES = "memopt.held_bytes"
 #: slots in backward. Set by passes.chain_policy; liveness adds them at the op's step.
 WORKSPACE_BYTES = "memopt.workspace_bytes"
 #: Positions of an opaque op's arguments whose storage the op holds until its backward
-#: (tuple[int, ...]): a chain's inputs, read by the core chunk's graph and by stored
-#: internal states. Recomputing such a value in backward frees nothing, so
+#: (a tuple of positions, or (position, k) for the k-th tensor of a list argument): a
+#: chain's inputs, read by the core chunk's graph and by stored internal states, and the
+#: per-step inputs it slices from its params (ChainSpec.sliced). Recomputing such a value in backward frees nothing, so
 #: passes.recompute does not mirror it (nor the views it is read through). Set by
 #: passes.chain_policy.
 KEPT_ARGS = "memopt.kept_args"

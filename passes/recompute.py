@@ -99,7 +99,8 @@ def kept_by_ops(joint: fx.GraphModule) -> set[fx.Node]:
     kept: set[fx.Node] = set()
     for node in joint.graph.nodes:
         for index in node.meta.get(KEPT_ARGS, ()):
-            value = node.args[index]
+            # an argument's position, or (position, k): the k-th tensor of a list argument
+            value = node.args[index] if isinstance(index, int) else node.args[index[0]][index[1]]
             if not isinstance(value, fx.Node) or tensor_value(value) is None:
                 continue
             key = storage_key(tensor_value(value))

@@ -8,6 +8,7 @@ of the step and by each chunk's measured call time (passes.chain_policy.ChunkCos
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from torch import fx
@@ -37,10 +38,18 @@ class ChainFamily:
               ) -> chain_pass.ChunkCosts:
         return chain_pass.chunk_costs(joint, site)
 
-    def initial(self, site: chain_pass.ChainSite, costs: chain_pass.ChunkCosts
-                ) -> chain_pass.ChainConfig:
-        """One chunk (t = 1): no recomputation, eager's memory."""
-        return chain_pass.configure(site, costs, site.steps, 1)
+    def initial(self, site: chain_pass.ChainSite, costs: chain_pass.ChunkCosts,
+                lean: bool = False) -> chain_pass.ChainConfig:
+        """One chunk (t = 1): no recomputation, eager's memory. ``lean`` (no budget: the
+        policy stays so): its backward op gets stand-ins for the sliced per-step inputs the
+        chunk does not save (a scan's ``deltaB_u``), so that the forward does not save them
+        and they are freed after it, as eager frees them. With a budget they stay, since a
+        split chain recomputes from them (the graph's structure is fixed once the step
+        model is made)."""
+        config = chain_pass.configure(site, costs, site.steps, 1)
+        if lean:
+            return dataclasses.replace(config, stand_ins=costs.unsaved)
+        return dataclasses.replace(config, holds_sliced=False)  # see ChainConfig
 
     def apply(self, graphs: list[fx.GraphModule], site: chain_pass.ChainSite,
               config: chain_pass.ChainConfig) -> None:
@@ -76,7 +85,9 @@ class ChainFamily:
         """
         kept, built = unchanged(found, ctx)
         if kept is not None:
-            return kept
+            for s in found.sites:  # one chunk stays: its graph holds the sliced inputs
+                found.run(s, dataclasses.replace(found.current[s.fwd], holds_sliced=True))
+            return [dataclasses.replace(c, config=found.current[c.site.fwd]) for c in kept]
         pricing = _Pricing(found, ctx, built)
         sites = found.sites
         # Step 3: each chain in turn removes its share of what is still over the target
@@ -96,8 +107,11 @@ class ChainFamily:
 
     def faster(self, choice: Choice, costs: chain_pass.ChunkCosts
                ) -> list[chain_pass.ChainConfig]:
+        # one chunk holds the sliced inputs its graph saves, which the mirror set may
+        # recompute: a chain that slices them stays split once it is
         grid = [g for g in chain_pass.configurations(choice.site, costs)
-                if g.seconds < choice.config.seconds]
+                if g.seconds < choice.config.seconds
+                and (g.t > 1 or not choice.site.sliced_bytes or choice.config.t == 1)]
         return sorted(grid, key=lambda g: (g.seconds, g.recompute_steps, g.held_bytes))
 
     def record(self, c: Choice) -> ChainRecord:
@@ -164,6 +178,7 @@ class _Pricing:
                 s, costs, lambda c: peak(c) <= goal, lo, hi)
             if refined is not None:
                 fitting.append((peak(refined), refined))
+        lowest = 0
         if fitting:
             fitting.sort(key=lambda pc: (pc[1].seconds, pc[1].recompute_steps, pc[1].t, pc[0]))
             for p, c in fitting[:5]:
@@ -176,9 +191,19 @@ class _Pricing:
             if goal > target:
                 reason += f" its share of the excess (a peak of {format_bytes(goal)})"
         else:
-            p, best = min(priced, key=lambda pc: (pc[0], pc[1].recompute_steps))
+            # none fits: the lowest peak, or the fastest within ctx.near_lowest of the
+            # target above it (a chunk of one step and one slot recomputes T(T-1)/2 steps to hold
+            # a few states less than a policy many times faster)
+            lowest = min(p for p, _ in priced)
+            near = [(p, c) for p, c in priced
+                    if p <= lowest + self.ctx.near_lowest * target]
+            p, best = min(near, key=lambda pc: (pc[1].seconds, pc[0], pc[1].recompute_steps))
             reason = (f"lowest peak of {len(priced)} policies (none fits alone; the Chen "
                       f"planner recomputes the rest)")
+            if len(near) > 1:
+                reason = (f"fastest of the {len(near)} of {len(priced)} policies priced within "
+                          f"{self.ctx.near_lowest:.0%} of the budget of the lowest peak (none "
+                          "fits alone; the Chen planner recomputes the rest)")
         chain_pass.apply([built.fw, built.bw], s, best)
         self.current[s.fwd] = best
-        return Choice(s, best, reason), p
+        return Choice(s, best, reason, near=not fitting and p > lowest), p

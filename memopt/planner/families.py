@@ -48,6 +48,8 @@ class Choice:
     site: Any
     config: Any
     reason: str
+    #: taken within ChoiceContext.near_lowest of the lowest peak, not at it
+    near: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class ChoiceContext:
     target: int | None
     step: StepContext
     build: Callable[[Mirror], Built]
+    #: where no configuration of a site fits its goal alone, the fastest within this
+    #: fraction of the target above the lowest peak is taken (0: the lowest peak)
+    near_lowest: float = 0.0
 
     def peak(self, built: Built) -> int:
         """`built`'s peak after a configuration was applied to its graphs in place."""
@@ -79,7 +84,7 @@ class OpFamily(Protocol):
 
     def find(self, joint: fx.GraphModule) -> list[Any]: ...
     def costs(self, joint: fx.GraphModule, site: Any) -> Any: ...
-    def initial(self, site: Any, costs: Any) -> Any: ...
+    def initial(self, site: Any, costs: Any, lean: bool = False) -> Any: ...
     def apply(self, graphs: list[fx.GraphModule], site: Any, config: Any) -> None: ...
     def op_bytes(self, site: Any, config: Any) -> dict[str, OpBytes]: ...
     def choose(self, found: Sites, ctx: ChoiceContext) -> list[Choice]: ...
@@ -107,12 +112,20 @@ class Sites:
         self.family.apply([self.joint, *also], site, config)
         self.current[site.fwd] = config
 
-    def begin(self) -> None:
+    def begin(self, lean: bool = False) -> None:
         """Price each site once and run it in its initial configuration (nothing
-        recomputed: what the baseline plans)."""
+        recomputed: what the baseline plans). ``lean``: the plan has no budget, so the
+        initial configuration is final (a family may then hold less: ChainFamily.initial)."""
         for site in self.sites:
             self.costs[site.fwd] = self.family.costs(self.joint, site)
+            self.run(site, self.family.initial(site, self.costs[site.fwd], lean))
+
+    def reset(self) -> None:
+        """Every site back in its initial configuration (a budget, so not lean), for
+        Step 5 to choose again."""
+        for site in self.sites:
             self.run(site, self.family.initial(site, self.costs[site.fwd]))
+        self.choices = []
 
     def op_bytes(self) -> dict[str, OpBytes]:
         """What the family's ops hold and allocate as the joint graph runs them now, by
@@ -188,8 +201,8 @@ class HeadFamily:
     def costs(self, joint: fx.GraphModule, site: head_pass.HeadSite) -> head_pass.HeadCosts:
         return head_pass.head_costs(joint, site)
 
-    def initial(self, site: head_pass.HeadSite, costs: head_pass.HeadCosts
-                ) -> head_pass.HeadConfig:
+    def initial(self, site: head_pass.HeadSite, costs: head_pass.HeadCosts,
+                lean: bool = False) -> head_pass.HeadConfig:
         return head_pass.configure(site, costs, site.rows)
 
     def apply(self, graphs: list[fx.GraphModule], site: head_pass.HeadSite,
@@ -274,7 +287,8 @@ class ReversibleFamily:
     def costs(self, joint: fx.GraphModule, site: reversible_pass.ReversibleSite) -> None:
         return None
 
-    def initial(self, site: reversible_pass.ReversibleSite, costs: None) -> None:
+    def initial(self, site: reversible_pass.ReversibleSite, costs: None,
+                lean: bool = False) -> None:
         return None
 
     def apply(self, graphs: list[fx.GraphModule], site: reversible_pass.ReversibleSite,

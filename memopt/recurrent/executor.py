@@ -51,11 +51,13 @@ class _Internal:
     not hold it (the packed RNN step, memopt.recurrent.modules)."""
 
     state_in: Tensors
-    x_in: torch.Tensor
+    x_in: torch.Tensor | Tensors    # a tuple: the chunk's xs, then its sliced inputs
     params_in: Tensors
     y: torch.Tensor | GradientEdge | None
     state_out: Tensors
     y_bytes: int = 0
+    #: a tuple x_in: each sliced input's gradient box (_Sliced), None for the chunk's xs
+    boxes: tuple[list | None, ...] = ()
 
 
 @dataclass
@@ -86,6 +88,8 @@ class ChainRun:
     last_rng: object = None         # the RNG state kept last (shared while it is unchanged)
     #: False: a kept step holds its output's gradient edge only (see _Internal)
     keep_output: bool = True
+    #: the sliced per-step inputs' chunks of a split chain are dropped after the forward
+    #: phase and handed back for backward (memopt.recurrent.ops): see ``_Sliced``
 
     # -- state ---------------------------------------------------------------
 
@@ -113,22 +117,24 @@ class ChainRun:
         self.stats.forward_steps += 1
         if self.preserve_rng:
             if first:
-                self.rng[i] = self._keep_rng(self.xs[i].device)
+                self.rng[i] = self._keep_rng(_device(self.xs[i]))
             else:
-                _set_rng(self.xs[i].device, self.rng[i])
+                _set_rng(_device(self.xs[i]), self.rng[i])
         if not grad:
             with torch.no_grad():
                 y, out = self.step(self.params, state, self.xs[i])
             return y, tuple(out), None
         state_in = tuple(s.detach().requires_grad_(s.is_floating_point()) for s in state)
         # requires grad even when unneeded: whether it is needed is known in backward
-        x = self.xs[i].detach().requires_grad_(self.xs[i].is_floating_point())
         params = tuple(p.detach().requires_grad_(g) for p, g in zip(self.params, self.param_grad))
         with autograd_inside_op():
+            x, targets, boxes = _inputs(self.xs[i], copy=len(self.xs) > 1)
             y, out = self.step(params, state_in, x)
+        del x  # a sliced input's values: the graph holds them only where it saved them
         out = tuple(out)
         kept = y if self.keep_output else get_gradient_edge(y) if y.requires_grad else None
-        return y, out, _Internal(state_in, x, params, kept, out, y.untyped_storage().nbytes())
+        return y, out, _Internal(state_in, targets, params, kept, out, y.untyped_storage().nbytes(),
+                                 boxes)
 
     def _keep_rng(self, device: torch.device) -> object:
         """The RNG state now, as the tensors of the state kept last when it is the same
@@ -178,7 +184,7 @@ class ChainRun:
         grad_xs: list[torch.Tensor | None] = [None] * self.policy.t
         grad_params: list[torch.Tensor | None] = [None] * len(self.params)
         schedule = self.policy.schedule
-        with _fork_rng(self.xs[0].device, self.preserve_rng):
+        with _fork_rng(_device(self.xs[0]), self.preserve_rng):
             while self.cursor < len(schedule):
                 op, i, j = schedule[self.cursor]
                 if op == "backward":
@@ -233,8 +239,9 @@ class ChainRun:
             if g is not None and out.requires_grad:
                 outputs.append(out)
                 grads.append(g)
-        inputs = (*node.state_in, node.x_in, *node.params_in)
-        x_index = len(node.state_in)
+        x_in = node.x_in if isinstance(node.x_in, tuple) else (node.x_in,)
+        inputs = (*node.state_in, *x_in, *node.params_in)
+        x_index = len(node.state_in)  # the chunk's xs; a tuple's others are sliced inputs
         wants = [k for k, v in enumerate(inputs)
                  if v.requires_grad and (k != x_index or self.x_grad)]
         with autograd_inside_op():
@@ -243,12 +250,16 @@ class ChainRun:
         result: list[torch.Tensor | None] = [None] * len(inputs)
         for k, g in zip(wants, got):
             result[k] = g
-        n_state = len(node.state_in)
+        n_state, n_x = len(node.state_in), len(x_in)
+        grad_x = result[n_state]
+        if isinstance(node.x_in, tuple):  # the sliced inputs' gradients from their boxes
+            grad_x = (grad_x, *(box[0] if box is not None else g
+                                for box, g in zip(node.boxes[1:], result[n_state + 1:n_state + n_x])))
         if self.on_grad_x is not None:
-            self.on_grad_x(i, result[n_state])
+            self.on_grad_x(i, grad_x)
         else:
-            grad_xs[i] = result[n_state]
-        for k, g in enumerate(result[n_state + 1:]):
+            grad_xs[i] = grad_x
+        for k, g in enumerate(result[n_state + n_x:]):
             if g is not None:
                 grad_params[k] = g if grad_params[k] is None else grad_params[k] + g
         if stored:
@@ -256,6 +267,57 @@ class ChainRun:
         elif self.policy.strategy == "ism":
             self._account(-1, 0)
         return result[:n_state]
+
+
+class _Sliced(torch.autograd.Function):
+    """A sliced per-step input as a step reads it: its values, its gradient caught in
+    ``box`` in backward (summed). The graph holds no reference to the input itself, only
+    what its ops save: a leaf made of the slice would keep the whole input's storage alive
+    through its AccumulateGrad node as long as a kept step graph lives, where eager frees
+    an input nothing saves (Mamba's ``deltaB_u``) after the forward. ``anchor``, an empty
+    tensor that requires grad, is what backward differentiates for. ``copy`` (a split
+    chain): the step reads a copy of its chunk, so that what its graph saves holds the
+    chunk, not the whole input, which the planner may then free or recompute for backward
+    (Chen et al. 2016) while the chain holds its stored chunks."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, x: torch.Tensor, box: list, copy: bool
+                ) -> torch.Tensor:
+        ctx.box = box
+        return x.clone() if copy else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        box = ctx.box
+        box[0] = grad if box[0] is None else box[0] + grad
+        return None, None, None, None
+
+
+def _inputs(x: torch.Tensor | Tensors, copy: bool = False):
+    """(what the step reads, what backward differentiates for, gradient boxes) of a
+    chunk's input: one tensor as a leaf that requires grad (a floating one), or the tuple
+    of a chain with sliced per-step inputs (memopt.recurrent.ops.ChainSpec.sliced): its
+    xs so, and each floating sliced input through ``_Sliced`` (``copy``: see there)."""
+    if not isinstance(x, tuple):
+        leaf = x.detach().requires_grad_(x.is_floating_point())
+        return leaf, leaf, ()
+    first = x[0].detach().requires_grad_(x[0].is_floating_point())
+    reads, targets, boxes = [first], [first], [None]
+    for part in x[1:]:
+        if not part.is_floating_point():
+            reads.append(part.clone() if copy else part.detach())
+            targets.append(reads[-1])
+            boxes.append(None)
+            continue
+        anchor, box = part.new_empty(0).requires_grad_(), [None]
+        reads.append(_Sliced.apply(anchor, part.detach(), box, copy))
+        targets.append(anchor)
+        boxes.append(box)
+    return tuple(reads), tuple(targets), tuple(boxes)
+
+
+def _device(x: torch.Tensor | Tensors) -> torch.device:
+    return (x[0] if isinstance(x, tuple) else x).device
 
 
 def _nbytes(state: Tensors) -> int:

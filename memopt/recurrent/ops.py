@@ -61,6 +61,27 @@ class ChainSpec:
     #: False: a kept chunk holds only its output's gradient edge, not the output (the
     #: packed RNN step, whose graph does not save it; executor._Internal)
     keep_output: bool = True
+    #: The time dim of each of the last ``len(sliced)`` params: per-step inputs each
+    #: chunk reads a slice of, in place (a detected loop's ``dA[:, :, t]``; no packed
+    #: copy). The step then gets ``(x_chunk, *their slices)`` as its x (``chunk_input``)
+    sliced: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.sliced and self.reverse:
+            raise ValueError("a reverse chain cannot slice per-step inputs from its params")
+
+
+def chunk_input(spec: ChainSpec, xs: Tensor, params: list[Tensor] | tuple[Tensor, ...],
+                start: int, n: int) -> tuple[Tensor | tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """(x, params) a chunk of ``n`` steps from ``start`` runs its step on: the chunk of
+    ``xs``, and with ``spec.sliced`` the tuple of it and the sliced params' chunks (views:
+    nothing is copied), the other params as they are."""
+    x = xs.narrow(spec.time_dim, start, n)
+    if not spec.sliced:
+        return x, tuple(params)
+    k = len(params) - len(spec.sliced)
+    parts = tuple(p.narrow(d, start, n) for p, d in zip(params[k:], spec.sliced))
+    return (x, *parts), tuple(params[:k])
 
 
 _SPECS: dict[int, ChainSpec] = {}
@@ -118,8 +139,9 @@ def _outputs_like(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: list
             return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
         with real_tensors(), torch.no_grad():
-            y1, new = spec.step(tuple(zeros(p) for p in params), tuple(zeros(s) for s in state),
-                                zeros(xs.narrow(spec.time_dim, 0, min(1, xs.shape[spec.time_dim]))))
+            x1, p1 = chunk_input(spec, xs, params, 0, min(1, xs.shape[spec.time_dim]))
+            x1 = tuple(map(zeros, x1)) if isinstance(x1, tuple) else zeros(x1)
+            y1, new = spec.step(tuple(map(zeros, p1)), tuple(zeros(s) for s in state), x1)
         _DTYPES[key] = (y1.dtype, *(s.dtype for s in new))
     dtypes = _DTYPES[key]
     return y.to(dtypes[0]), [f.to(d) for f, d in zip(final, dtypes[1:])]
@@ -142,12 +164,17 @@ def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], x
     spec = _SPECS[chain]
     td = spec.time_dim
     bounds = _bounds(spec, chunk_sizes(xs.shape[td], chunk))
-    chunks = [xs.narrow(td, start, n) for start, n in bounds]
+    split = [chunk_input(spec, xs, params, start, n) for start, n in bounds]
+    chunks = [x for x, _ in split]
+    plain = split[0][1] if split else tuple(params)
     stats = ChainStats()
     LAST_STATS[chain] = stats
-    run = ChainRun(spec.step, _policy(len(chunks), m, strategy), tuple(params), chunks,
+    run = ChainRun(spec.step, _policy(len(chunks), m, strategy), plain, chunks,
                    tuple(s.detach() for s in state), spec.preserve_rng, x_grad=True,
-                   stats=stats, keep_output=spec.keep_output)
+                   stats=stats, keep_output=spec.keep_output and len(chunks) > 1)
+    # One chunk's output is the op's own output: the graph frees it where its plan says
+    # (after `y + x * D` in a Mamba, which saves nothing of it), so the core holds only
+    # its gradient edge (executor._Internal), not the tensor
     # One chunk: the output is the step's own (kept for backward anyway), not a copy.
     box: list[Tensor] = []
 
@@ -166,6 +193,10 @@ def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], x
     return run, box
 
 
+def _time_length(spec: ChainSpec, x: Tensor | tuple[Tensor, ...]) -> int:
+    return (x[0] if isinstance(x, tuple) else x).shape[spec.time_dim]
+
+
 @torch.library.custom_op("memopt::chain_fwd", mutates_args=())
 def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
               state: list[Tensor], xs: Tensor, params: list[Tensor]) -> list[Tensor]:
@@ -174,7 +205,8 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
     spec = _SPECS[chain]
     if not keep:  # inference: nothing is kept
         with torch.no_grad():
-            y, final = spec.step(tuple(params), tuple(state), xs)
+            x, plain = chunk_input(spec, xs, params, 0, xs.shape[spec.time_dim])
+            y, final = spec.step(plain, tuple(state), x)
         handle = torch.zeros((), dtype=torch.int64)
         return _unaliased([y, *final], [*state, xs, *params]) + [handle]
     run, box = _start(chain, chunk, m, strategy, state, xs, params)
@@ -182,6 +214,12 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
     # chain_bwd hands the initial state back: kept here, it would outlive the forward
     # graph where the plan frees it and makes it again in backward (a zeros h_0)
     run.state0 = ()
+    if spec.sliced:
+        # the sliced inputs' chunks are not held between the phases: one chunk (the core)
+        # is never recomputed (its graph holds what its ops saved of them; chain_bwd may
+        # get stand-ins: passes.chain_policy.apply); a split chain's steps read copies of
+        # their chunks, and chain_bwd hands the inputs back for the chunks it recomputes
+        run.xs = [x[:1] for x in run.xs]
     out = box[0]
     run.on_output = None  # it holds the output: the handle must not keep it alive
     key = next(_HANDLES)
@@ -209,18 +247,37 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
         run.forward_phase()
     run.x_grad = need_x
     run.state0 = tuple(s.detach() for s in state)
+    if spec.sliced and len(run.xs) > 1:  # chain_fwd dropped them: from the inputs given here
+        run.xs = [chunk_input(spec, xs, params, start, n)[0]
+                  for start, n in _bounds(spec, [_time_length(spec, c) for c in run.xs])]
     grad_x = torch.zeros_like(xs) if need_x else None
-    bounds = _bounds(spec, [c.shape[spec.time_dim] for c in run.xs])
-    if need_x:
-        def put(i: int, g: Tensor | None) -> None:
-            if g is not None:
-                grad_x.narrow(spec.time_dim, *bounds[i]).copy_(g)
+    n_plain = len(params) - len(spec.sliced)
+    # the sliced inputs' gradients, chunk by chunk: a whole-length chunk's is taken as is
+    sliced: list[Tensor | None] = [None] * len(spec.sliced)
+    bounds = _bounds(spec, [_time_length(spec, c) for c in run.xs])
+    if need_x or sliced:
+        def put(i: int, g: Tensor | tuple | None) -> None:
+            g_x, g_parts = (g[0], g[1:]) if isinstance(g, tuple) else (g, ())
+            if g_x is not None and need_x:
+                grad_x.narrow(spec.time_dim, *bounds[i]).copy_(g_x)
+            for k, (p, d, g_p) in enumerate(zip(params[n_plain:], spec.sliced, g_parts)):
+                if g_p is None:
+                    continue
+                if g_p.shape == p.shape and sliced[k] is None:
+                    sliced[k] = g_p
+                    continue
+                if sliced[k] is None:
+                    sliced[k] = torch.zeros_like(p)
+                sliced[k].narrow(d, *bounds[i]).copy_(g_p)
 
         run.on_grad_x = put
     g_chunks = [grad_ys.narrow(spec.time_dim, *b) for b in bounds]
     g_state, _, g_params = run.backward_phase(g_chunks, tuple(grad_state))
     grads = [g if g is not None else torch.zeros_like(s) for g, s in zip(g_state, state)]
-    grads += [g if g is not None else torch.zeros_like(p) for g, p in zip(g_params, params)]
+    grads += [g if g is not None else torch.zeros_like(p)
+              for g, p in zip(g_params, params[:n_plain])]
+    grads += [g if g is not None else torch.zeros_like(p)
+              for g, p in zip(sliced, params[n_plain:])]
     return _unaliased(grads + ([grad_x] if need_x else []),
                       [handle, grad_ys, *grad_state, *state, xs, *params])
 
