@@ -53,6 +53,11 @@ benchmarks/recurrent_workloads.py, a 2-layer LSTM(128, 256) tagger, uni- and bid
 over a PackedSequence of 32 sequences whose lengths spread 4x (64 to 256): eager, memopt
 with no budget, at 90%, 80% and 70% of eager's peak.
 
+Part 2c, state-space scans (``--parts scan``): transformers' Mamba of
+benchmarks/recurrent_workloads.py (``mamba_scan``: its sequential scan, which memopt runs as
+a Gruslys chain; ``mamba_parallel``: the parallel scan torch.compile takes by default),
+batch 4 x 256 tokens: eager, memopt with no budget, at 90%, 70% and 50% of eager's peak.
+
 Part 3, MacKay et al. 2018's reversible RNNs (benchmarks/reversible.py, also runnable
 alone as ``python -m benchmarks.reversible``): ``memopt.nn.RevGRU`` / ``RevLSTM`` with the
 paper's forgetting cap of 3 bits against nn.GRU / nn.LSTM and against the same module under
@@ -95,7 +100,7 @@ FRACTIONS = (0.25, 0.20, 0.15, 0.11, 0.10, 0.05)
 """Budgets of Part 1, as fractions of eager's activation memory."""
 LM_FRACTIONS = (0.90, 0.85, 0.50, 0.30)
 """Budgets of Part 2 below the two-chunk method's peak, as fractions of that peak."""
-PARTS = ("gruslys", "lm", "packed", "reversible")
+PARTS = ("gruslys", "lm", "packed", "scan", "reversible")
 
 
 # --------------------------------------------------------------------------
@@ -446,13 +451,18 @@ def run_lm(device: str, timed_steps: int, quick: bool, failures: list[tuple[str,
 PACKED_HEADER = ["model", "config", "budget", "predicted", "measured peak",
                  "measured / eager", "within budget", "time / eager", *CHAIN_HEADER]
 PACKED_FRACTIONS = (0.9, 0.8, 0.7)
+SCAN_FRACTIONS = (0.9, 0.7, 0.5)
+"""Budgets of Part 2c, as fractions of eager's measured peak."""
 """Budgets of Part 2b, as fractions of eager's measured peak."""
 
 
-def run_packed(device: str, timed_steps: int, failures: list[tuple[str, str]], *,
-               cell_timeout: float) -> list[list[str]]:
+def run_budgets(specs: Sequence[str], fractions: Sequence[float], part: str, device: str,
+                timed_steps: int, failures: list[tuple[str, str]], *, cell_timeout: float
+                ) -> list[list[str]]:
+    """Each workload of ``specs``: eager, memopt with no budget and at each fraction of
+    eager's measured peak, one fresh process per cell (Parts 2b and 2c)."""
     rows = []
-    for spec in ("packed_tagger", "packed_tagger_bi"):
+    for spec in specs:
         eager = measure(spec, "eager", mode="eager", budget=None, device=device,
                         timed_steps=timed_steps, timeout=cell_timeout)
         if not eager.ok:
@@ -463,7 +473,7 @@ def run_packed(device: str, timed_steps: int, failures: list[tuple[str, str]], *
         rows.append([spec, "eager", "-", "-", format_bytes(e.budget_peak_bytes), "1.00x", "-",
                      f"1.00x ({e.step_seconds:.2f} s)"])
         configs = [("memopt budget=None", None)] + [
-            (f"memopt {f:.0%} of eager", int(f * e.budget_peak_bytes)) for f in PACKED_FRACTIONS]
+            (f"memopt {f:.0%} of eager", int(f * e.budget_peak_bytes)) for f in fractions]
         for label, budget in configs:
             cell = measure(spec, label, mode="memopt", budget=budget, device=device,
                            timed_steps=timed_steps, timeout=cell_timeout)
@@ -477,7 +487,7 @@ def run_packed(device: str, timed_steps: int, failures: list[tuple[str, str]], *
             rows.append([spec, label, _bytes(budget), _bytes(m.predicted_peak_bytes),
                          format_bytes(peak), _ratio(peak, e.budget_peak_bytes), fits,
                          _ratio(m.step_seconds, e.step_seconds), *chain_cells(m.chains)])
-    print("# packed: done", file=sys.stderr, flush=True)
+    print(f"# {part}: done", file=sys.stderr, flush=True)
     return rows
 
 
@@ -533,10 +543,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})\n",
                 markdown(rows, LM_HEADER)]
     if "packed" in args.parts:
-        rows = run_packed(args.device, args.timed_steps, failures,
-                          cell_timeout=args.cell_timeout)
+        rows = run_budgets(("packed_tagger", "packed_tagger_bi"), PACKED_FRACTIONS, "packed",
+                           args.device, args.timed_steps, failures,
+                           cell_timeout=args.cell_timeout)
         out += [f"\nPacked sequences: 2-layer LSTM(128, 256) tagger, 32 sequences of 64 to 256 "
                 f"steps, device={args.device} (one fresh process per cell)\n",
+                markdown(rows, PACKED_HEADER)]
+    if "scan" in args.parts:
+        rows = run_budgets(("mamba_scan", "mamba_parallel"), SCAN_FRACTIONS, "scan",
+                           args.device, args.timed_steps, failures,
+                           cell_timeout=args.cell_timeout)
+        out += [f"\nState-space scans: transformers' Mamba (2 layers, hidden 128, state 16), "
+                f"batch 4 x 256 tokens, its sequential and its parallel scan, "
+                f"device={args.device} (one fresh process per cell)\n",
                 markdown(rows, PACKED_HEADER)]
     if "reversible" in args.parts:
         out.append(run_reversible(quick=args.quick, repeats=args.timed_steps,

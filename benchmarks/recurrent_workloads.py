@@ -23,6 +23,11 @@ repository root as the working directory.
   (a 4x spread, the longest 256), a Linear(., 16) head and the cross-entropy of the
   tokens' tags, both on the packed rows, inside the model.
 
+- ``mamba_scan``, ``mamba_parallel``: transformers' MambaForCausalLM (2 layers, hidden 128,
+  state 16, vocabulary 1000, batch 4 x 256 tokens) and its next-token loss, with the
+  sequential scan (``use_associative_scan = False``: a Python loop over the tokens, which
+  memopt runs as a chain) and with the parallel (associative) scan.
+
 ``lstm_T<T>`` exists for any T (``lstm_T1000``), through the module's ``__getattr__``.
 
 The language model computes its loss inside ``forward`` (summed cross-entropy, as the
@@ -48,8 +53,10 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from memopt.measure import Workload
 
-__all__ = ["ChunkedBPTT", "PackedTagger", "RNNModel", "SequenceRegression", "batchify", "gruslys_lstm",
-           "load_corpus", "packed_tagger", "packed_tagger_bi", "wlm", "wlm_tiny", "wlm_tiny_two_chunk", "wlm_two_chunk", "word_lm"]
+__all__ = ["ChunkedBPTT", "NextTokenLoss", "PackedTagger", "RNNModel", "SequenceRegression",
+           "batchify", "gruslys_lstm", "load_corpus", "mamba", "mamba_parallel", "mamba_scan",
+           "packed_tagger", "packed_tagger_bi", "wlm", "wlm_tiny", "wlm_tiny_two_chunk",
+           "wlm_two_chunk", "word_lm"]
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "wikitext-2-valid-slice.txt"
 """The WikiText-2 slice shipped with the examples (see examples/data/README.md)."""
@@ -117,6 +124,45 @@ def packed_tagger(device: str, *, bidirectional: bool = False, T: int = 256, bat
 
 
 packed_tagger_bi = partial(packed_tagger, bidirectional=True)
+
+
+# --------------------------------------------------------------------------
+# State-space scans: transformers' Mamba, its sequential and its parallel scan
+# --------------------------------------------------------------------------
+
+
+class NextTokenLoss(nn.Module):
+    """A causal LM and the mean cross-entropy of its next-token predictions, inside
+    ``forward`` (the logits a temporary of the step, as in the word LM)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def mamba(device: str, *, associative: bool, T: int = 256, batch: int = 4) -> Workload:
+    """transformers' MambaForCausalLM, 2 layers, hidden 128, state 16, expand 2 (an inner
+    width of 256), vocabulary 1000, batch 4 x T tokens: the selective scan's states,
+    ``dA`` and ``dBu`` (batch x 256 x T x 16 floats each, 16 MiB at T = 256) are most of
+    the step. ``associative``: the parallel scan torch.compile takes by default in
+    transformers 5 (``config.use_associative_scan``), else the sequential loop eager runs."""
+    from transformers import MambaConfig, MambaForCausalLM  # noqa: PLC0415  (bench extra)
+
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=1000, hidden_size=128, state_size=16, num_hidden_layers=2,
+                         expand=2, conv_kernel=4, use_cache=False)
+    config.use_associative_scan = associative
+    model = NextTokenLoss(MambaForCausalLM(config)).to(device).train()
+    ids = torch.randint(0, config.vocab_size, (batch, T))
+    return Workload(model=model, args=(ids.to(device),), loss=lambda out: out)
+
+
+mamba_scan = partial(mamba, associative=False)
+mamba_parallel = partial(mamba, associative=True)
 
 _LSTM_NAME = re.compile(r"lstm_T([1-9]\d*)")
 

@@ -15,15 +15,16 @@ Ensures: every accepted loop's ops are erased and a ``chain_fwd`` node after the
 computes the same values: its step function is one step's ops copied into a
 GraphModule (the cell), run at every time step of a chunk; the per-step values
 stacked after the loop are the chain's output, the last step's carried state its
-final state. A chain takes one per-step tensor ``xs`` and returns one: a loop that
-reads several per-step inputs (``cell(xs[t] + emb[t], h)``, targets ``ys[t]`` of a
-per-step loss) or stacks several per-step values is packed (``Packing``): each input's
-T steps are flattened into a (T, n_i) block and the blocks concatenated into one
-(T, N) ``xs`` in graph nodes before the chain (so the planner sees the packed copy's
-bytes like any tensor's); floating inputs are cast to the widest floating dtype among
-them (exact), integer inputs bit-cast to it (``view(dtype)``: exact, no gradient),
-and the step splits each step's row back. Stacked values are concatenated the same way
-into the chain's (T, M) output and split after it.
+final state. A loop with one per-step input gives it to the chain as ``xs``. Several
+(``cell(xs[t] + emb[t], h)``, targets ``ys[t]`` of a per-step loss, a selective scan's
+``dA[:, :, t]``, ``dBu[:, :, t]`` and ``C[:, t, :]``) are not copied: the chain takes them
+whole among its params and each chunk reads its slices in place (ChainSpec.sliced), its
+``xs`` an empty tensor giving its length. Several stacked values are packed into one
+(T, M) output and split after it (``loop_packing.Packing``). The step need not read a
+parameter: a scan carries its state through elementwise ops and matmuls over per-step
+slices of tensors computed before the loop (Mamba's sequential path; Gruslys et al. 2016
+is the tool for such a chain, and Gu and Dao 2023, Sec. 3.3.2, recompute a scan's states
+in backward rather than store them).
 
 Random ops draw the same numbers as the unrolled graph: the chain runs the steps in
 order once in forward and replays each chunk's RNG state when it recomputes one. Gradients reach the parameters and every other value the cell
@@ -32,13 +33,9 @@ Anything this cannot prove equal is left unrolled for the Chen planner, with one
 ``logging.debug`` line saying why: graphs that switch grad mode or autocast; loop
 bodies that write in place (``h.mul_``, ``x += y``, ``out=``, ``inplace=True``; an
 accumulator ``loss += step_loss`` that nothing else reads runs out of place instead),
-update BatchNorm statistics, or contain a chain op; loops reading no parameter;
-a last step that omits a random op (the chain would draw numbers the graph does not);
+update BatchNorm statistics, or contain a chain op; a last step that omits a random op (the chain would draw numbers the graph does not);
 values the chain cannot carry (non-tensors, states whose initial value differs in
-shape or dtype); per-step inputs or stacked values that cannot be packed exactly
-(another device; stacked values of different dtypes; an integer input that the
-packed dtype can neither hold exactly nor bit-cast into; two floating dtypes of one
-size).
+shape or dtype); per-step inputs on another device; stacked values of different dtypes.
 
 Algorithm:
     Step 1: refuse a graph that switches grad mode or autocast.
@@ -505,8 +502,11 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
             with torch.autocast(cast[0], dtype=cast[1]):
                 return plain_step(p, state, x)
 
+    # the RNG state is kept and replayed where the step may draw (a random op, or a module
+    # call whose ops are not seen): no state held for a plain scan
+    draws = any(n.op == "call_module" or _RANDOM.search(_target_name(n)) for n in first)
     spec = ops.ChainSpec(name=name, module_type=module_type, step=step, time_dim=time_dim,
-                         output_like=output_like, preserve_rng=True, autocast=cast,
+                         output_like=output_like, preserve_rng=draws, autocast=cast,
                          sliced=sliced)
     return ops.register(spec), spec
 

@@ -1,0 +1,129 @@
+"""Scan loops as Gruslys chains (passes.cell_loops, issue 28 item 1): a loop that carries a
+state through per-step slices of tensors computed before it, reading no parameter (a
+selective scan, Mamba's sequential path), is found in the captured graph and run as one
+chain. Its per-step inputs are sliced in place (memopt.recurrent.ops.ChainSpec.sliced), not
+packed into a copy. Eager's gradients with no budget and under budgets that split the
+chain; the measured step within the budget; the plan the same size for any loop length."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.measure import allocation_peak
+
+
+class Scan(nn.Module):
+    """A Mamba-like selective scan: dA and dBu computed before the loop, the state
+    ``h = dA[:, :, t] * h + dBu[:, :, t]`` and the output ``h @ C[:, t, :]`` (a mid-tuple
+    index), stacked along the last dim; no parameter inside the loop."""
+
+    def __init__(self, d: int = 16, n: int = 8) -> None:
+        super().__init__()
+        self.in_proj, self.dt_proj = nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.a_log = nn.Parameter(torch.log(torch.arange(1, n + 1).float()).repeat(d, 1))
+        self.b_proj, self.c_proj, self.out_proj = nn.Linear(d, n), nn.Linear(d, n), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, z = self.in_proj(x).chunk(2, -1)
+        dt = nn.functional.softplus(self.dt_proj(u)).transpose(1, 2)    # (B, d, T)
+        a = -torch.exp(self.a_log)
+        b, c = self.b_proj(u), self.c_proj(u)
+        da = torch.exp(a[None, :, None, :] * dt[..., None])             # (B, d, T, n)
+        dbu = dt[..., None] * b[:, None, :, :] * u.transpose(1, 2)[..., None]
+        h = x.new_zeros(x.shape[0], x.shape[2], a.shape[1])
+        ys = []
+        for t in range(x.shape[1]):
+            h = da[:, :, t] * h + dbu[:, :, t]
+            ys.append(torch.matmul(h, c[:, t, :].unsqueeze(-1))[:, :, 0])
+        y = torch.stack(ys, dim=-1) * nn.functional.silu(z.transpose(1, 2))
+        return self.out_proj(y.transpose(1, 2)).square().mean()
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return torch.autograd.grad(model(x), [x, *model.parameters()])
+
+
+def _peak(module, x: torch.Tensor) -> int:
+    with allocation_peak("cpu") as seen:
+        module(x).backward()
+    return seen.peak
+
+
+def _case(steps: int = 48):
+    torch.manual_seed(0)
+    return Scan(), torch.randn(2, steps, 16, requires_grad=True)
+
+
+def _minimum(model: nn.Module, x: torch.Tensor) -> int:
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.plan(model, x.detach(), budget=1)
+    return err.value.minimum_bytes
+
+
+@pytest.mark.parametrize("budget_of", ["none", "midway", "minimum"])
+def test_a_scan_without_parameters_runs_as_a_chain_with_eager_gradients(budget_of):
+    """With no budget the chain is one chunk; at memopt's minimum it is split."""
+    model, x = _case()
+    ref = _grads(model, x)
+    budget = None
+    if budget_of != "none":
+        low = _minimum(model, x)
+        high = memopt.plan(model, x.detach()).predicted_peak_bytes
+        budget = low if budget_of == "minimum" else (low + high) // 2
+    compiled = memopt.compile(copy.deepcopy(model), budget=budget)
+    got = torch.autograd.grad(compiled(x), [x, *compiled.parameters()])
+    (chain,) = compiled.memopt_plan.chains
+    assert chain.module_type == "detected loop" and chain.steps == 48, chain
+    assert (chain.t == 1) == (budget is None), chain
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_scan_chain_holds_its_budget_and_no_more_than_eager_with_none():
+    """Measured: with no budget within 1.5% of eager's peak (the chain's initial and final
+    states beside the graph's: the unrolled graph measured eager's peak), and at memopt's
+    minimum within the budget and the plan."""
+    model, x = _case(64)
+    x = x.detach()
+    eager = copy.deepcopy(model)
+    eager(x).backward()
+    for p in eager.parameters():
+        p.grad = None
+    eager_peak = _peak(eager, x)
+    free = memopt.compile(copy.deepcopy(model))
+    free(x).backward()
+    for p in free.parameters():  # each measured step starts with no .grad, as eager's
+        p.grad = None
+    assert _peak(free, x) <= 1.015 * eager_peak
+    compiled = memopt.compile(copy.deepcopy(model), budget=_minimum(model, x))
+    compiled(x).backward()
+    for p in compiled.parameters():
+        p.grad = None
+    plan = compiled.memopt_plan
+    resident = sum(p.untyped_storage().nbytes() for p in model.parameters()) \
+        + x.untyped_storage().nbytes()
+    measured = _peak(compiled, x) + resident
+    assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
+    assert measured <= plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
+
+
+def test_the_plan_of_a_scan_does_not_grow_with_the_loop():
+    """One step is priced once: the planned graph has as many ops for 32 steps as for 128
+    (unrolled it would have four times as many)."""
+    sizes = []
+    for steps in (32, 128):
+        model, x = _case(steps)
+        plan = memopt.plan(model, x.detach())
+        sizes.append(plan.num_forward_steps + plan.num_backward_steps)
+        assert len(plan.chains) == 1 and plan.chains[0].steps == steps
+    assert sizes[0] == sizes[1], sizes
+
+
+def test_loops_false_leaves_the_scan_unrolled():
+    model, x = _case(16)
+    plan = memopt.plan(model, x.detach(), loops=False)
+    assert not plan.chains
+    assert plan.num_forward_steps > 16 * 4
