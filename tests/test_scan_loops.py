@@ -13,33 +13,12 @@ from torch import nn
 
 import memopt
 from memopt.measure import allocation_peak
+from test_passes import _SelectiveScan
 
-
-class Scan(nn.Module):
-    """A Mamba-like selective scan: dA and dBu computed before the loop, the state
-    ``h = dA[:, :, t] * h + dBu[:, :, t]`` and the output ``h @ C[:, t, :]`` (a mid-tuple
-    index), stacked along the last dim; no parameter inside the loop."""
-
-    def __init__(self, d: int = 16, n: int = 8) -> None:
-        super().__init__()
-        self.in_proj, self.dt_proj = nn.Linear(d, 2 * d), nn.Linear(d, d)
-        self.a_log = nn.Parameter(torch.log(torch.arange(1, n + 1).float()).repeat(d, 1))
-        self.b_proj, self.c_proj, self.out_proj = nn.Linear(d, n), nn.Linear(d, n), nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u, z = self.in_proj(x).chunk(2, -1)
-        dt = nn.functional.softplus(self.dt_proj(u)).transpose(1, 2)    # (B, d, T)
-        a = -torch.exp(self.a_log)
-        b, c = self.b_proj(u), self.c_proj(u)
-        da = torch.exp(a[None, :, None, :] * dt[..., None])             # (B, d, T, n)
-        dbu = dt[..., None] * b[:, None, :, :] * u.transpose(1, 2)[..., None]
-        h = x.new_zeros(x.shape[0], x.shape[2], a.shape[1])
-        ys = []
-        for t in range(x.shape[1]):
-            h = da[:, :, t] * h + dbu[:, :, t]
-            ys.append(torch.matmul(h, c[:, t, :].unsqueeze(-1))[:, :, 0])
-        y = torch.stack(ys, dim=-1) * nn.functional.silu(z.transpose(1, 2))
-        return self.out_proj(y.transpose(1, 2)).square().mean()
+#: A Mamba-like selective scan: dA and dBu computed before the loop, the state
+#: ``h = dA[:, :, t] * h + dBu[:, :, t]`` and the output ``h @ C[:, t, :]`` (a mid-tuple
+#: index), stacked along the last dim; no parameter inside the loop.
+Scan = _SelectiveScan
 
 
 def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -54,7 +33,7 @@ def _peak(module, x: torch.Tensor) -> int:
 
 def _case(steps: int = 48):
     torch.manual_seed(0)
-    return Scan(), torch.randn(2, steps, 16, requires_grad=True)
+    return Scan(d=16), torch.randn(2, steps, 16, requires_grad=True)
 
 
 def _minimum(model: nn.Module, x: torch.Tensor) -> int:

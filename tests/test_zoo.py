@@ -266,6 +266,10 @@ _INDUCTOR_DIFFERS = {"efficientnet": "inductor's fused kernels give another top_
 #: did until memopt counted inductor's fused kernels: its plan ran op by op, 87.9 MiB of
 #: schedule above a 56.5 MiB budget.)
 _INDUCTOR_FALLS_BACK: dict[tuple[str, str], str] = {
+    ("mamba", "binding"): "inductor's order of the backward holds 4.5 MiB above the plan "
+                          "(since its scan runs as a chain, 2026-11-28: the chain's inputs "
+                          "recomputed for its backward op are made earlier there): memopt "
+                          "runs that graph op by op (measured 55.5 MB in a 56.4 MB budget)",
     ("rwkv", "binding"): "inductor's order of the unrolled time-mixing loop's kernels holds "
                          "709 KiB above the plan (a 7.0 MiB budget), also when planned again "
                          "with that kept free: memopt runs that graph op by op",
@@ -273,11 +277,10 @@ _INDUCTOR_FALLS_BACK: dict[tuple[str, str], str] = {
 
 #: How far below the allocated peak a zoo model's inductor plan may predict, where more
 #: than the op-by-op CPU headroom (inductor's is 2.5%: memopt.budget.INDUCTOR_HEADROOM):
-#: the Mamba's unrolled 256-step scan, whose kernels inductor reorders across the whole
-#: backward, measured 1.52% above its prediction (47,740,936 against 47,027,204 bytes;
-#: 14% above on the graph's own order), ConvNeXt at its binding budget 2.0% (inside a
-#: depthwise convolution's backward, not diagnosed: docs/kernels.md)
-_INDUCTOR_BELOW = {"mamba": 0.02, "convnext": 0.025}
+#: ConvNeXt at its binding budget 2.0% (inside a depthwise convolution's backward, not
+#: diagnosed: docs/kernels.md). (The Mamba's unrolled 256-step scan measured 1.52% above
+#: its prediction until it ran as a chain.)
+_INDUCTOR_BELOW = {"convnext": 0.025}
 
 
 def _inductor_cases() -> list:
