@@ -488,9 +488,13 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
     if sliced:
         def step(p: tuple, state: tuple, x: tuple) -> tuple[torch.Tensor, tuple]:
             # x: the chunk's (T', 0) length tensor, then each per-step input's chunk
+            # unbound once, not selected per step: the backward of a select is a
+            # full-size zero tensor per step (eager's loop pays it T times over), an
+            # unbind's one stack of the steps' gradients
+            columns = [part.unbind(d) for part, d in zip(x[1:], sliced)]
             outs = []
             for k in range(x[0].shape[time_dim]):
-                y, state = cell_step(p, state, [part.select(d, k) for part, d in zip(x[1:], sliced)])
+                y, state = cell_step(p, state, [c[k] for c in columns])
                 outs.append(y)
             return torch.stack(outs, time_dim), tuple(state)
     else:

@@ -42,16 +42,18 @@ def _minimum(model: nn.Module, x: torch.Tensor) -> int:
     return err.value.minimum_bytes
 
 
-@pytest.mark.parametrize("budget_of", ["none", "midway", "minimum"])
+@pytest.mark.parametrize("budget_of", ["none", "above_minimum", "minimum"])
 def test_a_scan_without_parameters_runs_as_a_chain_with_eager_gradients(budget_of):
-    """With no budget the chain is one chunk; at memopt's minimum it is split."""
+    """With no budget the chain is one chunk; at memopt's minimum and 5% above it, split.
+    (This small scan's no-budget plan is below the minimum: with no budget its backward
+    op does not keep dBu, which a budgeted plan keeps for the chunks it recomputes:
+    docs/limits.md.)"""
     model, x = _case()
     ref = _grads(model, x)
     budget = None
     if budget_of != "none":
         low = _minimum(model, x)
-        high = memopt.plan(model, x.detach()).predicted_peak_bytes
-        budget = low if budget_of == "minimum" else (low + high) // 2
+        budget = low if budget_of == "minimum" else int(1.05 * low)
     compiled = memopt.compile(copy.deepcopy(model), budget=budget)
     got = torch.autograd.grad(compiled(x), [x, *compiled.parameters()])
     (chain,) = compiled.memopt_plan.chains
@@ -62,9 +64,9 @@ def test_a_scan_without_parameters_runs_as_a_chain_with_eager_gradients(budget_o
 
 
 def test_a_scan_chain_holds_its_budget_and_no_more_than_eager_with_none():
-    """Measured: with no budget within 1.5% of eager's peak (the chain's initial and final
-    states beside the graph's: the unrolled graph measured eager's peak), and at memopt's
-    minimum within the budget and the plan."""
+    """Measured: with no budget at or below eager's peak (0.86x: the chain's step unbinds
+    each per-step input once, where eager builds a full-size gradient for each step's
+    slice), and at memopt's minimum within the budget and the plan."""
     model, x = _case(64)
     x = x.detach()
     eager = copy.deepcopy(model)
@@ -76,7 +78,7 @@ def test_a_scan_chain_holds_its_budget_and_no_more_than_eager_with_none():
     free(x).backward()
     for p in free.parameters():  # each measured step starts with no .grad, as eager's
         p.grad = None
-    assert _peak(free, x) <= 1.015 * eager_peak
+    assert _peak(free, x) <= eager_peak
     compiled = memopt.compile(copy.deepcopy(model), budget=_minimum(model, x))
     compiled(x).backward()
     for p in compiled.parameters():
@@ -86,7 +88,8 @@ def test_a_scan_chain_holds_its_budget_and_no_more_than_eager_with_none():
         + x.untyped_storage().nbytes()
     measured = _peak(compiled, x) + resident
     assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
-    assert measured <= plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
+    # the plan within a host scalar or two (1 KiB), as the other measured tests allow
+    assert measured <= plan.predicted_peak_bytes + 1024, (measured, plan.predicted_peak_bytes)
 
 
 def test_the_plan_of_a_scan_does_not_grow_with_the_loop():

@@ -88,12 +88,17 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
     if request.options.reserved and run.fits is not None:
         mirror, search = run.fit_reserved(mirror, search)  # Step 6b
     expected = run.simulate(mirror).peak_bytes
-    if request.must_fit and run.fits is not None and expected > run.fits and any(
-            c.near for found in run.found.values() for c in found.choices):
-        run.near_lowest = 0.0  # near memopt's minimum: each site at its lowest peak
+    if request.must_fit and run.fits is not None and expected > run.fits and run.found_sites():
+        # Step 5 again as memopt's minimum takes it: each site at its lowest peak (its
+        # choice for this budget can leave the Chen planner too little), so that a budget
+        # between the minimum and the no-budget peak is never refused where the minimum
+        # is accepted; then the mirror set and the families' relaxation for the budget
+        run.near_lowest = 0.0
         for found in run.found.values():
             found.reset()
+        aim, run.target = run.target, 1
         run.choose_families()
+        run.target = aim
         mirror, search = run.mirror_set()
         if request.options.reserved:
             mirror, search = run.fit_reserved(mirror, search)
@@ -108,7 +113,8 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
 #: alone, it takes the fastest within this fraction of the target above its lowest peak,
 #: and the Chen planner recomputes the rest: a chunk of one step with one slot recomputes
 #: T(T-1)/2 steps to hold a few states less than a policy many times faster (a Mamba at
-#: 0.7: 2.3x eager's time, 1.0x so). Where the plan then misses, Step 5 runs again at 0.
+#: 0.7: 2.3x eager's time, 1.0x so). Where the plan then misses, Step 5 runs again as for
+#: memopt's minimum (``plan_joint``).
 NEAR_LOWEST = 0.01
 
 
@@ -148,6 +154,10 @@ class _Planning:
                     found.begin(lean=self.request.budget is None
                                 and not self.request.lowest_peak and not self.step.fused)
             self.found[family] = found
+
+    def found_sites(self) -> bool:
+        """Whether any op family found a site (Step 5 has choices to make)."""
+        return any(found.sites for found in self.found.values())
 
     # Step 3
     def model_step(self) -> None:
