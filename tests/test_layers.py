@@ -109,7 +109,7 @@ def test_memopts_own_modules_import_no_cycle() -> None:
 def test_the_checks_can_fail() -> None:
     """The parser sees a relative import that climbs out of the passes, and skips only
     what `if TYPE_CHECKING:` guards."""
-    assert "memopt.passes.runtime" in imports("memopt.passes.chain_policy")
+    assert "memopt.passes.runtime" in imports("memopt.passes.chain_costs")
     assert "memopt.backend" in imports("memopt.api")
     assert "memopt.backend" not in imports("memopt.compiled_graph")  # annotations only
     assert "memopt.graph_breaks" in imports("memopt.compiled_graph")

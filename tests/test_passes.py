@@ -294,7 +294,7 @@ class _SelectiveScan(nn.Module):
         return self.out_proj(y.transpose(1, 2)).square().mean()
 
 
-@pytest.mark.parametrize("budget", [None, 0.85])
+@pytest.mark.parametrize("budget", [None, 0.9])  # 0.9 binds: its smallest is 0.885
 def test_a_view_the_fake_strides_allowed_runs_where_the_real_ones_do_not(budget):
     torch.manual_seed(0)
     model = _SelectiveScan()

@@ -1,0 +1,326 @@
+"""What one chunk of a recurrent chain costs, measured on real tensors (Gruslys et al.
+2016's internal state I(L), and the transients and times around it): the chunk_costs half
+of passes.chain_policy, which prices a chain's policies with them.
+
+A chunk of L steps is the chain's step function run once on zeros of the real shapes
+(``_ChunkRun``), forward under autograd and backward, at two lengths; each quantity is
+taken as linear in L through them (``Linear``). What a chunk's graph saves is read from
+its autograd nodes (``_saved_by_graph``); the per-step inputs a chain slices from its
+params (ChainSpec.sliced) are sorted by whether the graph saves them (``_saved_sliced``).
+
+Requires: the joint graph's chain_fwd node with FakeTensors on its arguments. Ensures:
+nothing in the graph changes; the chunks run inside real_tensors() and leave the RNG
+state as the runs moved it (the caller's concern: chunk_costs says whether it moved).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx
+
+from ._torch_compat import autograd_inside_op, real_tensors, storage_key
+from .allocated import can_track, maybe_allocation_peak
+from .meta import fake_value
+from .runtime import runtime
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .chain_policy import ChainSite
+
+log = logging.getLogger("memopt")
+
+#: Positions of the ops' arguments (memopt.recurrent.ops schemas).
+_CHAIN, _CHUNK, _M, _STRATEGY = 0, 1, 2, 3
+_FWD_STATE, _FWD_XS, _FWD_PARAMS = 5, 6, 7
+_BWD_NEED_X, _BWD_HANDLE = 4, 5
+
+
+def _ops():
+    return runtime("chains"), torch.ops.memopt.chain_fwd.default, \
+        torch.ops.memopt.chain_bwd.default
+
+
+def _sliced(node: fx.Node, spec) -> list[fx.Node]:
+    """The chain's params that are per-step inputs it slices (ChainSpec.sliced)."""
+    params = node.args[_FWD_PARAMS]
+    return list(params[len(params) - len(spec.sliced):]) if spec.sliced else []
+
+
+def _inputs(node: fx.Node, chunk: int, spec):
+    """(state, x, params) of the chain's first chunk of ``chunk`` steps, on FakeTensors
+    (x a tuple where the chain slices per-step inputs from its params: ChainSpec.sliced)."""
+    xs = fake_value(node.args[_FWD_XS])
+    state = tuple(fake_value(s) for s in node.args[_FWD_STATE])
+    params = tuple(fake_value(p) for p in node.args[_FWD_PARAMS])
+    x, params = _ops()[0].chunk_input(spec, xs, params, 0, min(chunk, xs.shape[spec.time_dim]))
+    return state, x, params
+
+
+@dataclass(frozen=True)
+class Linear:
+    """Bytes linear in a chunk's length L: ``first`` at L = 1, ``per_step`` more for
+    each further step."""
+
+    first: int
+    per_step: int
+
+    def __call__(self, chunk: int) -> int:
+        return max(0, self.first + (chunk - 1) * self.per_step)
+
+    @classmethod
+    def through(cls, a: tuple[int, int], b: tuple[int, int]) -> "Linear":
+        """The line through (length, bytes) points ``a`` and ``b`` (a constant when
+        the lengths are equal), its slope clamped at 0."""
+        (la, va), (lb, vb) = sorted((a, b))
+        per_step = max(0, (vb - va) // (lb - la)) if lb > la else 0
+        return cls(va - (la - 1) * per_step, per_step)
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """The bytes and time of one chunk of L steps, each linear in L, measured once per
+    chain on real tensors (``chunk_costs``):
+
+    - ``saved``: what autograd keeps for the chunk's backward, and its input and final
+      states (the internal state of Gruslys et al. 2016, Sec. 3.2; fused RNN kernels keep
+      workspaces, cuDNN's reserve or oneDNN's, that FakeTensors do not show);
+    - ``forward``: the most its forward allocates beyond what it returns and saves
+      (kernel temporaries, e.g. the input projection of every step);
+    - ``backward``: the most its backward allocates beyond what was live when it
+      started (the gradients of its inputs and parameters, and kernel temporaries);
+    - ``forward_ns``, ``backward_ns``: the wall time of its forward (under autograd)
+      and of its backward, in nanoseconds. A call has a fixed cost besides the steps
+      (a fused kernel's setup, a launch, Python): on the CPU an nn.LSTM(256) chunk
+      costs about 1 ms + 0.5 ms a step forward and 4.5 ms + 0.7 ms a step backward,
+      so many short chunks cost more than their recomputed steps say.
+    """
+
+    saved: Linear
+    forward: Linear
+    backward: Linear
+    forward_ns: Linear
+    backward_ns: Linear
+    #: one RNG state the executor keeps to replay a chunk's random ops, in bytes on the
+    #: chain's device (the CPU generator's 5056; 0 on CUDA, whose states are host
+    #: tensors, or where the chain replays nothing: ChainSpec.preserve_rng)
+    rng_state_bytes: int = 0
+    #: whether a chunk draws random numbers (its run moved the RNG state)
+    random: bool = False
+    #: the params (by index) that are sliced per-step inputs a chunk's graph saves nothing
+    #: of (Mamba's ``deltaB_u``, read by an add): one chunk holds no reference to them
+    unsaved: tuple[int, ...] = ()
+    #: the bytes of a chunk's slices of the sliced per-step inputs its graph saves: a
+    #: split chain's steps read copies of their chunks (memopt.recurrent.executor._Sliced),
+    #: which its kept chunks hold
+    sliced_saved: Linear = Linear(0, 0)
+
+    def rng_bytes(self, t: int) -> int:
+        """The RNG states a chain of ``t`` chunks holds from its forward to its backward
+        (memopt.recurrent.executor: one per chunk when chunks draw random numbers, else
+        one, shared)."""
+        return self.rng_state_bytes * (t if self.random else 1)
+
+    def seconds(self, runs: list[int], sizes: list[int]) -> float:
+        """A chain's estimated time: chunk i run forward ``runs[i]`` times and
+        backpropagated once."""
+        return sum(n * self.forward_ns(s) + self.backward_ns(s)
+                   for n, s in zip(runs, sizes)) / 1e9
+
+
+def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
+    """Measured at two chunk lengths, 2 and 16 steps (fewer when T is shorter), on zeros
+    of the real shapes on the real device; long chunks are not run (on FakeTensors the
+    fused RNN op decomposes into per-step ops: slow to trace, and the wrong bytes).
+
+    Step 1: a chunk of each length, its inputs zeros of the real shapes.
+    Step 2: bytes: each chunk run once, forward then backward, under allocation
+        tracking; the saved bytes read from the autograd graph between them. Where
+        allocations cannot be tracked (another profiler is recording on CPU) the
+        transients are taken as zero, and a warning says the plan may undercount.
+    Step 3: time: both chunks run TIMED_RUNS more times, interleaved; the fastest
+        forward and backward of each count (the first runs were the warm-up).
+    Step 4: RNG states: where the chain replays random ops, the bytes of one state on
+        the device, and whether the runs of Step 2 moved the state (a chunk draws)."""
+    long = min(16, site.steps)
+    lengths = (min(2, long - 1) if long > 1 else 1, long)
+    device = fake_value(_fwd_node(joint, site).args[_FWD_XS]).device
+    tracked = can_track(device)
+    if not tracked:
+        log.warning("memopt: cannot track allocations while planning chain %s (a profiler "
+                    "is recording); its kernels' temporaries are not counted", site.name)
+    with real_tensors():
+        runs = [_chunk_run(joint, site, n) for n in lengths]                 # Step 1
+        rng_before = _rng_state(device)
+        measured = [_chunk_bytes(run, device, tracked) for run in runs]     # Step 2
+        n_params = len(_fwd_node(joint, site).args[_FWD_PARAMS])
+        sliced = [_saved_sliced(run, n_params) for run in runs]
+        random = not _same_rng(rng_before, _rng_state(device))
+        for values, times in zip(measured, _chunk_times(runs, device)):     # Step 3
+            values.extend(times)
+    short, long = measured
+    replays = _ops()[0].spec_of(site.chain).preserve_rng                    # Step 4
+    state_bytes = sum(s.untyped_storage().nbytes() for s in rng_before
+                      if s is not None and s.device.type == device.type) if replays else 0
+    return ChunkCosts(*(Linear.through((lengths[0], a), (lengths[1], b))
+                        for a, b in zip(short, long)),
+                      rng_state_bytes=state_bytes, random=replays and random,
+                      unsaved=sliced[-1][0],
+                      sliced_saved=Linear.through((lengths[0], sliced[0][1]),
+                                                  (lengths[1], sliced[1][1])))
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The RNG state the chain executor keeps before a chunk's first run (its
+    ``_get_rng``): the CPU generator's, and the device's on CUDA."""
+    cpu = torch.get_rng_state()
+    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu, None)
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return all((x is None) == (y is None) and (x is None or torch.equal(x, y))
+               for x, y in zip(a, b))
+
+
+#: Timed runs of each chunk while planning (after the untimed one); the fastest counts.
+TIMED_RUNS = 3
+
+
+@dataclass(frozen=True)
+class _ChunkRun:
+    """One chunk's forward under autograd and its backward to every input that needs
+    it, inside a custom op's implementation (passes._torch_compat.autograd_inside_op).
+    As in the executor (memopt.recurrent.executor.ChainRun._run), the input requires
+    grad even where backward does not take its gradient (``x_grad`` False): the step
+    then saves what that gradient would need (a dropout's noise on its input)."""
+
+    step: object
+    params: tuple[torch.Tensor, ...]
+    state: tuple[torch.Tensor, ...]
+    x: torch.Tensor | tuple[torch.Tensor, ...]
+    x_grad: bool = True
+
+    def forward(self):
+        with autograd_inside_op():
+            return self.step(self.params, self.state, self.x)
+
+    @staticmethod
+    def output_grads(y: torch.Tensor, out) -> list[torch.Tensor]:
+        return [torch.zeros_like(t) for t in (y, *out) if t.requires_grad]
+
+    def backward(self, y: torch.Tensor, out, grads: list[torch.Tensor]) -> None:
+        outputs = [t for t in (y, *out) if t.requires_grad]
+        xs = self.x if isinstance(self.x, tuple) else (self.x,)
+        inputs = [t for t in (*self.state, *xs, *self.params)
+                  if t.requires_grad and (t is not xs[0] or self.x_grad)]
+        with autograd_inside_op():
+            torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
+def _fwd_node(joint: fx.GraphModule, site: ChainSite) -> fx.Node:
+    return next(n for n in joint.graph.nodes if n.name == site.fwd)
+
+
+def _chunk_run(joint: fx.GraphModule, site: ChainSite, chunk: int) -> _ChunkRun:
+    """A chunk of ``chunk`` steps on zeros of the real shapes (inside real_tensors)."""
+    ops, _, _ = _ops()
+    spec = ops.spec_of(site.chain)
+    fake_state, fake_x, fake_params = _inputs(_fwd_node(joint, site), chunk, spec)
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device).requires_grad_(
+            t.is_floating_point())
+
+    x = tuple(map(real, fake_x)) if isinstance(fake_x, tuple) else real(fake_x)
+    return _ChunkRun(spec.step, tuple(real(p) for p in fake_params),
+                     tuple(real(s) for s in fake_state), x, site.x_grad)
+
+
+def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[int]:
+    """[saved, forward transient, backward transient] bytes (see ChunkCosts); the
+    parameters, the inputs and the output sequence are the graph's own and not counted
+    in ``saved``."""
+    with maybe_allocation_peak(device, tracked) as fwd:
+        y, out = run.forward()
+    if y.grad_fn is None:
+        raise RuntimeError("memopt could not record autograd for a chain step while "
+                           "planning; this is a memopt bug")
+    # the output sequence is the chain's output (counted by liveness), not its state
+    xs = run.x if isinstance(run.x, tuple) else (run.x,)
+    resident = {storage_key(t) for t in (*xs, y, *run.params)}
+    # a kept chunk holds its input and final states (the executor's _Internal), saved
+    # by its graph or not
+    seen = {storage_key(t): t.untyped_storage().nbytes() for t in (*run.state, *out)}
+    for t in _saved_by_graph((y, *out)):
+        if storage_key(t) not in resident:
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
+    grads = run.output_grads(y, out)  # the backward op's inputs, not its allocations
+    with maybe_allocation_peak(device, tracked) as bwd:
+        run.backward(y, out, grads)
+    return [sum(seen.values()), fwd.peak - fwd.end, bwd.peak]
+
+
+def _saved_sliced(run: _ChunkRun, n_params: int) -> tuple[tuple[int, ...], int]:
+    """(the param indices of the sliced per-step inputs whose storage no tensor the chunk's
+    graph saves shares, the bytes of the chunks of those it saves): ChunkCosts.unsaved
+    and sliced_saved."""
+    if not isinstance(run.x, tuple):
+        return (), 0
+    y, out = run.forward()
+    saved = {storage_key(t) for t in _saved_by_graph((y, *out))}
+    first, unsaved, nbytes = n_params - (len(run.x) - 1), [], 0
+    for k, part in enumerate(run.x[1:]):
+        if storage_key(part) in saved:
+            nbytes += part.untyped_storage().nbytes()
+        elif part.is_floating_point():
+            unsaved.append(first + k)
+    return tuple(unsaved), nbytes
+
+
+def _chunk_times(runs: list[_ChunkRun], device: torch.device) -> list[tuple[int, int]]:
+    """(forward, backward) nanoseconds of each chunk: the fastest of TIMED_RUNS runs,
+    the chunks interleaved so that a slow moment of the machine hits them alike."""
+    best = [[1 << 62, 1 << 62] for _ in runs]
+    for _ in range(TIMED_RUNS):
+        for run, times in zip(runs, best):
+            start = _clock(device)
+            y, out = run.forward()
+            forward = _clock(device) - start
+            grads = run.output_grads(y, out)
+            start = _clock(device)
+            run.backward(y, out, grads)
+            backward = _clock(device) - start
+            times[0], times[1] = min(times[0], forward), min(times[1], backward)
+    return [tuple(t) for t in best]
+
+
+def _clock(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter_ns()
+
+
+def _saved_by_graph(outputs) -> list[torch.Tensor]:
+    """Every tensor the autograd graph behind ``outputs`` saved, read from its nodes'
+    ``_saved_*`` attributes (saved-tensor hooks are off while AOTAutograd partitions)."""
+    found, todo, visited = [], [o.grad_fn for o in outputs if o.grad_fn is not None], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in visited:
+            continue
+        visited.add(fn)
+        for attr in dir(fn):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(fn, attr)
+            except RuntimeError:  # already freed
+                continue
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, torch.Tensor):
+                    found.append(v)
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
