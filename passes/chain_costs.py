@@ -113,6 +113,9 @@ class ChunkCosts:
     #: the params (by index) that are sliced per-step inputs a chunk's graph saves nothing
     #: of (Mamba's ``deltaB_u``, read by an add): one chunk holds no reference to them
     unsaved: tuple[int, ...] = ()
+    #: whether a chunk's graph saves nothing of its xs (a packed RNN step saves its own
+    #: packed copy): one chunk holds no reference to it
+    xs_unsaved: bool = False
     #: the bytes of a chunk's slices of the sliced per-step inputs its graph saves: a
     #: split chain's steps read copies of their chunks (memopt.recurrent.executor._Sliced),
     #: which its kept chunks hold
@@ -158,6 +161,7 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
         measured = [_chunk_bytes(run, device, tracked) for run in runs]     # Step 2
         n_params = len(_fwd_node(joint, site).args[_FWD_PARAMS])
         sliced = [_saved_sliced(run, n_params) for run in runs]
+        xs_unsaved = _xs_unsaved(runs[-1])
         random = not _same_rng(rng_before, _rng_state(device))
         for values, times in zip(measured, _chunk_times(runs, device)):     # Step 3
             values.extend(times)
@@ -168,7 +172,7 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
     return ChunkCosts(*(Linear.through((lengths[0], a), (lengths[1], b))
                         for a, b in zip(short, long)),
                       rng_state_bytes=state_bytes, random=replays and random,
-                      unsaved=sliced[-1][0],
+                      unsaved=sliced[-1][0], xs_unsaved=xs_unsaved,
                       sliced_saved=Linear.through((lengths[0], sliced[0][1]),
                                                   (lengths[1], sliced[1][1])))
 
@@ -278,6 +282,15 @@ def _saved_sliced(run: _ChunkRun, n_params: int) -> tuple[tuple[int, ...], int]:
         elif part.is_floating_point():
             unsaved.append(first + k)
     return tuple(unsaved), nbytes
+
+
+def _xs_unsaved(run: _ChunkRun) -> bool:
+    """Whether no tensor the chunk's graph saves shares the storage of its floating xs."""
+    x = run.x[0] if isinstance(run.x, tuple) else run.x
+    if not x.is_floating_point() or x.numel() == 0:
+        return False
+    y, out = run.forward()
+    return storage_key(x) not in {storage_key(t) for t in _saved_by_graph((y, *out))}
 
 
 def _chunk_times(runs: list[_ChunkRun], device: torch.device) -> list[tuple[int, int]]:

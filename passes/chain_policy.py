@@ -129,6 +129,8 @@ class ChainConfig:
     #: the params (by index) the backward op gets a stand-in for (``apply``): sliced
     #: per-step inputs one chunk neither saves nor recomputes from (ChunkCosts.unsaved)
     stand_ins: tuple[int, ...] = ()
+    #: the backward op gets a stand-in for xs too (ChunkCosts.xs_unsaved)
+    stand_in_xs: bool = False
     #: False: the graph is not told (meta KEPT_ARGS) that one chunk's graph holds the sliced
     #: inputs it saves views of, so the step model made on it counts their recomputation
     #: as possible (a split chain's choice allows it); ChainFamily.choose says it again
@@ -374,56 +376,64 @@ def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) ->
                 # sliced per-step inputs it saves views of (a split chain's, copies)
                 n_params = len(node.args[_FWD_PARAMS])
                 sliced = range(n_params - len(_ops()[0].spec_of(site.chain).sliced), n_params)
-                node.meta[KEPT_ARGS] = (_FWD_XS, *((_FWD_PARAMS, k) for k in sliced
+                xs_kept = () if config.stand_in_xs else (_FWD_XS,)
+                node.meta[KEPT_ARGS] = (*xs_kept, *((_FWD_PARAMS, k) for k in sliced
                                                    if config.t == 1 and config.holds_sliced
                                                    and k not in config.stand_ins))
             elif node.target is bwd_op and node.name in site.bwds:
                 _set_policy_args(node, config)
                 record_op_bytes(node, nbytes[node.name])
-                _stand_in(gm.graph, node, config.stand_ins)
+                _stand_in(gm.graph, node, config.stand_ins, config.stand_in_xs)
 
 
-#: chain_bwd's params argument, and the meta key of the params it had before stand-ins
-_BWD_PARAMS, _ORIGINAL_PARAMS = 10, "memopt.chain_params"
+#: chain_bwd's xs and params arguments, and the meta key of what they were before stand-ins
+_BWD_XS, _BWD_PARAMS, _ORIGINAL_ARGS = 9, 10, "memopt.chain_args"
 
 
-def _stand_in(graph: fx.Graph, node: fx.Node, which: tuple[int, ...]) -> None:
-    """Give the backward op ``node`` a stand-in for each param in ``which``: a tensor of
-    its shape, dtype and device with every stride 0 (one element), so that liveness and the
-    partitioner do not keep the real one for backward; the others as they were. The op
-    reads a stand-in's shape only (memopt.recurrent.ops.chain_bwd: a chunk that is never
-    recomputed). Done before the joint graph is partitioned (ChainFamily.initial); an
-    ``apply`` without stand-ins puts the real params back."""
-    params = list(node.args[_BWD_PARAMS])
-    original = node.meta.setdefault(_ORIGINAL_PARAMS, list(params))
+def _stand_in(graph: fx.Graph, node: fx.Node, which: tuple[int, ...], xs: bool) -> None:
+    """Give the backward op ``node`` a stand-in for each param in ``which`` (and for xs
+    with ``xs``): a tensor of its shape, dtype and device with every stride 0 (one
+    element), so that liveness and the partitioner do not keep the real one for backward;
+    the others as they were. The op reads a stand-in's shape only (memopt.recurrent.ops.
+    chain_bwd: one chunk, never recomputed). Done before the joint graph is partitioned
+    (ChainFamily.initial, no budget); an ``apply`` without stand-ins puts the real ones
+    back."""
+    original = node.meta.setdefault(_ORIGINAL_ARGS, (node.args[_BWD_XS],
+                                                     list(node.args[_BWD_PARAMS])))
+    now = [node.args[_BWD_XS], *node.args[_BWD_PARAMS]]
+    real = [original[0], *original[1]]
     wanted = []
-    for k, real in enumerate(original):
-        if k not in which:
-            wanted.append(real)
-            continue
-        if params[k] is not real:  # a stand-in already
-            wanted.append(params[k])
-            continue
-        value = fake_value(real)
-        with graph.inserting_before(node), _fake_mode(node):
-            stand = graph.call_function(torch.ops.aten.empty_strided.default, (
-                list(value.shape), [0] * value.dim()),
-                {"dtype": value.dtype, "device": value.device})
-            stand.meta["val"] = torch.empty_strided(value.shape, [0] * value.dim(),
-                                                    dtype=value.dtype, device=value.device)
-        for key in ("partitioner_tag", "seq_nr", "stack_trace"):
-            if key in node.meta:
-                stand.meta[key] = node.meta[key]
-        wanted.append(stand)
-    if wanted == params:
+    for k, (value, current) in enumerate(zip(real, now)):
+        if not (k == 0 and xs or k > 0 and k - 1 in which):
+            wanted.append(value)
+        elif current is not value:  # a stand-in already
+            wanted.append(current)
+        else:
+            wanted.append(_zero_strided(graph, node, value))
+    if wanted == now:
         return
     args = list(node.args)
-    args[_BWD_PARAMS] = wanted
+    args[_BWD_XS], args[_BWD_PARAMS] = wanted[0], wanted[1:]
     node.args = tuple(args)
-    for old in params:
+    for old in now:
         if old not in wanted and old.op == "call_function" and not old.users \
                 and old.target is torch.ops.aten.empty_strided.default:
             graph.erase_node(old)
+
+
+def _zero_strided(graph: fx.Graph, node: fx.Node, real: fx.Node) -> fx.Node:
+    """A node before ``node`` making an empty tensor shaped like ``real``, strides 0."""
+    value = fake_value(real)
+    with graph.inserting_before(node), _fake_mode(node):
+        stand = graph.call_function(torch.ops.aten.empty_strided.default, (
+            list(value.shape), [0] * value.dim()),
+            {"dtype": value.dtype, "device": value.device})
+        stand.meta["val"] = torch.empty_strided(value.shape, [0] * value.dim(),
+                                                dtype=value.dtype, device=value.device)
+    for key in ("partitioner_tag", "seq_nr", "stack_trace"):
+        if key in node.meta:
+            stand.meta[key] = node.meta[key]
+    return stand
 
 
 def _set_policy_args(node: fx.Node, config: ChainConfig) -> None:

@@ -48,7 +48,8 @@ class ChainFamily:
         model is made)."""
         config = chain_pass.configure(site, costs, site.steps, 1)
         if lean:
-            return dataclasses.replace(config, stand_ins=costs.unsaved)
+            return dataclasses.replace(config, stand_ins=costs.unsaved,
+                                       stand_in_xs=costs.xs_unsaved)
         return dataclasses.replace(config, holds_sliced=False)  # see ChainConfig
 
     def apply(self, graphs: list[fx.GraphModule], site: chain_pass.ChainSite,

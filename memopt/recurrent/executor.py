@@ -128,7 +128,8 @@ class ChainRun:
         # requires grad even when unneeded: whether it is needed is known in backward
         params = tuple(p.detach().requires_grad_(g) for p, g in zip(self.params, self.param_grad))
         with autograd_inside_op():
-            x, targets, boxes = _inputs(self.xs[i], copy=len(self.xs) > 1)
+            x, targets, boxes = _inputs(self.xs[i], copy=len(self.xs) > 1,
+                                        sink=len(self.xs) == 1)
             y, out = self.step(params, state_in, x)
         del x  # a sliced input's values: the graph holds them only where it saved them
         out = tuple(out)
@@ -252,7 +253,9 @@ class ChainRun:
             result[k] = g
         n_state, n_x = len(node.state_in), len(x_in)
         grad_x = result[n_state]
-        if isinstance(node.x_in, tuple):  # the sliced inputs' gradients from their boxes
+        if node.boxes and not isinstance(node.x_in, tuple):  # through _Sliced (``sink``)
+            grad_x = node.boxes[0][0]
+        elif isinstance(node.x_in, tuple):  # the sliced inputs' gradients from their boxes
             grad_x = (grad_x, *(box[0] if box is not None else g
                                 for box, g in zip(node.boxes[1:], result[n_state + 1:n_state + n_x])))
         if self.on_grad_x is not None:
@@ -293,12 +296,18 @@ class _Sliced(torch.autograd.Function):
         return None, None, None, None
 
 
-def _inputs(x: torch.Tensor | Tensors, copy: bool = False):
+def _inputs(x: torch.Tensor | Tensors, copy: bool = False, sink: bool = False):
     """(what the step reads, what backward differentiates for, gradient boxes) of a
     chunk's input: one tensor as a leaf that requires grad (a floating one), or the tuple
     of a chain with sliced per-step inputs (memopt.recurrent.ops.ChainSpec.sliced): its
-    xs so, and each floating sliced input through ``_Sliced`` (``copy``: see there)."""
+    xs so, and each floating sliced input through ``_Sliced`` (``copy``: see there).
+    ``sink`` (one chunk: never recomputed): one floating tensor through ``_Sliced`` too,
+    so that the chunk holds of it only what its graph saves (a packed RNN step saves its
+    packed copy, not the padded input)."""
     if not isinstance(x, tuple):
+        if sink and x.is_floating_point():
+            anchor, box = x.new_empty(0).requires_grad_(), [None]
+            return _Sliced.apply(anchor, x.detach(), box, False), anchor, (box,)
         leaf = x.detach().requires_grad_(x.is_floating_point())
         return leaf, leaf, ()
     first = x[0].detach().requires_grad_(x[0].is_floating_point())

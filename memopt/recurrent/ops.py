@@ -220,6 +220,9 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
         # get stand-ins: passes.chain_policy.apply); a split chain's steps read copies of
         # their chunks, and chain_bwd hands the inputs back for the chunks it recomputes
         run.xs = [x[:1] for x in run.xs]
+    elif len(run.xs) == 1:  # nor one chunk's xs, beyond what its graph saved (its shape)
+        x = run.xs[0]
+        run.xs = [torch.empty_strided(x.shape, [0] * x.dim(), dtype=x.dtype, device=x.device)]
     out = box[0]
     run.on_output = None  # it holds the output: the handle must not keep it alive
     key = next(_HANDLES)
@@ -250,16 +253,22 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
     if spec.sliced and len(run.xs) > 1:  # chain_fwd dropped them: from the inputs given here
         run.xs = [chunk_input(spec, xs, params, start, n)[0]
                   for start, n in _bounds(spec, [_time_length(spec, c) for c in run.xs])]
-    grad_x = torch.zeros_like(xs) if need_x else None
+    grad_x: Tensor | None = None  # a whole-length chunk's gradient is taken as is
     n_plain = len(params) - len(spec.sliced)
     # the sliced inputs' gradients, chunk by chunk: a whole-length chunk's is taken as is
     sliced: list[Tensor | None] = [None] * len(spec.sliced)
     bounds = _bounds(spec, [_time_length(spec, c) for c in run.xs])
     if need_x or sliced:
         def put(i: int, g: Tensor | tuple | None) -> None:
+            nonlocal grad_x
             g_x, g_parts = (g[0], g[1:]) if isinstance(g, tuple) else (g, ())
             if g_x is not None and need_x:
-                grad_x.narrow(spec.time_dim, *bounds[i]).copy_(g_x)
+                if grad_x is None and g_x.shape == xs.shape:
+                    grad_x = g_x
+                else:
+                    if grad_x is None:
+                        grad_x = torch.zeros_like(xs)
+                    grad_x.narrow(spec.time_dim, *bounds[i]).copy_(g_x)
             for k, (p, d, g_p) in enumerate(zip(params[n_plain:], spec.sliced, g_parts)):
                 if g_p is None:
                     continue
@@ -278,6 +287,8 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
               for g, p in zip(g_params, params[:n_plain])]
     grads += [g if g is not None else torch.zeros_like(p)
               for g, p in zip(sliced, params[n_plain:])]
+    if need_x and grad_x is None:
+        grad_x = torch.zeros_like(xs)
     return _unaliased(grads + ([grad_x] if need_x else []),
                       [handle, grad_ys, *grad_state, *state, xs, *params])
 
