@@ -109,3 +109,35 @@ def test_loops_false_leaves_the_scan_unrolled():
     plan = memopt.plan(model, x.detach(), loops=False)
     assert not plan.chains
     assert plan.num_forward_steps > 16 * 4
+
+
+def test_a_scan_chain_accumulates_within_its_budget():
+    """Gradient accumulation: the second micro-step finds .grad kept. At a budget a third
+    of the way from memopt's minimum for that step up to its baseline, both micro-steps
+    run the split chain; the accumulated gradients are eager's, and the second step
+    measures within the budget and within 10% of its plan (the kept .grad counted as
+    resident)."""
+    model, x = _case(48)
+    x = x.detach()
+    eager = copy.deepcopy(model)
+    baseline = memopt.plan(model, x, existing_grads=True).baseline_peak_bytes
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.plan(model, x, budget=1, existing_grads=True)
+    budget = err.value.minimum_bytes + (baseline - err.value.minimum_bytes) // 3
+    twin = copy.deepcopy(model)
+    compiled = memopt.compile(twin, budget=budget)
+    compiled(x).backward()
+    resident = sum(t.untyped_storage().nbytes() for t in (
+        *twin.parameters(), *(p.grad for p in twin.parameters()), x))
+    measured = _peak(compiled, x) + resident
+    for _ in range(2):
+        eager(x).backward()
+    for p, q in zip(twin.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    plan = compiled.memopt_plans[-1]
+    assert plan.existing_grad_bytes > 0 and any(c.t > 1 for c in plan.chains), plan.chains
+    assert measured <= budget, (measured, budget)
+    # near the plan, as tests/test_training_loops.py asks of an accumulating step: this one
+    # measured 1.7% above it (5,452 bytes, not diagnosed; docs/limits.md), inside the
+    # budget's 1.5% headroom
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * plan.predicted_peak_bytes

@@ -179,7 +179,6 @@ class _Pricing:
                 s, costs, lambda c: peak(c) <= goal, lo, hi)
             if refined is not None:
                 fitting.append((peak(refined), refined))
-        lowest = 0
         if fitting:
             fitting.sort(key=lambda pc: (pc[1].seconds, pc[1].recompute_steps, pc[1].t, pc[0]))
             for p, c in fitting[:5]:
@@ -207,4 +206,4 @@ class _Pricing:
                           "fits alone; the Chen planner recomputes the rest)")
         chain_pass.apply([built.fw, built.bw], s, best)
         self.current[s.fwd] = best
-        return Choice(s, best, reason, near=not fitting and p > lowest), p
+        return Choice(s, best, reason), p

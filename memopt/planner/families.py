@@ -48,8 +48,6 @@ class Choice:
     site: Any
     config: Any
     reason: str
-    #: taken within ChoiceContext.near_lowest of the lowest peak, not at it
-    near: bool = False
 
 
 @dataclass(frozen=True)

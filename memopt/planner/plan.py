@@ -93,7 +93,6 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
         # choice for this budget can leave the Chen planner too little), so that a budget
         # between the minimum and the no-budget peak is never refused where the minimum
         # is accepted; then the mirror set and the families' relaxation for the budget
-        run.near_lowest = 0.0
         for found in run.found.values():
             found.reset()
         aim, run.target = run.target, 1
@@ -127,8 +126,6 @@ class _Planning:
         self.options, self.step = request.options, request.step
         self.found: dict[object, Sites] = {}
         self.cache: dict[tuple, Simulated] = {}
-        #: ChoiceContext.near_lowest of Step 5; 0 once a plan so chosen missed the budget
-        self.near_lowest = NEAR_LOWEST
 
     def build(self, mirror: Mirror, inplace: bool | None = None, done: list | None = None
               ) -> Built:
@@ -222,7 +219,7 @@ class _Planning:
 
     # Step 5
     def choose_families(self) -> None:
-        ctx = ChoiceContext(self.n, self.target, self.step, self.build, self.near_lowest)
+        ctx = ChoiceContext(self.n, self.target, self.step, self.build, NEAR_LOWEST)
         for family in CHOOSE_ORDER:
             found = self.found[family]
             if found.sites:
