@@ -39,7 +39,9 @@ shape or dtype); per-step inputs on another device; stacked values of different 
 
 Algorithm:
     Step 1: refuse a graph that switches grad mode or autocast.
-    Step 2: the plain op list: indexing ops on a tensor (``xs[t]``, ``select``,
+    Step 2: a parallel scan's traced tree rewritten as its loop (passes.scans), elementwise
+        producers of per-step inputs moved into the step (passes.scan_inputs: a selective
+        scan's discretization); then the plain op list: indexing ops on a tensor (``xs[t]``, ``select``,
         ``unbind(...)[t]``) become references, every other node an Op.
     Step 3: find the loops (allocator.repeats.find_loops).
     Step 4: check each loop for what the chain cannot replay.
@@ -67,6 +69,8 @@ from ._torch_compat import OpOverload, OpOverloadPacket
 from .loop_packing import (Packing, example_value, is_packed, packing_of, slices_inputs,
                            sliced_inputs, time_dim_of, unpack_outputs)
 from .runtime import runtime
+from .scan_inputs import sink_into_steps
+from .scans import sequential_scans
 
 from .meta import NN_MODULE_STACK, _clean_path
 
@@ -131,7 +135,10 @@ def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
         reason = f"the graph switches grad mode or autocast ({switch.name}): loops left unrolled"
         log.debug("memopt loops: %s", reason)
         return LoopsResult((), (reason,))
-    # Step 2, 3
+    # Step 2, 3 (a parallel scan's tree first rewritten as its loop, elementwise producers
+    # of per-step inputs moved into the reads)
+    sequential_scans(gm, min_steps)
+    sink_into_steps(gm, _index, _writes, min_steps)
     plain = _plain(gm)
     search = find_loops(plain.ops, min_steps)
     refused = [f"ops from {plain.nodes[s].name}, {length} per step: {why}"

@@ -141,3 +141,61 @@ def test_a_scan_chain_accumulates_within_its_budget():
     # measured 1.7% above it (5,452 bytes, not diagnosed; docs/limits.md), inside the
     # budget's 1.5% headroom
     assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * plan.predicted_peak_bytes
+
+
+class _ScanReadingGateWhole(nn.Module):
+    """A scan whose loss also reads its gate ``exp(a * dt)`` whole outside the loop."""
+
+    def __init__(self, d: int = 16, n: int = 8) -> None:
+        super().__init__()
+        self.dt_proj = nn.Linear(d, d)
+        self.a_log = nn.Parameter(torch.log(torch.arange(1, n + 1).float()).repeat(d, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = torch.nn.functional.softplus(self.dt_proj(x)).transpose(1, 2)
+        da = torch.exp(-torch.exp(self.a_log)[None, :, None, :] * dt[..., None])
+        dbu = dt[..., None] * x.transpose(1, 2)[..., None]
+        h = x.new_zeros(x.shape[0], x.shape[2], self.a_log.shape[1])
+        ys = []
+        for i in range(x.shape[1]):
+            h = da[:, :, i, :] * h + dbu[:, :, i, :]
+            ys.append(h.sum(-1))
+        return torch.stack(ys, -1).square().mean() + da.mean()
+
+
+def _full_size_saved(plan, d: int, n: int) -> list[tuple]:
+    """The saved (batch, d, T, n) tensors of a plan: the scan's expanded gates."""
+    return [s.shape for s in plan.saved if s.decision == "saved" and s.nbytes
+            and len(s.shape) == 4 and s.shape[1] == d and s.shape[3] == n]
+
+
+def test_the_discretization_runs_inside_the_step():
+    """The elementwise ops that build dA and dBu (batch x d x T x n) before the loop run
+    inside the chain's step on slices of dt, b and u (passes.scan_inputs; Gu and Dao 2023,
+    Sec. 3.3.2): no plan saves them whole, and the smallest budget is below the bytes of
+    the two (it was 3.1x them, 406,876 bytes, before this pass); eager's gradients there."""
+    model, x = _case(64)
+    x = x.detach()
+    plan = memopt.plan(model, x)
+    assert not _full_size_saved(plan, 16, 8), _full_size_saved(plan, 16, 8)
+    gates = 2 * (2 * 16 * 64 * 8 * 4)
+    low = _minimum(model, x)
+    assert low < gates, (low, gates)
+    ref = _grads(model, x.requires_grad_())
+    compiled = memopt.compile(copy.deepcopy(model), budget=low)
+    for a, b in zip(torch.autograd.grad(compiled(x), [x, *compiled.parameters()]), ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_gate_read_whole_elsewhere_is_computed_once():
+    """A gate the loss also reads whole stays one tensor (moving it would compute it twice):
+    it is saved whole, and the chain reads its slices; eager's gradients."""
+    torch.manual_seed(0)
+    model, x = _ScanReadingGateWhole(d=16), torch.randn(2, 32, 16, requires_grad=True)
+    ref = _grads(model, x)
+    compiled = memopt.compile(copy.deepcopy(model))
+    got = torch.autograd.grad(compiled(x), [x, *compiled.parameters()])
+    assert len(compiled.memopt_plan.chains) == 1
+    assert _full_size_saved(compiled.memopt_plan, 16, 8)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
