@@ -132,21 +132,28 @@ def gpt2(device: str = "cpu", seed: int = 0) -> ZooCase:
                    loss=_own_loss)
 
 
-def mamba(device: str = "cpu", seed: int = 0) -> ZooCase:
+def mamba(device: str = "cpu", seed: int = 0, associative: bool = False) -> ZooCase:
     """MambaForCausalLM: 2 layers, hidden 128, state 16, expand 2, vocabulary 8000, batch
     4 x 64, causal-LM labels; its sequential scan (`use_associative_scan = False`: a Python
-    loop over the tokens, as eager runs it; the parallel scan keeps every level of its
-    tree, docs/limits.md)."""
+    loop over the tokens, as eager runs it). ``associative``: transformers 5's default, the
+    parallel scan torch.compile traces as a tree (memopt rewrites it into the loop,
+    passes/scans.py); eager runs the loop either way."""
     from transformers import MambaConfig, MambaForCausalLM
 
     torch.manual_seed(seed)
     config = MambaConfig(vocab_size=8000, hidden_size=128, state_size=16, num_hidden_layers=2,
                          expand=2, conv_kernel=4, use_cache=False)
-    config.use_associative_scan = False  # transformers 5; 4.x has only the loop on CPU
+    config.use_associative_scan = associative  # transformers 5; 4.x has only the loop on CPU
     model = _train(MambaForCausalLM(config), device, "ForCausalLM")
     ids = torch.randint(0, config.vocab_size, (4, 64), device=device)
-    return ZooCase("mamba", model, kwargs={"input_ids": ids, "labels": ids.clone()},
+    name = "mamba_parallel" if associative else "mamba"
+    return ZooCase(name, model, kwargs={"input_ids": ids, "labels": ids.clone()},
                    loss=_own_loss)
+
+
+def mamba_parallel(device: str = "cpu", seed: int = 0) -> ZooCase:
+    """The Mamba above with its parallel (associative) scan, transformers 5's default."""
+    return mamba(device, seed, associative=True)
 
 
 def rwkv(device: str = "cpu", seed: int = 0) -> ZooCase:
@@ -285,6 +292,7 @@ ZOO: dict[str, Callable[..., ZooCase]] = {
     "gpt2": gpt2,
     "llama": llama,
     "mamba": mamba,
+    "mamba_parallel": mamba_parallel,
     "rwkv": rwkv,
     "t5": t5,
     "distilbert_item": distilbert_item,

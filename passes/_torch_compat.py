@@ -24,6 +24,13 @@ import torch.utils._pytree as pytree  # noqa: F401
 
 # The FakeTensorMode a graph's values were traced under.
 from torch._guards import detect_fake_mode  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+def own_fake_mode(values: list[Any]) -> Any:
+    """The fake mode of the first FakeTensor among ``values`` (None if there is none): the
+    mode those values were made in, where the tracing context's may be another."""
+    return next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
 
 # AOTAutograd's entry point used inside a torch.compile backend.
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn import functional as F
 
+from ._torch_compat import own_fake_mode
 from .loop_packing import EXAMPLE_VALUE, example_value
 
 #: Elementwise functions and tensor methods whose value at a slice is the function of
@@ -167,8 +167,7 @@ def evaluate(node: fx.Node) -> Any:
     tracing context's may be another)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
     values = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    modes = [v.fake_mode for v in values if isinstance(v, FakeTensor)]
-    with modes[0] if modes else contextlib.nullcontext():
+    with own_fake_mode(values) or contextlib.nullcontext():
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return node.target(*args, **kwargs)
