@@ -114,6 +114,8 @@ class ChainedLoop:
 class LoopsResult:
     loops: tuple[ChainedLoop, ...]
     refused: tuple[str, ...]   # why each candidate was left unrolled
+    #: parallel scans rewritten as their loops (Step 2)
+    scans: int = 0
 
     @property
     def modified(self) -> bool:
@@ -134,10 +136,10 @@ def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
     if switch is not None:
         reason = f"the graph switches grad mode or autocast ({switch.name}): loops left unrolled"
         log.debug("memopt loops: %s", reason)
-        return LoopsResult((), (reason,))
+        return LoopsResult((), (reason,), 0)
     # Step 2, 3 (a parallel scan's tree first rewritten as its loop, elementwise producers
     # of per-step inputs moved into the reads)
-    sequential_scans(gm, min_steps)
+    scans = sequential_scans(gm, min_steps)
     sink_into_steps(gm, _index, _writes, min_steps)
     plain = _plain(gm)
     search = find_loops(plain.ops, min_steps)
@@ -159,7 +161,7 @@ def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
         gm.recompile()
         log.info("memopt loops: %s", ", ".join(
             f"{c.name} ({c.steps} steps of {c.ops_per_step} ops) runs as a chain" for c in done))
-    return LoopsResult(tuple(reversed(done)), tuple(refused))
+    return LoopsResult(tuple(reversed(done)), tuple(refused), scans)
 
 
 # -- Step 2: the plain op list -----------------------------------------------------------

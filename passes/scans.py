@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from .loop_packing import EXAMPLE_VALUE, example_value
+from .scan_outputs import stages
 
 log = logging.getLogger("memopt")
 
@@ -161,7 +162,7 @@ def _unroll(gm: fx.GraphModule, tree: _Tree, steps: int) -> None:
     from .scan_inputs import evaluate  # noqa: PLC0415  (scan_inputs imports loop_packing too)
 
     graph = gm.graph
-    k, dim = len(tree.xs), tree.dim
+    dim = tree.dim
     made: list[fx.Node] = []
 
     def new(op: str, target: object, args: tuple, kwargs: dict | None = None,
@@ -177,10 +178,18 @@ def _unroll(gm: fx.GraphModule, tree: _Tree, steps: int) -> None:
     def read(x: fx.Node, t: int) -> fx.Node:
         return new("call_function", operator.getitem, (x, (slice(None),) * dim + (t,)))
 
+    # ops after the scan that run per element (Mamba's matmul with C) move into the steps
+    after = {j: stages(end, dim, tree.region) for j, end in enumerate(tree.ends) if end.users}
+
+    def staged(j: int, value: fx.Node, t: int) -> fx.Node:
+        for stage in after[j]:
+            value = stage.step(new, value, t)
+        return value
+
     with graph.inserting_before(tree.region[0]):
         # the first state a copy (an op, as the later states are: a loop starts at step 1)
         state = [new("call_method", "clone", (read(x, 0),)) for x in tree.xs]
-        outs: list[list[fx.Node]] = [[] for _ in range(k)]
+        outs = {j: [staged(j, state[j], 0)] for j in after}
         for t in range(1, steps):
             env = dict(zip(tree.inputs, [*state, *(read(x, t) for x in tree.xs)]))
             for node in tree.body:
@@ -188,14 +197,15 @@ def _unroll(gm: fx.GraphModule, tree: _Tree, steps: int) -> None:
                                 *fx.node.map_arg((node.args, node.kwargs), lambda a: env.get(a, a)),
                                 like=node)
             state = [env[o] for o in tree.outputs]
-            for j in range(k):
-                outs[j].append(state[j])
-        for j, end in enumerate(tree.ends):
-            if not end.users:
-                continue
-            first = new("call_method", "unsqueeze", (read(tree.xs[j], 0), dim))
-            rest = new("call_function", torch.stack, (outs[j], dim))
-            end.replace_all_uses_with(new("call_function", torch.cat, ([first, rest], dim)))
+            for j in after:
+                outs[j].append(staged(j, state[j], t))
+        for j, chain in after.items():
+            last, out_dim = (chain[-1].node, chain[-1].dim_out) if chain else (tree.ends[j], dim)
+            first = new("call_method", "unsqueeze", (outs[j][0], out_dim))
+            rest = new("call_function", torch.stack, (outs[j][1:], out_dim))
+            last.replace_all_uses_with(new("call_function", torch.cat, ([first, rest], out_dim)))
+            for stage in reversed(chain):
+                graph.erase_node(stage.node)
     for node in reversed(tree.region):
         graph.erase_node(node)
     for node in reversed(made):  # a combine output nothing reads (Mamba's product of dA)

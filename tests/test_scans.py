@@ -104,3 +104,19 @@ def test_a_users_scan_runs_as_a_chain_or_is_named(reverse):
     assert len(said) == (1 if reverse else 0), said
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_under_inductor_a_rewritten_parallel_scan_runs_op_by_op():
+    """kernels="inductor": the graph whose parallel scan memopt rewrote runs op by op, and
+    the plan says why (inductor's kernels gave that graph wrong gradients: A_log's was 3x
+    off on this Mamba); eager's gradients."""
+    model = _mamba(True)
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (2, 16))
+    eager(input_ids=ids, labels=ids).loss.backward()
+    compiled = memopt.compile(model, kernels="inductor")
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    plan = compiled.memopt_plan
+    assert plan.kernels == "aten" and "parallel scan" in plan.kernels_note, plan.kernels_note
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
