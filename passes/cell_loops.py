@@ -43,7 +43,9 @@ Algorithm:
         producers of per-step inputs moved into the step (passes.scan_inputs: a selective
         scan's discretization); then the plain op list: indexing ops on a tensor (``xs[t]``, ``select``,
         ``unbind(...)[t]``) become references, every other node an Op.
-    Step 3: find the loops (allocator.repeats.find_loops).
+    Step 3: find the loops (allocator.repeats.find_loops); an initial state the first step
+        only promotes is cast to the carried dtype (passes.initial_states) and the loops
+        are found again.
     Step 4: check each loop for what the chain cannot replay.
     Step 5: build the cell and register its ChainSpec.
     Step 6: rewrite: the chain op after the loop's last op, the stacked output and
@@ -69,6 +71,7 @@ from ._torch_compat import OpOverload, OpOverloadPacket
 from .loop_packing import (Packing, example_value, is_packed, packing_of, slices_inputs,
                            sliced_inputs, time_dim_of, unpack_outputs)
 from .runtime import runtime
+from .initial_states import widen_initial_states
 from .scan_inputs import sink_into_steps
 from .scans import sequential_scans
 
@@ -143,6 +146,9 @@ def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
     sink_into_steps(gm, _index, _writes, min_steps)
     plain = _plain(gm)
     search = find_loops(plain.ops, min_steps)
+    if widen_initial_states(gm, plain, search.loops):  # a bf16 zeros h_0 for float32 steps
+        plain = _plain(gm)
+        search = find_loops(plain.ops, min_steps)
     refused = [f"ops from {plain.nodes[s].name}, {length} per step: {why}"
                for s, length, why in search.refused]
     done = []

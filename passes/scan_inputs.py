@@ -71,7 +71,7 @@ def sink_into_steps(gm: fx.GraphModule, index: Index, writes: Callable[[fx.Node]
         changed = False
         for node in reversed(list(gm.graph.nodes)):
             found = _reads(node, index, min_steps)
-            if found is not None and _elementwise(node):
+            if found is not None and elementwise(node):
                 _sink(gm, node, *found)
                 moved += 1
                 changed = True
@@ -92,7 +92,7 @@ def _reads(node: fx.Node, index: Index, min_steps: int
     return found[0][1], [(u, f[2]) for u, f in zip(node.users, found)]
 
 
-def _elementwise(node: fx.Node) -> bool:
+def elementwise(node: fx.Node) -> bool:
     """``node`` is an op of ELEMENTWISE over tensors that broadcast to its shape."""
     if node.op == "call_function":
         known = node.target in ELEMENTWISE_FUNCTIONS

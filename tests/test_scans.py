@@ -120,3 +120,25 @@ def test_under_inductor_a_rewritten_parallel_scan_runs_op_by_op():
     assert plan.kernels == "aten" and "parallel scan" in plan.kernels_note, plan.kernels_note
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("associative", [True, False], ids=["parallel_scan", "sequential"])
+def test_under_bf16_autocast_the_scan_runs_as_a_chain(associative):
+    """Under bf16 autocast the sequential scan starts from a bf16 zeros state its first
+    step promotes to float32 (passes.initial_states casts it once before the loop): both
+    paths run as chains, and the gradients are eager's under the same autocast (fp32
+    tolerances: the scan runs in float32 either way), at a budget that splits them."""
+    model = _mamba(associative, layers=2)
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (2, 32))
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = eager(input_ids=ids, labels=ids).loss
+    loss.backward()
+    compiled = memopt.compile(model, budget=0.6)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    chains = compiled.memopt_plan.chains
+    assert len(chains) == 2 and any(c.t > 1 for c in chains), chains
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
