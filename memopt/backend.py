@@ -58,22 +58,14 @@ def _autocast_dtypes() -> dict[str, torch.dtype]:
     return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
-#: Why a graph whose scan memopt rewrote runs op by op under kernels="inductor".
-SCANS_RUN_OP_BY_OP = (
-    "aten: memopt rewrote a parallel scan in this graph as its loop (passes.scans); "
-    "inductor's kernels gave a Mamba so rewritten wrong gradients (not diagnosed), so this "
-    "graph runs op by op")
-
-
-def _chain_loops(gm: fx.GraphModule) -> bool:
+def _chain_loops(gm: fx.GraphModule) -> None:
     """Run the user's unrolled cell loops as recurrent chains (memopt.passes.cell_loops), in
-    graphs that record gradients; under autocast each chain's step enters it. Returns
-    whether a parallel scan was rewritten as its loop."""
+    graphs that record gradients; under autocast each chain's step enters it."""
     if not torch.is_grad_enabled():
         log.debug("memopt loops: an inference graph: loops left unrolled")
-        return False
+        return
     try:
-        return chain_loops(gm, keep=True, autocast=_autocast_dtypes()).scans > 0
+        chain_loops(gm, keep=True, autocast=_autocast_dtypes())
     except Exception as exc:
         raise PassError("recurrent loops", ("capture",), exc) from exc
 
@@ -223,9 +215,8 @@ class MemoptBackend:
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph
-        if self.loops and _chain_loops(gm) and graph.kernels is Kernels.INDUCTOR:
-            graph.kernels = Kernels.ATEN
-            graph.kernels_note = SCANS_RUN_OP_BY_OP
+        if self.loops:
+            _chain_loops(gm)
         # with no budget too, where the graph returns the logits: the head is one chunk
         # that recomputes nothing, and the logits leave the graph without the (tokens, V)
         # zero gradient autograd would make for them at every backward (the zoo Llama:
