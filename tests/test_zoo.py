@@ -236,6 +236,7 @@ _SLOW_AT_A_BINDING_BUDGET = {
     "gpt2": "3 s; tests/test_drop_outputs.py: GPT-2 2% above its minimum, eager's gradients",
     "rwkv": "18 s; the mamba here: another per-token loop of a language model at a binding budget",
     "llama": "3 s; tests/test_training_loops.py: two micro-batches at 0.85, eager's gradients",
+    "mamba_parallel": "6 s; the mamba here: the same chain at a binding budget",
 }
 
 
