@@ -169,11 +169,8 @@ def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], x
     plain = split[0][1] if split else tuple(params)
     stats = ChainStats()
     LAST_STATS[chain] = stats
-    # the steps read a copy of the initial state: what the first step saves of it must not
-    # be the op's input, whose memory a compiler may reuse once the op has run (inductor
-    # wrote over a Mamba's h_0 there, 2026-11-28: the gradients through dA were wrong)
     run = ChainRun(spec.step, _policy(len(chunks), m, strategy), plain, chunks,
-                   tuple(s.detach().clone() for s in state), spec.preserve_rng, x_grad=True,
+                   tuple(s.detach() for s in state), spec.preserve_rng, x_grad=True,
                    stats=stats, keep_output=spec.keep_output and len(chunks) > 1)
     # One chunk's output is the op's own output: the graph frees it where its plan says
     # (after `y + x * D` in a Mamba, which saves nothing of it), so the core holds only
