@@ -129,7 +129,7 @@ def test_planner_takes_internal_states_where_they_are_faster(monkeypatch):
         memopt.plan(model, xs, budget=1)
     ref = torch.autograd.grad(model(xs), list(model.parameters()))
     picked = []
-    for factor in (2.9, 4.0):
+    for factor in (3.2, 4.0):  # 2.9 took HSM once h_0 counted as held (2026-11-28)
         budget = int(factor * low.value.minimum_bytes)
         compiled = memopt.compile(model, budget=budget)
         measured = _measured(compiled, model, xs, resident)
