@@ -373,18 +373,18 @@ def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) ->
                 _set_policy_args(node, config)
                 record_op_bytes(node, nbytes[node.name])
                 # the core's graph reads its chunk of xs; one chunk's graph holds the
-                # sliced per-step inputs it saves views of (a split chain's, copies), and
-                # the initial state its first step saves: mirrored, the copy would free
-                # nothing, and under inductor the forward's buffer would be reused while
-                # the graph still reads it (a rewritten parallel scan's h_0, recomputed for
-                # the backward op, gave wrong gradients there, 2026-11-28). Params, and a
-                # split chain's state, are not marked (docs/limits.md).
+                # sliced per-step inputs it saves views of (a split chain's, copies); the
+                # run holds the initial state (its first step saves it, a split chain's
+                # first checkpoint is it): mirrored, the copy would free nothing, and under
+                # inductor the forward's buffer would be reused while the run still reads
+                # it (a rewritten parallel scan's h_0, recomputed for the backward op, gave
+                # wrong gradients there at no budget and split, 2026-11-28). The plain
+                # params are not marked (docs/limits.md).
                 n_params = len(node.args[_FWD_PARAMS])
                 n_plain = n_params - len(_ops()[0].spec_of(site.chain).sliced)
                 xs_kept = () if config.stand_in_xs else (_FWD_XS,)
                 node.meta[KEPT_ARGS] = (*xs_kept,
-                                        *((_FWD_STATE, k) for k in range(len(node.args[_FWD_STATE]))
-                                          if config.t == 1),
+                                        *((_FWD_STATE, k) for k in range(len(node.args[_FWD_STATE]))),
 
                                         *((_FWD_PARAMS, k) for k in range(n_plain, n_params)
                                           if config.t == 1 and config.holds_sliced
