@@ -107,19 +107,22 @@ def test_a_users_scan_runs_as_a_chain_or_is_named(reverse):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_under_inductor_the_rewritten_scan_gives_eager_gradients():
-    """kernels="inductor" runs the graph with the rewritten scan, and the gradients are
-    eager's. (They were not until the chain's steps read a copy of the initial state:
-    the first step saved the op's input h_0, whose buffer inductor reused once the op had
-    run; A_log's gradient came out 3x off on this Mamba.)"""
+@pytest.mark.parametrize("budget", [None, pytest.param(0.8, marks=pytest.mark.slow)])
+def test_under_inductor_the_rewritten_scan_gives_eager_gradients(budget):
+    """kernels="inductor" runs the graph with the rewritten scan, one chunk or split, and
+    the gradients are eager's. (They were not until the chain's initial state counted as
+    held by its forward op: the run saved the op's input h_0, the plan recomputed h_0 for
+    the backward op, and inductor reused its buffer once the op had run; A_log's gradient
+    came out 3x off on this Mamba.)"""
     model = _mamba(True)
     eager = copy.deepcopy(model)
     ids = torch.randint(0, 100, (2, 16))
     eager(input_ids=ids, labels=ids).loss.backward()
-    compiled = memopt.compile(model, kernels="inductor")
+    compiled = memopt.compile(model, kernels="inductor", budget=budget)
     compiled(input_ids=ids, labels=ids).loss.backward()
     plan = compiled.memopt_plan
     assert plan.kernels == "inductor" and len(plan.chains) == 1, (plan.kernels, plan.chains)
+    assert (plan.chains[0].t > 1) == (budget is not None), plan.chains
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
