@@ -41,8 +41,8 @@ Algorithm:
     Step 1: refuse a graph that switches grad mode or autocast.
     Step 2: a parallel scan's traced tree rewritten as its loop (passes.scans), elementwise
         producers of per-step inputs moved into the step (passes.scan_inputs: a selective
-        scan's discretization); then the plain op list: indexing ops on a tensor (``xs[t]``, ``select``,
-        ``unbind(...)[t]``) become references, every other node an Op.
+        scan's discretization); then the plain op list: indexing ops on a tensor
+        (``xs[t]``, ``select``, ``unbind(...)[t]``) become references, every other node an Op.
     Step 3: find the loops (allocator.repeats.find_loops); an initial state the first step
         only promotes is cast to the carried dtype (passes.initial_states) and the loops
         are found again.
@@ -117,8 +117,6 @@ class ChainedLoop:
 class LoopsResult:
     loops: tuple[ChainedLoop, ...]
     refused: tuple[str, ...]   # why each candidate was left unrolled
-    #: parallel scans rewritten as their loops (Step 2)
-    scans: int = 0
 
     @property
     def modified(self) -> bool:
@@ -139,10 +137,10 @@ def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
     if switch is not None:
         reason = f"the graph switches grad mode or autocast ({switch.name}): loops left unrolled"
         log.debug("memopt loops: %s", reason)
-        return LoopsResult((), (reason,), 0)
+        return LoopsResult((), (reason,))
     # Step 2, 3 (a parallel scan's tree first rewritten as its loop, elementwise producers
     # of per-step inputs moved into the reads)
-    scans = sequential_scans(gm, min_steps)
+    sequential_scans(gm, min_steps)
     sink_into_steps(gm, _index, _writes, min_steps)
     plain = _plain(gm)
     search = find_loops(plain.ops, min_steps)
@@ -167,7 +165,7 @@ def chain_loops(gm: fx.GraphModule, *, keep: bool = True,
         gm.recompile()
         log.info("memopt loops: %s", ", ".join(
             f"{c.name} ({c.steps} steps of {c.ops_per_step} ops) runs as a chain" for c in done))
-    return LoopsResult(tuple(reversed(done)), tuple(refused), scans)
+    return LoopsResult(tuple(reversed(done)), tuple(refused))
 
 
 # -- Step 2: the plain op list -----------------------------------------------------------

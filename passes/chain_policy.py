@@ -385,7 +385,6 @@ def apply(graphs: list[fx.GraphModule], site: ChainSite, config: ChainConfig) ->
                 xs_kept = () if config.stand_in_xs else (_FWD_XS,)
                 node.meta[KEPT_ARGS] = (*xs_kept,
                                         *((_FWD_STATE, k) for k in range(len(node.args[_FWD_STATE]))),
-
                                         *((_FWD_PARAMS, k) for k in range(n_plain, n_params)
                                           if config.t == 1 and config.holds_sliced
                                           and k not in config.stand_ins))

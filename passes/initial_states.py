@@ -24,8 +24,8 @@ from torch import fx
 
 from memopt.allocator.repeats import Loop
 
-from .loop_packing import EXAMPLE_VALUE, example_value
-from .scan_inputs import elementwise, evaluate
+from .loop_packing import example_value
+from .scan_inputs import elementwise, made_like
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cell_loops import PlainGraph
@@ -50,9 +50,8 @@ def widen_initial_states(gm: fx.GraphModule, plain: PlainGraph, loops: tuple[Loo
                                       for n in readers):
                 continue
             with gm.graph.inserting_before(first[0]):  # after init, which may be an input
-                cast = gm.graph.call_method("to", (init, carried.dtype))
-            cast.meta = {**readers[0].meta, EXAMPLE_VALUE: None}
-            cast.meta[EXAMPLE_VALUE] = evaluate(cast)
+                cast = made_like(gm.graph, readers[0], "call_method", "to",
+                                 (init, carried.dtype))
             for reader in readers:
                 reader.replace_input_with(init, cast)
             changed = True

@@ -63,21 +63,21 @@ def sink_into_steps(gm: fx.GraphModule, index: Index, writes: Callable[[fx.Node]
     """Move elementwise producers of per-step inputs into the reads (module docstring), in
     place; ``index(node)`` is (base, dim, i) for a read of ``base`` at i along dim, and
     ``writes(node)`` says a node writes in place. Returns how many nodes were moved."""
-    if any(writes(n) for n in gm.graph.nodes):
+    def candidates() -> list[tuple[fx.Node, tuple]]:
+        found = ((n, _reads(n, index, min_steps)) for n in reversed(list(gm.graph.nodes)))
+        return [(n, r) for n, r in found if r is not None and elementwise(n)]
+
+    todo = candidates()
+    if not todo or any(writes(n) for n in gm.graph.nodes):  # the costly check only then
         return 0
     moved = 0
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(list(gm.graph.nodes)):
-            found = _reads(node, index, min_steps)
-            if found is not None and elementwise(node):
-                _sink(gm, node, *found)
-                moved += 1
-                changed = True
-    if moved:
-        gm.graph.lint()
-        gm.recompile()
+    while todo:
+        for node, found in todo:
+            _sink(gm, node, *found)
+            moved += 1
+        todo = candidates()  # the moved ops' operands, now read per step
+    gm.graph.lint()
+    gm.recompile()
     return moved
 
 
@@ -123,41 +123,50 @@ def elementwise(node: fx.Node) -> bool:
 def _sink(gm: fx.GraphModule, node: fx.Node, dim: int, reads: list[tuple[fx.Node, int]]
           ) -> None:
     """Replace each read ``node[..., i, ...]`` (along ``dim``) by ``node``'s op on its
-    operands' slices."""
+    operands' slices (new nodes are ``node``'s: its module and stack trace)."""
     squeezed: dict[fx.Node, fx.Node] = {}
+    rank = example_value(node).dim()
+
+    def make(op: str, target: Any, args: tuple) -> fx.Node:
+        if target != "squeeze":
+            return made_like(gm.graph, node, op, target, args)
+        if args[0] not in squeezed:  # once, before the loop
+            with gm.graph.inserting_before(node):
+                squeezed[args[0]] = made_like(gm.graph, node, op, target, args)
+        return squeezed[args[0]]
+
     for read, i in reads:
         with gm.graph.inserting_before(read):
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs),
-                                           lambda a, i=i: _slice(gm, node, a, dim, i, squeezed))
-            step = _new(gm, node, node.op, node.target, args, kwargs)
+            args, kwargs = fx.node.map_arg(
+                (node.args, node.kwargs), lambda a, i=i: operand_at(make, a, rank, dim, i))
+            step = made_like(gm.graph, node, node.op, node.target, args, kwargs)
         read.replace_all_uses_with(step)
         gm.graph.erase_node(read)
     gm.graph.erase_node(node)
 
 
-def _slice(gm: fx.GraphModule, node: fx.Node, arg: Any, dim: int, i: int,
-           squeezed: dict[fx.Node, fx.Node]) -> Any:
-    """``arg``'s part in the slice i along ``dim`` of ``node``'s value (new nodes are
-    ``node``'s: its module and stack trace)."""
+def operand_at(make: Callable[..., fx.Node], arg: Any, rank: int, dim: int, i: int) -> Any:
+    """``arg``'s part in element i along ``dim`` of a broadcast (or batched matmul) result
+    of rank ``rank``: itself where it does not span that dim (broadcasting aligns trailing
+    dims), squeezed there where its size is 1, else read at i; new nodes by
+    ``make(op, target, args)``."""
     value = example_value(arg)
     if not isinstance(value, torch.Tensor):
         return arg
-    at = dim - (example_value(node).dim() - value.dim())  # broadcasting aligns trailing dims
+    at = dim - (rank - value.dim())
     if at < 0:
         return arg
     if value.shape[at] == 1:
-        if arg not in squeezed:  # once, before the loop
-            with gm.graph.inserting_before(node):
-                squeezed[arg] = _new(gm, node, "call_method", "squeeze", (arg, at))
-        return squeezed[arg]
-    return _new(gm, node, "call_function", operator.getitem, (arg, (slice(None),) * at + (i,)))
+        return make("call_method", "squeeze", (arg, at))
+    return make("call_function", operator.getitem, (arg, (slice(None),) * at + (i,)))
 
 
-def _new(gm: fx.GraphModule, like: fx.Node, op: str, target: Any, args: tuple,
-         kwargs: dict | None = None) -> fx.Node:
-    """A node at the graph's insertion point with ``like``'s meta and its own value."""
-    made = gm.graph.create_node(op, target, args, kwargs or {})
-    made.meta = {**like.meta, EXAMPLE_VALUE: None}
+def made_like(graph: fx.Graph, like: fx.Node, op: str, target: Any, args: tuple,
+              kwargs: dict | None = None, *, trace: bool = True) -> fx.Node:
+    """A node at the graph's insertion point with ``like``'s meta (without its stack trace
+    unless ``trace``) and its own FakeTensor value."""
+    made = graph.create_node(op, target, args, kwargs or {})
+    made.meta = {k: v for k, v in like.meta.items() if trace or k != "stack_trace"}
     made.meta[EXAMPLE_VALUE] = evaluate(made)
     return made
 

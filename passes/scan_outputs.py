@@ -20,7 +20,6 @@ when it does not depend on the scan itself (otherwise the chain of stages stops 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from torch import fx
 
 from .loop_packing import example_value
+from .scan_inputs import operand_at
 
 #: Ops whose value at one element is the same op on that element: method names, and
 #: functions.
@@ -57,7 +57,7 @@ class Stage:
                 return value
             return new("call_method", "permute", (value, *order))
         if node.target is torch.matmul:
-            other = _operand_at(new, args[1], self.dim_in, example_value(args[0]).dim(), t)
+            other = operand_at(new, args[1], example_value(args[0]).dim(), self.dim_in, t)
             return new("call_function", torch.matmul, (value, other))
         return new(node.op, node.target, (value, *args[1:]), dict(node.kwargs))
 
@@ -114,18 +114,6 @@ def _per_step_order(rank: int, dim: int, a: int, b: int) -> list[int]:
     perm[a], perm[b] = perm[b], perm[a]
     kept = [p for p in perm if p != dim]
     return [p - (p > dim) for p in kept]
-
-
-def _operand_at(new: New, arg: Any, dim: int, rank: int, t: int) -> Any:
-    """A batched matmul operand's part at element t along the stacked value's ``dim``
-    (batch dims align from the right, as in broadcasting)."""
-    value = example_value(arg)
-    at = dim - (rank - value.dim())
-    if at < 0:
-        return arg
-    if value.shape[at] == 1:
-        return new("call_method", "squeeze", (arg, at))
-    return new("call_function", operator.getitem, (arg, (slice(None),) * at + (t,)))
 
 
 def _hoist(node: Any, order: dict[fx.Node, float], fence: tuple[fx.Node, set[fx.Node]]

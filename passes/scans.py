@@ -32,7 +32,8 @@ from collections.abc import Iterable
 import torch
 from torch import fx
 
-from .loop_packing import EXAMPLE_VALUE, example_value
+from .loop_packing import example_value
+from .scan_inputs import made_like
 from .scan_outputs import stages
 
 log = logging.getLogger("memopt")
@@ -159,19 +160,14 @@ def sequential_scans(gm: fx.GraphModule, min_steps: int) -> int:
 
 
 def _unroll(gm: fx.GraphModule, tree: _Tree, steps: int) -> None:
-    from .scan_inputs import evaluate  # noqa: PLC0415  (scan_inputs imports loop_packing too)
-
     graph = gm.graph
     dim = tree.dim
     made: list[fx.Node] = []
 
     def new(op: str, target: object, args: tuple, kwargs: dict | None = None,
             like: fx.Node = tree.ends[0]) -> fx.Node:
-        node = graph.create_node(op, target, args, kwargs or {})
         # no longer part of a tree: without the scan's stack trace (from_scan)
-        node.meta = {**{k: v for k, v in like.meta.items() if k != "stack_trace"},
-                     EXAMPLE_VALUE: None}
-        node.meta[EXAMPLE_VALUE] = evaluate(node)
+        node = made_like(graph, like, op, target, args, kwargs, trace=False)
         made.append(node)
         return node
 
