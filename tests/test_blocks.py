@@ -170,7 +170,7 @@ def test_later_runs_of_a_block_keep_more_and_the_step_recomputes_less(monkeypatc
         assert peak <= 1.02 * plan.predicted_peak_bytes, (peaks, plan.predicted_peak_bytes)
 
 
-@pytest.mark.parametrize("kernels", ["aten", "inductor"])
+@pytest.mark.parametrize("kernels", ["aten", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_accumulated_gradients_through_blocks_stay_within_the_budget(kernels: str) -> None:
     """Two micro-steps per step (the second into kept .grad tensors): eager's summed
     gradients, every micro-step after the first step within the budget and 2% of its plan
@@ -342,11 +342,12 @@ def test_deeper_stacks_capture_the_same_graphs() -> None:
     assert counts[1][1] - counts[0][1] == 3, counts
 
 
-#: The default suite runs these (a decoder, and DistilBERT's `.item()` between encoder and
-#: head) at the binding budget; every other case is -m slow (each 2-9 s): the CNNs (their
+#: The default suite runs a decoder at the binding budget; every other case is -m slow
+#: (each 2-9 s; DistilBERT's `.item()` between encoder and head 6 s, its graph break
+#: trained at a binding budget by tests/test_zoo.py): the CNNs (their
 #: stages' blocks: 10 to 18 graphs), T5 (no repeated block: its first layer holds the
 #: relative attention bias, the rest are one: planned flat), and the no-budget runs.
-_DEFAULT = {("llama", "binding"), ("distilbert_item", "binding")}
+_DEFAULT = {("llama", "binding")}
 ZOO_BLOCKS = [pytest.param(name, budget_of, marks=() if (name, budget_of) in _DEFAULT
                            else pytest.mark.slow, id=f"{name}-{budget_of}")
               for name in ("llama", "gpt2", "bert", "vit", "distilbert_item", "t5",

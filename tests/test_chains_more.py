@@ -314,6 +314,7 @@ def test_compile_packed_sequences_under_a_budget(one_thread):
     assert not ops._STASH
 
 
+@pytest.mark.slow  # 9 s; test_compile_packed_sequences_under_a_budget trains packed batches
 def test_packed_lengths_that_change_every_batch(one_thread):
     """A batch's packed rows (its total length) change from batch to batch while the padded
     input keeps its shape: the rows never enter memopt's graphs (memopt.recurrent.packed),

@@ -310,6 +310,7 @@ def test_a_forward_dynamo_runs_eagerly_is_refused_under_a_budget() -> None:
         _loss(memopt.compile(Loop())(x)).backward()
 
 
+@pytest.mark.slow  # 10 s; tests/test_zoo.py trains distilbert_item, broken by .item()
 def test_a_third_party_model_broken_by_a_hook() -> None:
     """HF Llama (benchmarks/zoo.py) with a forward hook that reads a value from layer 1
     (activation statistics, as monitoring code does): graph breaks inside the model.

@@ -12,6 +12,7 @@ pytest.importorskip("transformers", minversion="5.0")
 from benchmarks import scale  # noqa: E402
 
 
+@pytest.mark.slow  # 8 s; tests/test_blocks.py plans blocks on the meta device by default
 def test_scale_row_and_table():
     row = scale.measure(2, hidden=512, seq=512)
     # a budget keeps its headroom free: the smallest budget's plan peaks below it

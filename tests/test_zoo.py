@@ -10,8 +10,10 @@ budget=None plan's predicted peak, so the plan must recompute): gradients equal 
 after one step, and the allocated peak of the step after the first (which plans and
 compiles) is within the budget and within 10% of the plan that ran it.
 
-The default suite runs each family here; a case that another default test already runs
-on the same model (Llama, ConvNeXt) or on one of the same family is `-m slow`.
+The default suite runs each family here but RWKV (12 s and 18 s: the Mamba is the
+default suite's per-token loop of a language model); a case that another default test
+already runs on the same model (Llama, ConvNeXt) or on one of the same family is
+`-m slow`.
 
 `MEMOPT_TEST_DEVICE=cuda` runs the same checks on a GPU (the peak read from
 `max_memory_allocated`, cuDNN's TF32 off so that both sides compute in fp32):
@@ -226,9 +228,16 @@ def _compare_gradients(name: str, case: ZooCase, expected: list[torch.Tensor | N
 #: test that trains the same model.
 _SLOW_AT_NO_BUDGET = {
     "convnext": "4 s; tests/test_workspace.py trains it at 60% of eager's peak",
+    "bert": "4 s; distilbert_item, a BERT encoder, at both budgets",
+    "efficientnet": "5 s; resnet at both budgets, and ConvNeXt in tests/test_workspace.py",
+    "rwkv": "12 s; the mamba here: another per-token loop of a language model, at no "
+            "budget and at a binding one",
+    "mamba_parallel": "7 s; tests/test_scans.py trains the same model's parallel path at no "
+                      "budget, as a chain, with eager's gradients (and under inductor)",
 }
 #: -m slow at the binding budget, and the default test that covers it: the same model at
-#: a binding budget, or the family's other model here. Each keeps its budget=None case.
+#: a binding budget, or the family's other model here. Those also in _SLOW_AT_NO_BUDGET
+#: run only under -m slow (the default suite's time; tests/README's limit).
 _SLOW_AT_A_BINDING_BUDGET = {
     "bert": "4 s; distilbert_item, a BERT encoder",
     "convnext": "3 s; tests/test_workspace.py at 60% of eager's peak, a lower budget",
