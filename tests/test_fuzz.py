@@ -72,6 +72,7 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import memopt
+import fuzz_models
 from fuzz_models import ModelSpec, model_specs, output_shapes
 from fuzz_models import build_model as build_on_cpu
 from fuzz_models import make_inputs as inputs_on_cpu
@@ -504,6 +505,32 @@ _SETTINGS = {"derandomize": True, "database": None, "deadline": None, "print_blo
 @given(spec=model_specs(max_layers=6))
 def test_fuzz_slice(spec: ModelSpec, tally: Tally, one_thread) -> None:
     """A few random models, every check; runs in every suite run."""
+    check_model(spec, tally)
+
+
+#: Models a fuzzing run found wrong once, each checked by every run (the fix named)
+FOUND = [
+    # an in-place op on a channel slice of a non-dense convolution output: its backward's
+    # copy of the slice allocates the whole storage (passes.storage_sizes); planned after
+    # the same op had been traced once in the process (FakeTensorMode's cache), the
+    # midpoint's prediction was 4,864 B low and measured 0.6% over its budget
+    pytest.param(fuzz_models.ModelSpec(
+        input_shape=(8, 3, 8, 8), input_grad=True,
+        layers=(fuzz_models.Residual(body=(
+                    fuzz_models.Conv(width=3, kernel=3, stride=1, bias=True, frozen=True),
+                    fuzz_models.TransposeHW(contiguous=True)), inplace=True),
+                fuzz_models.Conv(width=32, kernel=3, stride=1, bias=True, frozen=True),
+                fuzz_models.SliceInplace(k=13, value=0.5),
+                fuzz_models.TransposeHW(contiguous=True),
+                fuzz_models.TransposeHW(contiguous=True)),
+        heads=(fuzz_models.Head(kind="linear", width=3, frozen=False),), outputs="tensor"),
+        id="copy_of_a_slice"),
+]
+
+
+@pytest.mark.parametrize("spec", FOUND)
+def test_found_before(spec: ModelSpec, tally: Tally, one_thread) -> None:
+    """Each model of FOUND, every check."""
     check_model(spec, tally)
 
 

@@ -199,8 +199,8 @@ def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
     with pytest.raises(memopt.PassError) as info:
         memopt.plan(nn.Linear(4, 4), torch.randn(2, 4))
     assert info.value.stage == "in-place"
-    assert info.value.before == ("tied embedding gradients", "minimum dependencies", "step model",
-                                 "baseline", "partition")
+    assert info.value.before == ("storage sizes", "tied embedding gradients",
+                                 "minimum dependencies", "step model", "baseline", "partition")
     assert isinstance(info.value.cause, RuntimeError)
 
 
@@ -304,3 +304,42 @@ def test_a_view_the_fake_strides_allowed_runs_where_the_real_ones_do_not(budget)
     memopt.compile(model, budget=budget)(x).backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_ops_that_clone_selfs_storage_are_charged_what_their_kernel_allocates():
+    """passes.storage_sizes: copy and the four scatters of a non-dense `self` (a slice of a
+    larger tensor) allocate self's whole storage (ATen's clone_preserve_strides), which
+    their FakeTensors say only on a dispatch-cache miss (copy) or never (the scatters).
+    Traced twice in one FakeTensorMode (the second trace is a cache hit), every value
+    carries the real kernel's storage bytes afterwards, shape and strides unchanged."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memopt.passes.storage_sizes import restore_storage_sizes
+
+    aten = torch.ops.aten
+
+    def ops(x, src, row, diag):
+        s = x[:, :13]
+        return (aten.copy.default(s, src), aten.slice_scatter.default(s, src[..., :4], 3, 0, 4),
+                aten.select_scatter.default(s, row, 3, 0),
+                aten.diagonal_scatter.default(s[..., 0], diag, 0, 1, 2),
+                aten.as_strided_scatter.default(s, src, src.shape, s.stride(), 0))
+
+    real_args = (torch.zeros(8, 32, 8, 8), torch.ones(8, 13, 8, 8), torch.ones(8, 13, 8),
+                 torch.ones(8, 8))
+    real = [t.untyped_storage().nbytes() for t in ops(*real_args)]
+    assert real == [65536] * 5, real  # all of x
+    mode = FakeTensorMode()
+    for _ in range(2):
+        with mode:
+            fakes = [mode.from_tensor(t) for t in real_args]
+        gm = make_fx(ops)(*fakes)
+        outs = [n for n in gm.graph.nodes if n.op == "call_function"
+                and n.target in (aten.copy.default, aten.slice_scatter.default,
+                                 aten.select_scatter.default, aten.diagonal_scatter.default,
+                                 aten.as_strided_scatter.default)]
+        before = [(n.meta["val"].shape, n.meta["val"].stride()) for n in outs]
+        restore_storage_sizes(gm)
+        assert [n.meta["val"].untyped_storage().nbytes() for n in outs] == real
+        assert [(n.meta["val"].shape, n.meta["val"].stride()) for n in outs] == before

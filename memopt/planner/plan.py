@@ -25,6 +25,7 @@ from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops
 from memopt.passes.simulate import Simulated, StepModel
+from memopt.passes.storage_sizes import restore_storage_sizes
 
 from ..budget import default_headroom, format_bytes
 from ..errors import BudgetError
@@ -61,8 +62,9 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
     """Run memopt's passes on `request.joint`; return the forward, the backward and the
     plan (PlanRequest says what each field asks).
 
-    Step 1: a tied embedding's gradient added into the weight's other gradient
-        (passes.embedding_grads), and minimum dependencies declared
+    Step 1: the storage a few ops' kernels allocate beyond their FakeTensor's
+        (passes.storage_sizes, op by op only), a tied embedding's gradient added into
+        the weight's other gradient (passes.embedding_grads), and minimum dependencies declared
         (passes.partition.read_concat_views).
     Step 2: memopt's op families found, each site run as one chunk (planner.families).
     Step 3: the step model the search scores candidates on (passes.simulate), and the
@@ -135,6 +137,9 @@ class _Planning:
 
     # Step 1
     def prepare(self) -> None:
+        if not self.step.fused:  # inductor's kernels allocate what the FakeTensors say
+            with stage("storage sizes", self.done):
+                restore_storage_sizes(self.joint)
         with stage("tied embedding gradients", self.done):
             add_embedding_grads_in_place(self.joint)
         with stage("minimum dependencies", self.done):
