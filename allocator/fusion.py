@@ -87,6 +87,10 @@ class FusionNode:
     #: layout constraint): a copy while it runs, unless that node's buffer is one a
     #: kernel of this graph writes, which inductor lays out as asked
     relaid: tuple[int, ...] = ()
+    #: the generated kernel that computes it where known (inductor's schedule, replayed:
+    #: memopt.kernels.scheduled_peak): the wrapper allocates every buffer a kernel writes
+    #: before the kernel runs, so no node takes a buffer freed by a node of its own kernel
+    group: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -310,7 +314,9 @@ def _pool(nodes: Sequence[FusionNode], virtual: set[int], read_by, inplace: dict
             elif n.pooled and pool.get(n.key):
                 buffer, f = pool[n.key].pop()
                 gap = estimate[f + 1:k]
-                if f + 1 == k or n.nbytes + max(gap, default=0) <= overall:
+                if n.group is not None and nodes[kernels[f]].group == n.group:
+                    pool[n.key].append((buffer, f))  # freed inside this node's own kernel
+                elif f + 1 == k or n.nbytes + max(gap, default=0) <= overall:
                     reuse[i] = buffer
                     buffer_of[mine] = buffer
                     for j in range(f + 1, k):

@@ -31,7 +31,8 @@ from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError, InputError
 from .grads import GradSink, parameter_slots
-from .kernels import Kernels, compile_with_inductor, inductor_peak
+from .kernels import (Kernels, compile_with_inductor, inductor_peak, op_by_op_or_refuse,
+                      refused_note)
 from .markers import SkippedLogits
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
@@ -331,15 +332,20 @@ class CompiledGraph:
         the step's on that order. Where that is over the budget, the graph is planned
         again with the budget less the excess (`reserve`) and compiled again; where it is
         still over, it is planned and compiled once more to run op by op (`aten`), and its
-        plan says why."""
+        plan says why. A budget below the plan for inductor's smallest runs op by op where
+        that fits (`op_by_op_or_refuse`)."""
         plan = planned[-1] if planned else None
         for attempt in range(2):
             try:
                 compiled, schedule = compile_with_inductor(self.gm, example_inputs,
                                                            partition_fn)
-            except BudgetError:
-                if attempt == 0:
-                    raise
+            except BudgetError as refused:
+                if attempt == 0:  # op by op where that plan fits, else the larger minimum
+                    compiled = op_by_op_or_refuse(refused, aten)
+                    planned[-1] = planned[-1].model_copy(update={
+                        "kernels": Kernels.ATEN.value, "kernels_note": refused_note(refused)})
+                    self.backend.plan_log.amend(planned[-1])
+                    return compiled
                 planned.append(plan)  # no plan leaves room for the excess: op by op
                 break
             if not planned:

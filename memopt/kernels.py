@@ -51,9 +51,11 @@ from torch import fx
 from memopt.allocator import Interval, peak_live_bytes
 from memopt.passes._torch_compat import inductor_compile, is_tangent, storage_key
 from memopt.passes.fusion import RELAID_OPS, in_schedule_order, relaid_args
-from memopt.passes.meta import EXTERN_STRIDES, WORKSPACE_BYTES
+from memopt.passes.meta import EXTERN_STRIDES, KERNEL_GROUP, WORKSPACE_BYTES
 from memopt.passes.workspace import WorkspaceCache, node_call, workspace_bytes_of
 
+from .budget import format_bytes
+from .errors import BudgetError
 from .memory_plan import MemoryPlan
 from .planner.build import allocation_granularity
 
@@ -90,6 +92,9 @@ class InductorSchedule:
 
     peaks: dict[str, int] = field(default_factory=dict)
     orders: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
+    #: for each entry of `orders`, its generated kernel and the node whose buffer it
+    #: writes (passes._torch_compat._schedule_kernels)
+    kernels: dict[str, list[tuple[int, str | None]]] = field(default_factory=dict)
     graphs: tuple[fx.GraphModule, ...] = ()
     #: per graph, the (sizes, strides) of the tensors inductor hands each extern kernel
     #: whose arguments it lays out anew (passes.fusion.RELAID_OPS), by fx node
@@ -116,7 +121,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     compiled = inductor_compile(own, list(example_inputs), partition, _CACHE_KEY,
                                 schedule.peaks, resident, schedule.orders, schedule.layouts,
-                                RELAID_OPS)
+                                RELAID_OPS, schedule.kernels)
     return compiled, schedule
 
 
@@ -134,16 +139,84 @@ def scheduled_peak(schedule: InductorSchedule, liveness: Callable[..., Any],
     with each graph's nodes in the order inductor's kernels ran them
     (passes.fusion.in_schedule_order), and each extern kernel whose arguments inductor
     laid out anew charged the workspace it takes at those layouts (measured in
-    `workspaces`); `liveness(fw, bw)` is the plan's (a StepSchedule). None where the
-    schedule was not seen (a graph compiled from inductor's cache)."""
+    `workspaces`); `liveness(fw, bw)` is the plan's (a StepSchedule). A fused kernel runs
+    whole: the buffers it writes are live from its first step, those it reads until its
+    last (KernelGroups). None where the schedule was not seen (a graph compiled from
+    inductor's cache)."""
     if len(schedule.graphs) != 2 or set(schedule.orders) != {"forward", "backward"}:
         return None
     fw, bw = (_at_inductors_layouts(in_schedule_order(g, schedule.orders[kind]),
                                     schedule.layouts.get(kind, {}), workspaces)
               for g, kind in zip(schedule.graphs, ("forward", "backward")))
+    groups = {prefix: KernelGroups.of(schedule, kind, graph) for prefix, kind, graph
+              in (("fw", "forward", fw), ("bw", "backward", bw))}
     steps = liveness(fw, bw)
-    return peak_live_bytes([Interval(-(-s.nbytes // granularity) * granularity, s.start, s.end)
+    step_of = {name: k for k, name in enumerate(steps.steps)}
+    for group in groups.values():
+        group.place(step_of)
+    return peak_live_bytes([Interval(-(-s.nbytes // granularity) * granularity,
+                                     *_within_kernels(s.start, s.end, steps.steps, groups))
                             for s in steps.storages], len(steps.steps)).peak_bytes
+
+
+@dataclass
+class KernelGroups:
+    """Which of inductor's generated kernels computes each node of one graph (a fused
+    kernel computes several realized nodes, and inlines others into each): `writes`, the
+    kernel whose buffer a node's value is; `reads`, every kernel a node is computed or
+    inlined in. Each node's copy is marked with its kernel (the last it is inlined in where
+    it writes no buffer: passes.meta.KERNEL_GROUP), so that memopt's model of the
+    wrapper's buffer pool gives no node a buffer freed inside its own kernel
+    (memopt.allocator.fusion)."""
+
+    prefix: str
+    writes: dict[str, int] = field(default_factory=dict)
+    reads: dict[str, set[int]] = field(default_factory=dict)
+    first: dict[int, int] = field(default_factory=dict)   # kernel: its first step
+    last: dict[int, int] = field(default_factory=dict)    # kernel: its last step
+
+    @classmethod
+    def of(cls, schedule: InductorSchedule, kind: str, graph: fx.GraphModule) -> KernelGroups:
+        found = cls("fw" if kind == "forward" else "bw")
+        entries = schedule.kernels.get(kind, [])
+        for names, (kernel, origin) in zip(schedule.orders.get(kind, []), entries):
+            for name in names:
+                found.reads.setdefault(name, set()).add(kernel)
+            if origin is not None:
+                found.writes[origin] = kernel
+        for node in graph.graph.nodes:  # a node inductor inlines: the last kernel it is in
+            kernel = found.writes.get(node.name, max(found.reads.get(node.name, ()),
+                                                     default=None))
+            if kernel is not None:
+                node.meta[KERNEL_GROUP] = kernel
+        return found
+
+    def place(self, step_of: dict[str, int]) -> None:
+        """Each kernel's first and last step: those of the nodes whose buffers it writes."""
+        for name, kernel in self.writes.items():
+            step = step_of.get(f"{self.prefix}.{name}")
+            if step is not None:
+                self.first[kernel] = min(self.first.get(kernel, step), step)
+                self.last[kernel] = max(self.last.get(kernel, step), step)
+
+
+def _within_kernels(start: int, end: int, steps: Sequence[str],
+                    groups: dict[str, KernelGroups]) -> tuple[int, int]:
+    """A storage's first and last step with inductor's kernels run whole: the wrapper
+    allocates every buffer a kernel writes before calling it (from the kernel's first
+    step), and a buffer a kernel reads, itself or inside a node inlined into it, is
+    freed after it (at the kernel's last step)."""
+    if 0 <= start < len(steps):
+        prefix, _, name = steps[start].partition(".")
+        group = groups.get(prefix)
+        if group is not None and name in group.writes:
+            start = min(start, group.first.get(group.writes[name], start))
+    if 0 <= end < len(steps):
+        prefix, _, name = steps[end].partition(".")
+        group = groups.get(prefix)
+        if group is not None:
+            end = max([end, *(group.last.get(k, end) for k in group.reads.get(name, ()))])
+    return start, end
 
 
 def inductor_peak(plan: MemoryPlan, schedule: InductorSchedule, request: Any) -> int:
@@ -186,6 +259,29 @@ def _at_inductors_layouts(gm: fx.GraphModule, layouts: dict[str, tuple],
         if call is not None:
             node.meta[WORKSPACE_BYTES] = workspace_bytes_of([call], workspaces)[0]
     return gm
+
+
+def op_by_op_or_refuse(refused: BudgetError, aten: Callable[[], Callable]) -> Callable:
+    """A budget below the smallest that memopt's plan for inductor's kernels reaches
+    (`refused`): the graph compiled to run op by op (`aten()`) where that plan fits, else
+    the BudgetError of the two that names the larger minimum. The plan for fused kernels
+    counts what memopt's model of inductor's fusion leaves (passes.fusion); inductor's
+    schedule can hold more (memopt.kernels.inductor_peak), and a budget it misses runs op
+    by op: at the larger minimum one of the two is accepted, at the smaller it may be
+    neither (the fuzz slice: a midpoint and a minimum budget refused under inductor above
+    the minimum named at budget=1)."""
+    try:
+        return aten()
+    except BudgetError as op_by_op:
+        if op_by_op.minimum_bytes > refused.minimum_bytes:
+            raise op_by_op from None
+        raise refused from None
+
+
+def refused_note(refused: BudgetError) -> str:
+    """The plan's `kernels_note` where `op_by_op_or_refuse` ran the graph op by op."""
+    return (f"aten: the budget is below the smallest of memopt's plan for inductor's kernels, "
+            f"{format_bytes(refused.minimum_bytes)}; op by op it fits")
 
 
 def views_of_primals(joint: fx.GraphModule, backward: fx.GraphModule) -> set[str]:

@@ -464,6 +464,29 @@ def _schedule_order(nodes: list[Any]) -> list[tuple[str, ...]]:
             for node in nodes for inner in node.get_nodes()]
 
 
+def _schedule_kernels(nodes: list[Any]) -> list[tuple[int, str | None]]:
+    """For each entry of _schedule_order: the index of the generated kernel it runs in
+    (a fused node's inner nodes share one) and the fx node whose buffer it writes
+    (inductor's origin node; None where it names none). On CPU one C++ kernel runs every
+    scheduler node between two extern or template kernels (codegen/cpp.py's kernel group,
+    flushed by the scheduler at those), on other devices each fused node is a kernel."""
+    found = []
+    k, after_extern = -1, True
+    for node in nodes:
+        device = node.get_device()
+        extern = node.is_extern() or node.is_template()
+        on_cpu = device is not None and device.type == "cpu"
+        if device is not None and (extern or after_extern or not on_cpu):
+            k += 1
+        after_extern = extern or not on_cpu if device is not None else after_extern
+        for inner in node.get_nodes():
+            ir_node = getattr(inner, "node", None)
+            origin = ir_node.get_origin_node() if ir_node is not None \
+                and hasattr(ir_node, "get_origin_node") else None
+            found.append((k, origin.name if origin is not None else None))
+    return found
+
+
 def _extern_layouts(nodes: list[Any], ops: frozenset[Any]) -> dict[str, tuple]:
     """The sizes and strides of the tensors inductor hands each extern kernel of `ops`
     (by the fx node it computes): the layouts it chose for their arguments."""
@@ -495,7 +518,9 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
                      resident: set[str] | None = None,
                      schedule_orders: dict[str, list[tuple[str, ...]]] | None = None,
                      extern_layouts: dict[str, dict[str, tuple]] | None = None,
-                     relaid_ops: frozenset[Any] = frozenset()) -> Callable:
+                     relaid_ops: frozenset[Any] = frozenset(),
+                     schedule_kernels: dict[str, list[tuple[int, str | None]]] | None = None
+                     ) -> Callable:
     """Compile a dynamo graph with TorchInductor (`compile_fx`), `partition_fn` in place
     of its min-cut partitioner (`config.custom_partitioner_fn`, run after inductor's
     joint-graph passes), under INDUCTOR_SETTINGS. AOTAutograd's cache is off for the call:
@@ -509,7 +534,8 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
     stays on (keyed by the kernels' source). `schedule_orders`, when given, receives
     the order of each graph's nodes as inductor's kernels run them (_schedule_order);
     `extern_layouts` the layouts of the arguments inductor hands its extern kernels of
-    `relaid_ops` (_extern_layouts)."""
+    `relaid_ops` (_extern_layouts); `schedule_kernels` the generated kernel of each entry of
+    the order (_schedule_kernels)."""
     from torch._functorch import config as functorch_cfg  # noqa: PLC0415
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: PLC0415
     from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: PLC0415
@@ -551,6 +577,8 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
                 schedule_orders[kind] = _schedule_order(nodes)
             if extern_layouts is not None:
                 extern_layouts[kind] = _extern_layouts(nodes, relaid_ops)
+            if schedule_kernels is not None:
+                schedule_kernels[kind] = _schedule_kernels(nodes)
             return nodes
 
         patches |= {"_post_fusion_custom_pass": after_fusion, "fx_graph_cache": False}

@@ -157,14 +157,15 @@ def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | N
                  read: Callable[[T], Sequence[T]], traits_of: Callable[[T], Traits],
                  raw: Callable[[T], tuple[Hashable, ...]], donated: Callable[[T], bool],
                  freeable: Callable[[T], bool], arg: Callable[[T, int], T | None],
-                 cpu: bool) -> Fusion:
+                 cpu: bool, group: Callable[[T], int | None] = lambda n: None) -> Fusion:
     """inductor's fusion (memopt.allocator.fusion.fuse) of one graph whose placeholders
     are `inputs` and whose other nodes, in order, are `body`; `outputs` are what it
     returns, `read(n)` the nodes `n` reads, `raw(n)` the storage identities of its
     tensors (passes.liveness's keys), `donated(n)` whether an input's buffer may be
     reused after its last read (a backward's saved value, not resident), `freeable(n)`
     whether inductor's own estimate counts an input (not a resident primal's), `arg(n, k)`
-    the node at `n`'s k-th positional argument. Storages as
+    the node at `n`'s k-th positional argument, `group(n)` the generated kernel that
+    computes it where inductor's schedule is known (else None). Storages as
     passes.liveness keys a backward's: an input keeps its own, a node whose tensor is
     one of its inputs' storages aliases it, any other allocates a new one. The answer
     is keyed by the caller's ids."""
@@ -194,7 +195,7 @@ def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | N
             storage=ids[n][0] if t.single and ids[n] else None, nbytes=t.nbytes,
             whole=t.whole, layout=t.layout, heavy=t.heavy,
             donated=kind == INPUT and donated(n), freeable=kind == INPUT and freeable(n),
-            relaid=relaid,
+            relaid=relaid, group=group(n),
             pooled=kind in (POINTWISE, KERNEL) or (kind == EXTERN and t.out),
             key=(t.layout[2], t.nbytes) if t.single else None))
     fused = fuse(nodes, Thresholds(heavy_on_reuse=cpu))

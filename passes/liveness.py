@@ -40,8 +40,8 @@ from ._torch_compat import OpOverload, is_tangent, storage_key
 from memopt.allocator.fusion import EXTERN, Fusion
 
 from .fusion import Traits, graph_fusion, kernel_kind, traits
-from .meta import (fake_value, held_bytes, inplace_source, recomputed_from, value_tensors,
-                   workspace_bytes)
+from .meta import (KERNEL_GROUP, fake_value, held_bytes, inplace_source, recomputed_from,
+                   value_tensors, workspace_bytes)
 
 #: Storage kinds, in the order a plan lists them.
 KINDS = ("parameter", "buffer", "input", "existing_grad", "activation", "saved", "output",
@@ -359,7 +359,7 @@ def _fusions(fw: fx.GraphModule, bw: fx.GraphModule | None, num_user_outputs: in
             read=lambda n: n.all_input_nodes, traits_of=traits_of, raw=raw, donated=donated,
             arg=lambda n, k: n.args[k],
             freeable=lambda n, b=prefix == "bw": b and not resident.intersection(raw(n)),
-            cpu=devices == {"cpu"})
+            cpu=devices == {"cpu"}, group=lambda n: n.meta.get(KERNEL_GROUP))
     return answers
 
 

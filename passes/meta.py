@@ -43,6 +43,10 @@ KEPT_ARGS = "memopt.kept_args"
 #: ({position: strides}), where it lays them out anew (passes.fusion.relaid_args). Set on
 #: a copy of a compiled graph by memopt.kernels.scheduled_peak.
 EXTERN_STRIDES = "memopt.extern_strides"
+#: The index of the generated kernel that computes a node in inductor's schedule (int),
+#: on a copy of a compiled graph in that schedule's order (passes.fusion.in_schedule_order,
+#: for memopt.kernels.scheduled_peak)
+KERNEL_GROUP = "memopt.kernel_group"
 
 #: Name of the parameter primal whose existing `.grad` a backward node adds a gradient
 #: into (str). Set by passes.gradients.
