@@ -58,10 +58,12 @@ def _fp32_convolutions() -> Iterator[None]:
 BINDING = 0.85
 
 #: How far above the allocated peak of a step inductor runs its plan may predict: the
-#: ViT at a budget binding inductor's plan measured 7.1% below its prediction (33,852,376
-#: against 36,260,820 bytes: memopt's model of inductor's buffer pool holds more than
-#: inductor does there), every other single-graph model within 2.7% (docs/kernels.md)
-INDUCTOR_PREDICTION = 0.08
+#: ViT at a budget binding inductor's plan was predicted 8.6% above its measurement
+#: (36,749,588 against 33,848,216 bytes) since memopt counts each C++ kernel's buffers live
+#: over the whole kernel (memopt.kernels.KernelGroups; 7.1% before: memopt's model of
+#: inductor's buffer pool holds more than inductor does there), every other single-graph
+#: model within 2.7% before that change (docs/kernels.md)
+INDUCTOR_PREDICTION = 0.09
 
 #: The budget=None plan's predicted peak of each model and kernels, as the no-budget test
 #: found it (the binding test plans it again when it runs alone). Under inductor the
