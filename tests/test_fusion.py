@@ -127,6 +127,23 @@ def test_the_pool_holds_a_freed_buffer_until_a_later_allocation_takes_it() -> No
     assert 4 not in fuse(g).reuse  # held over the 1000-byte step it would raise the peak
 
 
+def test_no_node_takes_a_buffer_freed_inside_its_own_kernel() -> None:
+    """The same graph as above with mm 1 to mm 4 in one generated kernel (`group`, as on
+    CPU one C++ kernel runs them all): the wrapper allocates all its buffers before the
+    kernel runs, so mm 4 cannot take mm 1's buffer, freed inside it."""
+    small = {"nbytes": 10, "key": ("f32", 10)}
+
+    def nodes(group: int | None) -> list[FusionNode]:
+        return graph(node(INPUT), node(EXTERN, 0, pooled=True, group=group),
+                     node(EXTERN, 1, pooled=True, group=group, **small),
+                     node(EXTERN, 2, pooled=True, group=group, **small),
+                     node(EXTERN, 3, pooled=True, group=group),
+                     node(EXTERN, 4, output=True, pooled=True, group=group, **small))
+
+    assert fuse(nodes(None)).reuse.get(4) == 1
+    assert 4 not in fuse(nodes(0)).reuse
+
+
 def test_an_argument_laid_out_anew_is_a_copy_unless_a_kernel_writes_it() -> None:
     g = graph(node(INPUT), node(POINTWISE, 0), node(VIEW, 1),
               node(EXTERN, 2, 0, relaid=(2, 0), output=True))
