@@ -27,6 +27,12 @@ from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor
 
 
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether some elements of `tensor` share memory (an expanded view): ATen's
+    `has_internal_overlap` is `MemOverlap::Yes` (passes.storage_sizes)."""
+    return torch._debug_has_internal_overlap(tensor) == 1
+
+
 def own_fake_mode(values: list[Any]) -> Any:
     """The fake mode of the first FakeTensor among ``values`` (None if there is none): the
     mode those values were made in, where the tracing context's may be another."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ._torch_compat import overlaps_itself
 from .meta import tensor_value
 
 aten = torch.ops.aten
@@ -42,7 +43,7 @@ CLONES_SELFS_STORAGE = frozenset({
 
 def kernel_storage_bytes(self_value: torch.Tensor) -> int:
     """Bytes of the storage ``clone_preserve_strides(self)`` allocates."""
-    if torch._debug_has_internal_overlap(self_value) == 1:  # MemOverlap::Yes
+    if overlaps_itself(self_value):
         return self_value.numel() * self_value.element_size()
     return self_value.untyped_storage().nbytes()
 

@@ -96,7 +96,7 @@ def test_third_party_models_simulate_as_they_build(name: str) -> None:
             pass
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, database=None,
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=model_specs(max_layers=8))
 def test_fuzzed_models_simulate_as_they_build(spec) -> None:

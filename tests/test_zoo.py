@@ -231,6 +231,10 @@ def _compare_gradients(name: str, case: ZooCase, expected: list[torch.Tensor | N
 _SLOW_AT_NO_BUDGET = {
     "convnext": "4 s; tests/test_workspace.py trains it at 60% of eager's peak",
     "bert": "4 s; distilbert_item, a BERT encoder, at both budgets",
+    "distilbert_item": "4 s; the same model at a binding budget",
+    "mamba": "4 s; the same model at a binding budget, and tests/test_scans.py at no budget "
+             "(both scan paths)",
+    "t5": "4 s; the same model at a binding budget",
     "efficientnet": "5 s; resnet at both budgets, and ConvNeXt in tests/test_workspace.py",
     "rwkv": "12 s; the mamba here: another per-token loop of a language model, at no "
             "budget and at a binding one",
