@@ -342,9 +342,8 @@ class CompiledGraph:
             except BudgetError as refused:
                 if attempt == 0:  # op by op where that plan fits, else the larger minimum
                     compiled = op_by_op_or_refuse(refused, aten)
-                    planned[-1] = planned[-1].model_copy(update={
-                        "kernels": Kernels.ATEN.value, "kernels_note": refused_note(refused)})
-                    self.backend.plan_log.amend(planned[-1])
+                    self._amend(planned, kernels=Kernels.ATEN.value,
+                                kernels_note=refused_note(refused))
                     return compiled
                 planned.append(plan)  # no plan leaves room for the excess: op by op
                 break
@@ -355,9 +354,7 @@ class CompiledGraph:
             budget = plan.budget_bytes
             excess = max(0, peak - plan.predicted_peak_bytes)
             if budget is None or peak <= budget:
-                planned[-1] = plan.model_copy(update={"schedule_excess_bytes": excess,
-                                                      "predicted_peak_bytes": peak})
-                self.backend.plan_log.amend(planned[-1])
+                self._amend(planned, schedule_excess_bytes=excess, predicted_peak_bytes=peak)
                 return compiled
             if attempt == 0:  # plan again, leaving the excess free
                 reserve[0] += peak - budget
@@ -368,11 +365,14 @@ class CompiledGraph:
         note = (f"aten: inductor's schedule holds {format_bytes(excess)} more than the plan, "
                 f"which would end at {format_bytes(peak)}, over the budget of "
                 f"{format_bytes(budget)}")
-        planned[-1] = planned[-1].model_copy(update={"kernels": Kernels.ATEN.value,
-                                                     "kernels_note": note,
-                                                     "schedule_excess_bytes": excess})
-        self.backend.plan_log.amend(planned[-1])
+        self._amend(planned, kernels=Kernels.ATEN.value, kernels_note=note,
+                    schedule_excess_bytes=excess)
         return compiled
+
+    def _amend(self, planned: list[MemoryPlan], **update: Any) -> None:
+        """The last plan of `planned` with `update`, in the backend's plan log too."""
+        planned[-1] = planned[-1].model_copy(update=update)
+        self.backend.plan_log.amend(planned[-1])
 
     def replan(self, outside: Outside, policy: ReplanPolicy, step_baseline: int | None) -> None:
         """Plan and compile again (on FakeTensors) under the backend's budget, for the

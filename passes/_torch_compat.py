@@ -477,14 +477,13 @@ def _schedule_kernels(nodes: list[Any]) -> list[tuple[int, str | None]]:
     scheduler node between two extern or template kernels (codegen/cpp.py's kernel group,
     flushed by the scheduler at those), on other devices each fused node is a kernel."""
     found = []
-    k, after_extern = -1, True
+    k, after_alone = -1, True  # a kernel of its own: an extern, a template, not on CPU
     for node in nodes:
         device = node.get_device()
-        extern = node.is_extern() or node.is_template()
-        on_cpu = device is not None and device.type == "cpu"
-        if device is not None and (extern or after_extern or not on_cpu):
-            k += 1
-        after_extern = extern or not on_cpu if device is not None else after_extern
+        if device is not None:  # (a no-op node has none: it joins the current kernel)
+            alone = node.is_extern() or node.is_template() or device.type != "cpu"
+            k += int(alone or after_alone)
+            after_alone = alone
         for inner in node.get_nodes():
             ir_node = getattr(inner, "node", None)
             origin = ir_node.get_origin_node() if ir_node is not None \
