@@ -151,7 +151,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_memopt_backend", backend)
         # nn.LSTM / nn.GRU / nn.RNN run as recurrent chains (memopt.recurrent): the traced
         # module tree is a shallow copy with those wrapped; the model is not modified.
-        traced, pairs = substitute_rnns(model)
+        traced, pairs = substitute_rnns(model, packed_as_called=backend.budget is None)
         object.__setattr__(self, "_memopt_pairs", pairs)
         object.__setattr__(self, "_memopt_traced", traced)
         object.__setattr__(self, "_memopt_fullgraph", fullgraph)
@@ -467,7 +467,7 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
         check_optimizer(optimizer, model)
         backend.optimizer_source = optimizer
         _count_optimizer(backend, model)
-    traced, _ = substitute_rnns(model)
+    traced, _ = substitute_rnns(model, packed_as_called=backend.budget is None)
     backend.plan_log.set_forward(traced.forward)
     tensors = ModelTensors(model)
     if not backend.existing_grads and not _has_grads(tensors.grad_state()):

@@ -45,7 +45,7 @@ from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import OptimizerBytes
 from .optimizer_step import ChunkedStep
-from .plan_log import PlanLog
+from .plan_log import PlanLog, input_signature
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
 from .steps import Outside, repeated_output_grad_bytes
@@ -211,7 +211,9 @@ class MemoptBackend:
             self._retraced(frame)
             return seen.run
         if position == 0:  # a new entry into the step (a graph after a break is no new one)
-            self.plan_log.count_graph(self.existing_grads)
+            self.plan_log.count_graph(
+                self.existing_grads,
+                input_signature(call.args, call.kwargs) if call is not None else None)
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph

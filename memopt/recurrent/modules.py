@@ -180,6 +180,16 @@ class ChainedRNN(nn.Module):
     enters the same autocast state, also when recomputed in backward.
     """
 
+    #: A PackedSequence runs the wrapped module's own packed call, in eager code
+    #: (``_called``): memopt.compile sets it with no budget. Nothing is recomputed then,
+    #: so each chain would be one chunk over every live row: the packed kernel's call
+    #: on the rows laid out by the batch sizes, the state shrinking as sequences end,
+    #: which is that call. Run padded instead (``_packed_chains``), each layer's output
+    #: and its gradient are (T, B) buffers where the call's are packed: 1.08x
+    #: (unidirectional) and 1.16x (bidirectional) eager's peak on a 2-layer tagger over
+    #: lengths spread 4x (benchmarks.recurrent, Part 2b).
+    packed_as_called: bool = False
+
     def __init__(self, rnn: nn.RNNBase, name: str = "") -> None:
         super().__init__()
         if not isinstance(rnn, _RNN_TYPES):
@@ -315,6 +325,8 @@ class ChainedRNN(nn.Module):
         (``_packed_chains``, which dynamo traces as a frame of its own: no tensor shaped
         by the batch's total length enters it), the output's live rows packed again. The
         states are permuted by ``sorted_indices`` / ``unsorted_indices`` as nn.LSTM's."""
+        if self.packed_as_called:
+            return _called(self.rnn, input, hx)
         data, batch_sizes, sorted_indices, unsorted_indices = input
         if self.fused_ids and data.device.type == "cuda" and self.training:
             raise CaptureError(
@@ -412,11 +424,22 @@ class Recurrent(nn.Module):
         return out[0], tuple(final) if tupled else final[0]
 
 
-def substitute_rnns(model: nn.Module) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
+@torch.compiler.disable
+def _called(rnn: nn.RNNBase, input: PackedSequence, hx: Any) -> tuple[PackedSequence, Any]:
+    """``rnn(input, hx)``, out of dynamo's reach: the rows' count (the batch's total
+    length) changes from batch to batch, and traced, each would be a new graph
+    (``ChainedRNN.packed_as_called``). The autograd graph it leaves is eager code's,
+    whose saved tensors memopt counts between its graphs (memopt.eager_reads)."""
+    return rnn(input, hx)
+
+
+def substitute_rnns(model: nn.Module, packed_as_called: bool = False
+                    ) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
     """A shallow copy of ``model``'s module tree with every nn.LSTM / nn.GRU / nn.RNN
     wrapped in a ChainedRNN (parameters, buffers and other modules shared); the
     model itself when it has none. Also the (original, copy) pairs whose ``training``
-    flags the caller keeps in sync."""
+    flags the caller keeps in sync. ``packed_as_called`` (no budget): each wrapper runs
+    a PackedSequence as the module's own call (``ChainedRNN.packed_as_called``)."""
     pairs: list[tuple[nn.Module, nn.Module]] = []
 
     def has_rnn(m: nn.Module) -> bool:
@@ -425,6 +448,7 @@ def substitute_rnns(model: nn.Module) -> tuple[nn.Module, list[tuple[nn.Module, 
     def rebuild(m: nn.Module, path: str) -> nn.Module:
         if isinstance(m, _RNN_TYPES):
             wrapped = ChainedRNN(m, path or type(m).__name__)
+            wrapped.packed_as_called = packed_as_called
             pairs.append((m, wrapped))
             return wrapped
         if not has_rnn(m):
