@@ -15,8 +15,6 @@ Every one of the first five is raised before the user's model changes: no parame
 
 from __future__ import annotations
 
-import math
-
 from memopt.allocator.units import format_bytes
 
 

@@ -56,7 +56,8 @@ def _inputs(node: fx.Node, chunk: int, spec):
     xs = fake_value(node.args[_FWD_XS])
     state = tuple(fake_value(s) for s in node.args[_FWD_STATE])
     params = tuple(fake_value(p) for p in node.args[_FWD_PARAMS])
-    x, params = _ops()[0].chunk_input(spec, xs, params, 0, min(chunk, xs.shape[spec.time_dim]))
+    ops = _ops()[0]
+    x, params = ops.chunk_input(spec, xs, params, 0, min(chunk, ops.steps_of(spec, xs, params)))
     return state, x, params
 
 

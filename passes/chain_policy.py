@@ -150,12 +150,16 @@ def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
         spec = ops.spec_of(node.args[_CHAIN])
         xs = fake_value(node.args[_FWD_XS])
         state = [fake_value(s) for s in node.args[_FWD_STATE]]
-        steps = int(xs.shape[spec.time_dim])
+        steps = int(ops.steps_of(spec, xs, [fake_value(p) for p in node.args[_FWD_PARAMS]]))
         sites.append(ChainSite(
             fwd=node.name, bwds=tuple(n.name for n in bwd_nodes), chain=node.args[_CHAIN],
             name=spec.name, x_grad=any(n.args[_BWD_NEED_X] for n in bwd_nodes),
             module_type=spec.module_type, steps=steps, handle=len(fake_value(node)) - 1,
-            hidden_bytes=sum(s.untyped_storage().nbytes() for s in state),
+            # what a step's state holds: its tensors' bytes, not the storage a view of a
+            # larger state shares (a bidirectional RNN's chains get slices of h_0, 4x
+            # their bytes: the beta correction took that off each stored internal state,
+            # predicting a quarter of what 1-step chunks held)
+            hidden_bytes=sum(s.numel() * s.element_size() for s in state),
             step_flops=_step_flops(node, spec), unsplittable=spec.unsplittable,
             output_bytes_per_step=fake_value(node)[0].untyped_storage().nbytes() // max(1, steps),
             param_bytes=sum(fake_value(p).untyped_storage().nbytes()

@@ -15,7 +15,7 @@ import memopt
 from memopt.measure import allocation_peak
 from memopt.recurrent import ops, solve
 from memopt.recurrent.modules import ChainedRNN
-from memopt.recurrent.packed import packed_layout, reversal, reverse_each
+from memopt.recurrent.packed import capacity, layout, reverse_each
 from support import AutocastRegression, BiRegression, relative_error
 
 
@@ -236,33 +236,39 @@ def test_packed_module_equals_eager(kind, enforce_sorted, given_state):
 @pytest.mark.parametrize("direction", [0, 1])
 def test_packed_chain_splits(direction):
     """The packed chains of a bidirectional LSTM, split into chunks under HSM policies,
-    give the fused packed kernel's padded outputs and final states (the reverse one on
-    each sequence reversed within its length, memopt.recurrent.packed.reverse_each)."""
+    give the fused packed kernel's outputs and final states (the reverse one on each
+    sequence reversed within its length, memopt.recurrent.packed.reverse_each): each
+    chunk the rows its steps' batch sizes lay out, the rows past the batch's (the
+    capacity's) zero in the output and the input's gradient."""
     torch.manual_seed(0)
     rnn = nn.LSTM(4, 6, bidirectional=True).double()
     wrapped = ChainedRNN(rnn)
-    x = torch.randn(9, 5, 4, dtype=torch.double)
+    x = torch.randn(9, 5, 4, dtype=torch.double, requires_grad=True)
     packed = pack_padded_sequence(x, [9, 7, 4, 4, 2])
     y, (h, c) = rnn(packed)
-    padded, _ = pad_packed_sequence(y)
-    _, ended = packed_layout(packed.batch_sizes, packed.data)
-    xs = torch.cat([x, ended], -1)
-    order = reversal(ended)
+    rows, ended, order = layout(packed.data.detach(), packed.batch_sizes, True)
+    live = packed.data.shape[0]
+    assert rows.shape[0] == capacity(live, 9, 5) > live  # 26 rows at a capacity of 30
     flip = (lambda t: reverse_each(t, order)) if direction else (lambda t: t)
-    xs = flip(xs).requires_grad_()  # the reverse chain runs on each sequence reversed
+    xs = flip(rows).requires_grad_()  # the reverse chain runs on each sequence reversed
     params = [getattr(wrapped, n) for n in wrapped.part_weights[direction]]
-    half = padded[..., 6 * direction:6 * direction + 6]
-    ref = torch.autograd.grad((half ** 2).sum() + h[direction].sum(), [*params],
+    half = y.data[:, 6 * direction:6 * direction + 6]
+    ref = torch.autograd.grad((half ** 2).sum() + h[direction].sum(), [*params, packed.data],
                               retain_graph=True)
     h0 = [torch.zeros(1, 5, 6, dtype=torch.double)] * 2
     for chunk, m in ((9, 1), (4, 1), (2, 2), (1, 3)):
         out = torch.ops.memopt.chain_fwd(wrapped.packed_ids[None][direction], chunk, m, "hsm",
-                                         True, h0, xs, params)
-        torch.testing.assert_close(flip(out[0]), half)
+                                         True, h0, xs, [*params, ended])
+        got_rows = flip(out[0])
+        torch.testing.assert_close(got_rows[:live], half)
+        assert not got_rows[live:].any()
         torch.testing.assert_close(out[1], h[direction:direction + 1])
         torch.testing.assert_close(out[2], c[direction:direction + 1])
-        got = torch.autograd.grad((out[0] ** 2).sum() + out[1].sum(), [*params])
-        _close_grads(got, ref, rtol=1e-7, atol=1e-9)
+        got = torch.autograd.grad((out[0] ** 2).sum() + out[1].sum(), [*params, xs])
+        _close_grads(got[:-1], ref[:-1], rtol=1e-7, atol=1e-9)
+        grad_rows = flip(got[-1])
+        torch.testing.assert_close(grad_rows[:live], ref[-1])
+        assert not grad_rows[live:].any()
     assert not ops._STASH
 
 
@@ -321,12 +327,14 @@ def test_compile_packed_sequences_under_a_budget(one_thread):
 @pytest.mark.slow  # 9 s; test_compile_packed_sequences_under_a_budget trains packed batches
 def test_packed_lengths_that_change_every_batch(one_thread):
     """A batch's packed rows (its total length) change from batch to batch while the padded
-    input keeps its shape: the rows never enter memopt's graphs (memopt.recurrent.packed),
-    so ten batches of different lengths (more than dynamo's recompile limit of 8) train
-    on the graphs and plans of the first, at a binding budget: eager's loss and gradients
-    at every step (the inter-layer dropout drawn on the packed rows, as eager's), each
-    step measured within the budget. (Before: every new total length was a new graph,
-    planned again, and the ninth raised CaptureError.)"""
+    input keeps its shape: the chains' graph sees them at one of a few capacities
+    (memopt.recurrent.packed.capacity), so ten batches of different lengths (more than
+    dynamo's recompile limit of 8) train on a bounded set of graphs and plans, at a binding
+    budget: once each capacity has been captured, no batch builds a graph again (the
+    graphs after the chains are planned again where the capacity before them changes:
+    memopt.graph_breaks.replan_forward), and every step has eager's loss and gradients (the inter-layer dropout drawn on the packed rows, as
+    eager's) and measures within the budget. (Before 2026-11-28: every new total length
+    was a new graph, planned again, and the ninth raised CaptureError.)"""
     torch.manual_seed(0)
     model = Tagger().train()
     xs = torch.randn(64, 8, 16, requires_grad=True)
@@ -342,15 +350,17 @@ def test_packed_lengths_that_change_every_batch(one_thread):
     _train_step(free, xs, batches[0], measure=False)
     budget = int(0.8 * free.memopt_plan.predicted_peak_bytes)
     tight = memopt.compile(model, budget=budget)
-    _train_step(tight, xs, batches[0], measure=False)  # compiles and plans
-    graphs = len(tight.memopt_plans)
+    for lengths in batches:  # compiles and plans each capacity
+        _train_step(tight, xs, lengths, measure=False)
+    built = tight._memopt_backend.plan_log.graphs_built
+    graphs = len(built)
     for lengths in batches:
         ref_loss, ref, _ = _train_step(model, xs, lengths, measure=False)
         loss, got, measured = _train_step(tight, xs, lengths)
         torch.testing.assert_close(loss, ref_loss)
         _close_grads(got, ref)
         assert measured + resident <= budget, (int(lengths.sum()), measured + resident, budget)
-    assert len(tight.memopt_plans) == graphs  # no graph planned for a new total length
+    assert len(built) == graphs  # no graph captured again
     assert not ops._STASH
 
 

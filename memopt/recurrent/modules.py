@@ -60,16 +60,17 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
     With ``autocast`` (device type, dtype) the kernel runs under it, as eager's nn.LSTM
     would.
 
-    ``packed``: the chunk is time-major, padded, sorted by decreasing length (a
-    PackedSequence laid out by ``packed.packed_layout``), its last feature 1.0 where a
-    sequence has ended. Its active rows run through one call of the kernel's packed
-    overload (what nn.LSTM runs on a PackedSequence: the same arithmetic), the ended
-    sequences' state carried unchanged and their outputs zero. A packed chain runs in
-    time order only: the reverse direction gets each sequence reversed within its own
-    length (``packed.reverse_each``), which keeps the active counts falling. (Run
-    backwards through the padded layout, the counts rise and the kernel takes them a
-    call per run of equal counts, each taking oneDNN, whose workspace made a
-    bidirectional packed tagger hold 2.13x eager's peak.)"""
+    ``packed``: the chunk is ``(rows, ended)`` (ops.ChainSpec.rows): a span of a
+    PackedSequence's rows, time-major in the packed order, sorted by decreasing length,
+    and the (steps, B) flags of the sequences ended at each of its steps. Its live rows
+    run through one call of the kernel's packed overload (what nn.LSTM runs on a
+    PackedSequence: the same arithmetic) from the live sequences' states, the ended
+    sequences' states carried unchanged. A packed chain runs in time order only: the
+    reverse direction gets each sequence reversed within its own length
+    (``packed.reversed_rows``), which keeps the active counts falling. (Run backwards, the
+    counts rise and the kernel takes them a call per run of equal counts, each taking
+    oneDNN, whose workspace made a bidirectional packed tagger hold 2.13x eager's
+    peak.)"""
     _VF = rnn_kernels()  # what nn.LSTM.forward calls
 
     batch_first = rnn.batch_first and not packed
@@ -109,13 +110,18 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
             return out, (h,)
 
     def live_rows(params, state, x):
-        valid = x[..., -1] == 0
-        active = valid.sum(1).tolist()  # sequences active at each step: only falls
-        x, steps, batch = x[..., :-1], x.shape[0], x.shape[1]
-        n = active[0]
-        out, new = packed_kernel(params, tuple(s[:, :n] for s in state),
-                                 x[:, :n][valid[:, :n]], active)
-        out = out.new_zeros((steps, batch, out.shape[-1])).index_put((valid,), out)
+        """A chunk of packed rows, ``(rows, ended)`` (ops.ChainSpec.rows): the kernel
+        on the live rows from the live sequences' states (the first ``n``: sorted by
+        length, they end last first), its output padded with zero rows to the chunk's
+        (the last chunk also holds the capacity's zero rows); the states of the
+        sequences that ended before the chunk carried beside the kernel's unchanged."""
+        rows, ended = x
+        batch = ended.shape[1]
+        active = (batch - ended.sum(1)).tolist()  # sequences active at each step: falls
+        live, n = sum(active), active[0]
+        out, new = packed_kernel(params, tuple(s[:, :n] for s in state), rows[:live], active)
+        if live < rows.shape[0]:
+            out = torch.cat([out, out.new_zeros((rows.shape[0] - live, out.shape[-1]))])
         if n < batch:
             new = tuple(torch.cat([a, b[:, n:].to(a.dtype)], 1) for a, b in zip(new, state))
         return out, tuple(new)
@@ -239,7 +245,8 @@ class ChainedRNN(nn.Module):
                     time_dim=0 if part.get("packed") else time_dim, output_like=output_like,
                     preserve_rng=part["layers"] > 1 and rnn.dropout > 0,
                     reverse=part["reverse"], autocast=autocast,
-                    keep_output=not part.get("packed", False))) for part in specs]
+                    keep_output=not part.get("packed", False),
+                    rows=part.get("packed", False))) for part in specs]
         self.chain_id = self.chain_ids[None][0]  # the (first) chain without autocast
         # cuDNN draws a bidirectional stack's inter-layer dropout inside its fused call
         # (its own generator): on CUDA, training, that case stays one unsplittable chunk
@@ -320,11 +327,11 @@ class ChainedRNN(nn.Module):
 
     @torch.compiler.disable(recursive=False)
     def _packed(self, input: PackedSequence, hx: Any) -> tuple[PackedSequence, Any]:
-        """A PackedSequence, in eager code (memopt.recurrent.packed): its rows laid out
-        time-major and padded in the sorted order, the chains run on that
-        (``_packed_chains``, which dynamo traces as a frame of its own: no tensor shaped
-        by the batch's total length enters it), the output's live rows packed again. The
-        states are permuted by ``sorted_indices`` / ``unsorted_indices`` as nn.LSTM's."""
+        """A PackedSequence, in eager code (memopt.recurrent.packed): its rows at their
+        capacity, the chains run on them (``_packed_chains``, which dynamo traces as a
+        frame of its own: no tensor shaped by the batch's total length enters it), the
+        output cut back to the batch's rows. The states are permuted by
+        ``sorted_indices`` / ``unsorted_indices`` as nn.LSTM's."""
         if self.packed_as_called:
             return _called(self.rnn, input, hx)
         data, batch_sizes, sorted_indices, unsorted_indices = input
@@ -334,11 +341,12 @@ class ChainedRNN(nn.Module):
                 "layers on a CUDA PackedSequence in training as chains: cuDNN draws that "
                 "dropout inside its fused call; pad the batch (it then runs as one chunk), "
                 "or set dropout=0")
-        y, ended = packed.unpack(data, batch_sizes)
+        rows, ended, order = packed.layout(data, batch_sizes, self.directions > 1)
         batch = ended.shape[1]
         if hx is None:
-            h0 = y.new_zeros(self.layers, batch, self.h_size)
-            state = [h0, y.new_zeros(self.layers, batch, self.c_size)] if self.lstm else [h0]
+            h0 = rows.new_zeros(self.layers, batch, self.h_size)
+            state = [h0, rows.new_zeros(self.layers, batch, self.c_size)] if self.lstm \
+                else [h0]
         else:
             state = list(hx) if self.lstm else [hx]
             if sorted_indices is not None:
@@ -346,40 +354,41 @@ class ChainedRNN(nn.Module):
         layers = self.layers // self.directions
         masks = []
         if self.dropout > 0 and self.training:  # drawn here: the rows are eager code's
-            dtype = (torch.get_autocast_dtype(y.device.type)
-                     if torch.is_autocast_enabled(y.device.type) else y.dtype)
+            dtype = (torch.get_autocast_dtype(rows.device.type)
+                     if torch.is_autocast_enabled(rows.device.type) else rows.dtype)
             masks = packed.dropout_masks(batch_sizes, layers - 1,
                                          self.h_size * self.directions, self.dropout,
-                                         y.new_empty((), dtype=dtype))
-        y, final = self._packed_chains(y, ended, state, masks)
+                                         rows.new_empty((), dtype=dtype), rows.shape[0])
+        y, final = self._packed_chains(rows, ended, order, state, masks)
         if unsorted_indices is not None:
             final = [f.index_select(1, unsorted_indices) for f in final]
         output = PackedSequence(packed.repack(y, batch_sizes), batch_sizes,
                                 sorted_indices, unsorted_indices)
         return output, (final[0], final[1]) if self.lstm else final[0]
 
-    def _packed_chains(self, y: Tensor, ended: Tensor, state: list[Tensor],
-                       masks: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-        """One chain per layer and direction over the padded rows ``y`` (T, B, features),
-        the ended flag beside each step's features (``_rnn_step(packed=True)``): the last
-        layer's output and the final states (nn.LSTM's h_n). ``state``: every layer's
-        and direction's initial state; ``masks``: the inter-layer dropout's, drawn by
-        ``packed.dropout_masks`` (none outside training or without dropout)."""
+    def _packed_chains(self, y: Tensor, ended: Tensor, order: Tensor | None,
+                       state: list[Tensor], masks: list[Tensor]
+                       ) -> tuple[Tensor, list[Tensor]]:
+        """One chain per layer and direction over the packed rows ``y`` at their capacity
+        (ops.ChainSpec.rows: ``ended`` (T, B), the flags of the sequences ended at each
+        step, is each chain's last param): the last layer's output and the final states
+        (nn.LSTM's h_n). ``order``: the rows of each sequence reversed within its length
+        (the reverse directions'); ``state``: every layer's and direction's initial
+        state; ``masks``: the inter-layer dropout's, drawn by ``packed.dropout_masks``
+        (none outside training or without dropout)."""
         steps = ended.shape[0]
         ids = self._chains(y.device.type, self.packed_ids)
         keep = torch.is_grad_enabled()
         directions = self.directions
         finals: list[list[Tensor]] = []
-        order = packed.reversal(ended) if directions > 1 else None
         for layer in range(self.layers // directions):
             if layer and masks:
                 y = packed.apply_dropout(y, masks[layer - 1], self.dropout)
-            xs = torch.cat([y, ended], -1)
             ys = []
             for d in range(directions):
                 k = directions * layer + d
-                params = [getattr(self, n) for n in self.part_weights[k]]
-                seq = packed.reverse_each(xs, order) if d else xs
+                params = [*(getattr(self, n) for n in self.part_weights[k]), ended]
+                seq = packed.reverse_each(y, order) if d else y
                 out = torch.ops.memopt.chain_fwd(ids[k], steps, 1, "hsm", keep,
                                                  [s[k:k + 1] for s in state], seq, params)
                 ys.append(packed.reverse_each(out[0], order) if d else out[0])

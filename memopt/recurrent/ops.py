@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from memopt.passes.runtime import RUNTIMES
-from memopt.passes._torch_compat import real_tensors, storage_key
+from memopt.passes._torch_compat import own_fake_mode, real_tensors, storage_key
 from memopt.allocator.gruslys import chunk_sizes, parse_strategy, solve, useful_m
 
 from .executor import ChainRun, ChainStats, Step
@@ -65,10 +65,48 @@ class ChainSpec:
     #: chunk reads a slice of, in place (a detected loop's ``dA[:, :, t]``; no packed
     #: copy). The step then gets ``(x_chunk, *their slices)`` as its x (``chunk_input``)
     sliced: tuple[int, ...] = ()
+    #: True: ``xs`` are a PackedSequence's rows, (R, features), time-major in the packed
+    #: order and zero past the batch's live rows (R: a capacity, memopt.recurrent.packed),
+    #: and the last param is the (T, B) bool ``ended`` (sequence b has ended by step t).
+    #: A chunk of steps [t0, t1) reads the rows those steps' batch sizes lay out (the last
+    #: chunk also the zero rows after them) and the step gets ``(rows, ended[t0:t1])``
+    #: (``chunk_input``): T is ``ended``'s length, not a dim of ``xs``.
+    rows: bool = False
 
     def __post_init__(self) -> None:
         if self.sliced and self.reverse:
             raise ValueError("a reverse chain cannot slice per-step inputs from its params")
+        if self.rows and (self.sliced or self.reverse or self.time_dim):
+            raise ValueError("a chain over packed rows runs forward along dim 0, unsliced")
+
+
+def steps_of(spec: ChainSpec, xs: Tensor, params: list[Tensor] | tuple[Tensor, ...]) -> int:
+    """The chain's length T: its inputs' length along time, or ``ended``'s (``rows``)."""
+    return params[-1].shape[0] if spec.rows else xs.shape[spec.time_dim]
+
+
+def _row_counts(ended: Tensor) -> list[int] | None:
+    """The live rows at each step (the packed batch sizes) from ``ended``; None on a
+    FakeTensor (while planning: its values are unknown)."""
+    if own_fake_mode([ended]) is not None:
+        return None
+    return (ended.shape[1] - ended.sum(1)).tolist()
+
+
+def spans(spec: ChainSpec, xs: Tensor, params: list[Tensor] | tuple[Tensor, ...],
+          bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start, length) along ``xs``'s ``time_dim`` of each chunk of time ``bounds``: the
+    bounds themselves, or for a chain over packed rows (``rows``) the rows the chunk's
+    steps lay out, the last chunk to the end of ``xs``. Planning (FakeTensors) prices
+    every sequence live at every step: B rows a step, the upper bound."""
+    if not spec.rows:
+        return bounds
+    counts = _row_counts(params[-1])
+    if counts is None:
+        counts = [params[-1].shape[1]] * params[-1].shape[0]
+    starts = list(itertools.accumulate(counts, initial=0))
+    return [(starts[t], starts[t + n] - starts[t] if t + n < len(counts)
+             else max(starts[-1], xs.shape[0]) - starts[t]) for t, n in bounds]
 
 
 def chunk_input(spec: ChainSpec, xs: Tensor, params: list[Tensor] | tuple[Tensor, ...],
@@ -76,6 +114,13 @@ def chunk_input(spec: ChainSpec, xs: Tensor, params: list[Tensor] | tuple[Tensor
     """(x, params) a chunk of ``n`` steps from ``start`` runs its step on: the chunk of
     ``xs``, and with ``spec.sliced`` the tuple of it and the sliced params' chunks (views:
     nothing is copied), the other params as they are."""
+    if spec.rows:
+        ended = params[-1]
+        (first, count), = spans(spec, xs, params, [(start, n)])
+        # planning prices B rows a step, more than a small capacity may hold
+        x = xs.narrow(0, first, count) if first + count <= xs.shape[0] else \
+            xs.new_zeros((count, *xs.shape[1:]))
+        return (x, ended.narrow(0, start, n)), tuple(params[:-1])
     x = xs.narrow(spec.time_dim, start, n)
     if not spec.sliced:
         return x, tuple(params)
@@ -139,7 +184,7 @@ def _outputs_like(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: list
             return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
         with real_tensors(), torch.no_grad():
-            x1, p1 = chunk_input(spec, xs, params, 0, min(1, xs.shape[spec.time_dim]))
+            x1, p1 = chunk_input(spec, xs, params, 0, min(1, steps_of(spec, xs, params)))
             x1 = tuple(map(zeros, x1)) if isinstance(x1, tuple) else zeros(x1)
             y1, new = spec.step(tuple(map(zeros, p1)), tuple(zeros(s) for s in state), x1)
         _DTYPES[key] = (y1.dtype, *(s.dtype for s in new))
@@ -163,8 +208,9 @@ def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], x
            params: list[Tensor]) -> tuple[ChainRun, list[Tensor]]:
     spec = _SPECS[chain]
     td = spec.time_dim
-    bounds = _bounds(spec, chunk_sizes(xs.shape[td], chunk))
+    bounds = _bounds(spec, chunk_sizes(steps_of(spec, xs, params), chunk))
     split = [chunk_input(spec, xs, params, start, n) for start, n in bounds]
+    places = spans(spec, xs, params, bounds)
     chunks = [x for x, _ in split]
     plain = split[0][1] if split else tuple(params)
     stats = ChainStats()
@@ -187,13 +233,15 @@ def _start(chain: int, chunk: int, m: int, strategy: str, state: list[Tensor], x
             if box[0].dtype != y.dtype:  # the step's dtype (under autocast)
                 shape = box.pop().shape
                 box.append(torch.empty(shape, dtype=y.dtype, device=y.device))
-        box[0].narrow(td, *bounds[i]).copy_(y)
+        box[0].narrow(td, *places[i]).copy_(y)
 
     run.on_output = emit
     return run, box
 
 
 def _time_length(spec: ChainSpec, x: Tensor | tuple[Tensor, ...]) -> int:
+    if spec.rows:  # (rows, ended): the steps are ended's
+        return x[1].shape[0]
     return (x[0] if isinstance(x, tuple) else x).shape[spec.time_dim]
 
 
@@ -205,7 +253,7 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
     spec = _SPECS[chain]
     if not keep:  # inference: nothing is kept
         with torch.no_grad():
-            x, plain = chunk_input(spec, xs, params, 0, xs.shape[spec.time_dim])
+            x, plain = chunk_input(spec, xs, params, 0, steps_of(spec, xs, params))
             y, final = spec.step(plain, tuple(state), x)
         handle = torch.zeros((), dtype=torch.int64)
         return _unaliased([y, *final], [*state, xs, *params]) + [handle]
@@ -222,7 +270,10 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
         run.xs = [x[:1] for x in run.xs]
     elif len(run.xs) == 1:  # nor one chunk's xs, beyond what its graph saved (its shape)
         x = run.xs[0]
-        run.xs = [torch.empty_strided(x.shape, [0] * x.dim(), dtype=x.dtype, device=x.device)]
+        rows = x[0] if spec.rows else x
+        rows = torch.empty_strided(rows.shape, [0] * rows.dim(), dtype=rows.dtype,
+                                   device=rows.device)
+        run.xs = [(rows, *x[1:]) if spec.rows else rows]
     out = box[0]
     run.on_output = None  # it holds the output: the handle must not keep it alive
     key = next(_HANDLES)
@@ -254,10 +305,11 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
         run.xs = [chunk_input(spec, xs, params, start, n)[0]
                   for start, n in _bounds(spec, [_time_length(spec, c) for c in run.xs])]
     grad_x: Tensor | None = None  # a whole-length chunk's gradient is taken as is
-    n_plain = len(params) - len(spec.sliced)
+    n_plain = len(params) - len(spec.sliced) - spec.rows  # ``rows``: ended is the last
     # the sliced inputs' gradients, chunk by chunk: a whole-length chunk's is taken as is
     sliced: list[Tensor | None] = [None] * len(spec.sliced)
     bounds = _bounds(spec, [_time_length(spec, c) for c in run.xs])
+    places = spans(spec, xs, params, bounds)
     if need_x or sliced:
         def put(i: int, g: Tensor | tuple | None) -> None:
             nonlocal grad_x
@@ -268,7 +320,7 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
                 else:
                     if grad_x is None:
                         grad_x = torch.zeros_like(xs)
-                    grad_x.narrow(spec.time_dim, *bounds[i]).copy_(g_x)
+                    grad_x.narrow(spec.time_dim, *places[i]).copy_(g_x)
             for k, (p, d, g_p) in enumerate(zip(params[n_plain:], spec.sliced, g_parts)):
                 if g_p is None:
                     continue
@@ -280,13 +332,15 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
                 sliced[k].narrow(d, *bounds[i]).copy_(g_p)
 
         run.on_grad_x = put
-    g_chunks = [grad_ys.narrow(spec.time_dim, *b) for b in bounds]
+    g_chunks = [grad_ys.narrow(spec.time_dim, *b) for b in places]
     g_state, _, g_params = run.backward_phase(g_chunks, tuple(grad_state))
     grads = [g if g is not None else torch.zeros_like(s) for g, s in zip(g_state, state)]
     grads += [g if g is not None else torch.zeros_like(p)
               for g, p in zip(g_params, params[:n_plain])]
     grads += [g if g is not None else torch.zeros_like(p)
               for g, p in zip(sliced, params[n_plain:])]
+    if spec.rows:
+        grads.append(torch.zeros_like(params[-1]))
     if need_x and grad_x is None:
         grad_x = torch.zeros_like(xs)
     return _unaliased(grads + ([grad_x] if need_x else []),
