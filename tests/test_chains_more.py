@@ -386,15 +386,15 @@ def _packed_peaks(budget):
     return peaks, grads
 
 
-def test_packed_chains_that_do_not_split_give_eager_gradients(one_thread):
-    """Under a budget that does not bind, the packed chains run padded as one chunk each:
-    eager's gradients, and a peak above eager's by the padded layout (1.16x here: each
-    layer's padded input and output and their gradients where eager's are packed; with
-    no budget the same step measures eager's, below). The bound keeps that excess from
-    growing unseen."""
+def test_packed_chains_that_do_not_split_measure_no_more_than_eager(one_thread):
+    """Under a budget that does not bind, the packed chains run on the rows at their
+    capacity (memopt.recurrent.packed), one chunk each: eager's gradients, and no more
+    than eager's peak (0.98x here: the rows rounded up to an eighth of T x B, but the inter-layer
+    dropout keeps a bool mask where eager keeps float noise). The padded (T, B) layout
+    they replaced measured 1.16x here."""
     peaks, grads = _packed_peaks(UNBOUND)
     _close_grads(grads[1], grads[0])
-    assert peaks[1] <= 1.2 * peaks[0], peaks
+    assert peaks[1] <= peaks[0], peaks
 
 
 def test_packed_sequence_with_no_budget_measures_eager(one_thread):
