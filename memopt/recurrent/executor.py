@@ -302,8 +302,8 @@ def _inputs(x: torch.Tensor | Tensors, copy: bool = False, sink: bool = False):
     of a chain with sliced per-step inputs (memopt.recurrent.ops.ChainSpec.sliced): its
     xs so, and each floating sliced input through ``_Sliced`` (``copy``: see there).
     ``sink`` (one chunk: never recomputed): one floating tensor through ``_Sliced`` too,
-    so that the chunk holds of it only what its graph saves (a packed RNN step saves its
-    packed copy, not the padded input)."""
+    so that the chunk holds of it only what its graph saves (a step that saves a copy of
+    its input, not the input)."""
     if not isinstance(x, tuple):
         if sink and x.is_floating_point():
             anchor, box = x.new_empty(0).requires_grad_(), [None]

@@ -6,9 +6,10 @@
   puts one in place of every such module it finds, in a shallow copy of the model's
   module tree (the user's model is not modified). Every case is splittable:
   unidirectional (one chain over all layers), bidirectional (two chains a layer, the
-  reverse one from the end of the sequence), PackedSequence input (one chain a layer
-  and direction over the padded, sorted rows, the packed kernel on the active ones; the
-  rows padded and packed again in eager code, memopt.recurrent.packed),
+  reverse one from the end of the sequence), PackedSequence input (with no budget
+  the module's own packed call, ``ChainedRNN.packed_as_called``; under one, a chain a
+  layer and direction over the sorted rows at a capacity, each chunk the packed kernel on
+  the rows its steps' batch sizes lay out, memopt.recurrent.packed),
   and under autocast (the step enters the caller's autocast state, also when
   recomputed in backward). Their outputs, final states and gradients are eager's
   (inter-layer dropout included: a bidirectional RNN draws it in the graph, a packed
@@ -189,11 +190,10 @@ class ChainedRNN(nn.Module):
     #: A PackedSequence runs the wrapped module's own packed call, in eager code
     #: (``_called``): memopt.compile sets it with no budget. Nothing is recomputed then,
     #: so each chain would be one chunk over every live row: the packed kernel's call
-    #: on the rows laid out by the batch sizes, the state shrinking as sequences end,
-    #: which is that call. Run padded instead (``_packed_chains``), each layer's output
-    #: and its gradient are (T, B) buffers where the call's are packed: 1.08x
-    #: (unidirectional) and 1.16x (bidirectional) eager's peak on a 2-layer tagger over
-    #: lengths spread 4x (benchmarks.recurrent, Part 2b).
+    #: on the rows laid out by the batch sizes, which is that call, without the rows'
+    #: capacity, a graph for each capacity or a plan (``_packed_chains``; the padded
+    #: layout those chains ran on before measured 1.08x and 1.16x eager's peak on a
+    #: 2-layer tagger over lengths spread 4x, benchmarks.recurrent, Part 2b).
     packed_as_called: bool = False
 
     def __init__(self, rnn: nn.RNNBase, name: str = "") -> None:

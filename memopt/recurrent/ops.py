@@ -16,7 +16,8 @@ take its id. The chain's inputs ``xs`` are split along ``time_dim`` into chunks 
 core; one fast library call for nn.LSTM / nn.GRU / nn.RNN). A ``reverse`` chain (a
 bidirectional RNN's reverse direction) takes its chunks from the end of ``xs``, the
 remainder chunk last in time, and writes each chunk's output and input gradient back
-at its place in time. A step that enters autocast (``ChainSpec.autocast``) may return
+at its place in time. A chain over a PackedSequence's rows (``ChainSpec.rows``) takes
+each chunk's rows as its steps' batch sizes lay them out. A step that enters autocast (``ChainSpec.autocast``) may return
 other dtypes than its inputs: the fake kernel finds them by running it once.
 """
 
