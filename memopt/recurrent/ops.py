@@ -17,8 +17,9 @@ core; one fast library call for nn.LSTM / nn.GRU / nn.RNN). A ``reverse`` chain 
 bidirectional RNN's reverse direction) takes its chunks from the end of ``xs``, the
 remainder chunk last in time, and writes each chunk's output and input gradient back
 at its place in time. A chain over a PackedSequence's rows (``ChainSpec.rows``) takes
-each chunk's rows as its steps' batch sizes lay them out. A step that enters autocast (``ChainSpec.autocast``) may return
-other dtypes than its inputs: the fake kernel finds them by running it once.
+each chunk's rows as its steps' batch sizes lay them out. A step that enters autocast
+(``ChainSpec.autocast``) may return other dtypes than its inputs: the fake kernel finds
+them by running it once.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def chunk_input(spec: ChainSpec, xs: Tensor, params: list[Tensor] | tuple[Tensor
                 start: int, n: int) -> tuple[Tensor | tuple[Tensor, ...], tuple[Tensor, ...]]:
     """(x, params) a chunk of ``n`` steps from ``start`` runs its step on: the chunk of
     ``xs``, and with ``spec.sliced`` the tuple of it and the sliced params' chunks (views:
-    nothing is copied), the other params as they are."""
+    nothing is copied), the other params as they are; with ``spec.rows``, ``(rows,
+    ended[start:start + n])`` (``spans``) and the params before ``ended``."""
     if spec.rows:
         ended = params[-1]
         (first, count), = spans(spec, xs, params, [(start, n)])
