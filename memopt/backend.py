@@ -45,7 +45,7 @@ from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import OptimizerBytes
 from .optimizer_step import ChunkedStep
-from .plan_log import PlanLog, input_signature
+from .plan_log import PlanLog
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
 from .steps import Outside, repeated_output_grad_bytes
@@ -210,10 +210,11 @@ class MemoptBackend:
         if seen is not None and seen.plan is not None:  # planned before: keep its plan
             self._retraced(frame)
             return seen.run
-        if position == 0:  # a new entry into the step (a graph after a break is no new one)
-            self.plan_log.count_graph(
-                self.existing_grads,
-                input_signature(call.args, call.kwargs) if call is not None else None)
+        if position == 0 and not _resumed(frame):
+            # a new entry into the step: a graph after a break, or after eager code that
+            # began the forward, is no new one (it may be captured for each shape of what
+            # that code made: a PackedSequence's rows after an RNN's eager call)
+            self.plan_log.count_graph(self.existing_grads)
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph
@@ -383,6 +384,13 @@ class MemoptBackend:
         self.plan_log.last_runs = tuple(runs)  # as the next forwards run them
         if missed is not None:
             self.plan_log.pending = missed
+
+
+def _resumed(frame: CompilingFrame) -> bool:
+    """Whether dynamo compiles the rest of a frame after a graph break in it (it names
+    that code ``torch_dynamo_resume_in_<function>_at_<line>``)."""
+    name = getattr(frame.code, "co_name", "") or ""
+    return name.startswith("torch_dynamo_resume_in_")
 
 
 def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], frame: CompilingFrame,

@@ -12,11 +12,8 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .errors import BudgetError, CaptureError
 from .memory_plan import MemoryPlan
-from .passes._torch_compat import pytree
 
 if TYPE_CHECKING:  # pragma: no cover
     from .compiled_graph import CompiledGraph
@@ -31,8 +28,6 @@ class PlanLog:
     plans: list[MemoryPlan] = field(default_factory=list)
     last: MemoryPlan | None = None
     graphs: dict[bool, int] = field(default_factory=dict)  # captured, by existing_grads
-    #: (existing_grads, input_signature) of the training calls that counted a graph
-    signatures: set[tuple] = field(default_factory=set)
     graph_limit: int = 8  # the most graphs of one kind (dynamo's recompile_limit)
     #: Graph breaks: the forward now running (memopt.settled, its trace memopt.steps),
     #: every graph built, the graphs the last forward ran (in order), the code object of
@@ -89,17 +84,8 @@ class PlanLog:
         found: memopt.compiled_graph's inductor check)."""
         self.plans[-1] = plan
 
-    def count_graph(self, existing_grads: bool, signature: tuple | None = None) -> None:
-        """One more captured graph of this kind: refuse past the limit, naming the fix.
-        ``signature`` (a training call's ``input_signature``): a first graph of a call
-        whose inputs looked like an earlier one's is no new kind, only a graph over values
-        that eager code before it made in a new shape (a PackedSequence's rows, whose
-        count is the batch's total length, after an RNN run as its own call:
-        memopt.recurrent.modules.ChainedRNN.packed_as_called)."""
-        if signature is not None:
-            if (existing_grads, signature) in self.signatures:
-                return
-            self.signatures.add((existing_grads, signature))
+    def count_graph(self, existing_grads: bool) -> None:
+        """One more captured graph of this kind: refuse past the limit, naming the fix."""
         count = self.graphs.get(existing_grads, 0) + 1
         if count > self.graph_limit:
             raise CaptureError(
@@ -109,18 +95,3 @@ class PlanLog:
                 f"that limit (torch._dynamo.config.patch(recompile_limit=...)) if every "
                 f"shape really needs its own plan.")
         self.graphs[existing_grads] = count
-
-
-def input_signature(args: tuple, kwargs: dict) -> tuple:
-    """What a call's inputs look like to dynamo's guards, for ``PlanLog.count_graph``:
-    each tensor's shape, dtype and device, each other leaf's type and, for a number,
-    string or None, its value."""
-    def leaf(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return tuple(value.shape), value.dtype, value.device.type
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return type(value).__name__, value
-        return type(value).__name__
-
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    return str(spec), tuple(leaf(v) for v in flat)

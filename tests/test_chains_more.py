@@ -407,17 +407,33 @@ def test_packed_sequence_with_no_budget_measures_eager(one_thread):
     assert peaks[1] <= peaks[0], peaks
 
 
-def test_packed_lengths_with_no_budget_plan_no_new_kind_of_step(one_thread):
+class PackedIn(nn.Module):
+    """A tagger whose data loader packs the batch: the PackedSequence is its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, num_layers=2, dropout=0.2)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, packed, gold):
+        y, _ = self.rnn(packed)
+        return nn.functional.cross_entropy(self.head(y.data), gold)
+
+
+@pytest.mark.parametrize("packs", ["model", "loader"])
+def test_packed_lengths_with_no_budget_plan_no_new_kind_of_step(packs, one_thread):
     """With no budget the packed rows leave the RNN as its own call made them, so the
     graph after it (the head over the rows) is captured anew for each total length.
-    Those graphs follow eager code in a call whose inputs look like the first one's: they
-    are not new kinds of step, and twelve batches of different total lengths (more than
-    dynamo's recompile limit of 8) train with eager's losses, where before the ninth
-    raised CaptureError."""
+    Those graphs resume the forward after eager code (memopt.backend._resumed): they are
+    not new kinds of step, and twelve batches of different total lengths (more than
+    dynamo's recompile limit of 8), packed in the model or by the loader (the packed
+    labels an input too), train with eager's losses, where before the ninth raised
+    CaptureError."""
     from benchmarks.recurrent_workloads import PackedTagger
 
     torch.manual_seed(0)
-    model = PackedTagger(nn.LSTM(16, 32, num_layers=2, dropout=0.2)).train()
+    model = PackedTagger(nn.LSTM(16, 32, num_layers=2, dropout=0.2)).train() \
+        if packs == "model" else PackedIn().train()
     compiled = memopt.compile(copy.deepcopy(model))
     totals = set()
     while len(totals) < 12:
@@ -427,10 +443,15 @@ def test_packed_lengths_with_no_budget_plan_no_new_kind_of_step(one_thread):
             continue
         totals.add(int(lengths.sum()))
         x, tags = torch.randn(64, 8, 16), torch.randint(0, 16, (64, 8))
+        if packs == "loader":
+            x = pack_padded_sequence(x, lengths, enforce_sorted=False)
+            args = (x, pack_padded_sequence(tags, lengths, enforce_sorted=False).data)
+        else:
+            args = (x, lengths, tags)
         losses = []
         for module in (compiled, model):
             torch.manual_seed(len(totals))
-            losses.append(module(x, lengths, tags))
+            losses.append(module(*args))
             losses[-1].backward()
         assert torch.equal(losses[0], losses[1])
 
