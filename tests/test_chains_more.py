@@ -294,7 +294,8 @@ UNBOUND = 1 << 40
 def test_compile_packed_sequences_under_a_budget(one_thread):
     """memopt.compile of a model that packs its batch (a graph break before the RNN):
     with a budget that does not bind, and with a binding one that splits the packed
-    chains, eager's loss and gradients, and the measured allocations within the budget.
+    chains, eager's loss and gradients, and the measured allocations within the budget,
+    also on a second step that accumulates into the kept gradients.
     (The plan is for the graph's shapes, whatever the lengths: it prices every sequence
     at full length, so it is an upper bound for a batch of short sequences.)"""
     torch.manual_seed(0)
@@ -321,6 +322,24 @@ def test_compile_packed_sequences_under_a_budget(one_thread):
     torch.testing.assert_close(loss, ref_loss)
     _close_grads(got, ref)
     assert measured + resident <= budget, (measured + resident, budget)
+    # gradient accumulation: a second step into the kept .grad (the same dropout numbers,
+    # so twice the gradients), measured with those gradients resident, at a budget that
+    # holds them too (this one is below that step's minimum: a BudgetError says so)
+    budget = int(0.85 * free.memopt_plan.predicted_peak_bytes)
+    accumulating = memopt.compile(model, budget=budget)
+    _train_step(accumulating, xs, lengths, measure=False)
+    held = sum(g.untyped_storage().nbytes()
+               for g in (xs.grad, *(p.grad for p in model.parameters())))
+    torch.manual_seed(11)
+    accumulating(xs, lengths).backward()  # plans the step that finds .grad kept
+    _close_grads([xs.grad, *(p.grad for p in model.parameters())], [2 * g for g in ref])
+    kept = [xs.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+    torch.manual_seed(11)
+    with allocation_peak("cpu") as seen:
+        accumulating(xs, lengths).backward()
+    _close_grads([xs.grad, *(p.grad for p in model.parameters())],
+                 [k + g for k, g in zip(kept, ref)])
+    assert seen.peak + resident + held <= budget, (seen.peak + resident + held, budget)
     assert not ops._STASH
 
 
