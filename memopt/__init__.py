@@ -34,6 +34,7 @@ _EXPORTS = {
     "NoTimelineError": "errors",
     "OptionalDependencyError": "errors",
     "PassError": "errors",
+    "Link": "link",
     "MemoryPlan": "memory_plan",
     "StepPlan": "memory_plan",
 }

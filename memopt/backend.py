@@ -46,6 +46,7 @@ from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import OptimizerBytes
 from .optimizer_step import ChunkedStep
 from .plan_log import PlanLog
+from .allocator.offload import Link
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
 from .steps import Outside, repeated_output_grad_bytes
@@ -104,7 +105,8 @@ class MemoptBackend:
                  solver: str | None = None, solver_seconds: float = 30.0,
                  drop_outputs: bool = False, workspaces: WorkspaceCache | None = None,
                  kernels: str = "aten", step_in_backward: bool | None = None,
-                 skip_logits: bool = False, reserved: bool = False) -> None:
+                 skip_logits: bool = False, reserved: bool = False,
+                 offload: object = None) -> None:
         self.budget: Budget | None = parse_budget(budget)
         #: what runs the planned graphs (memopt.kernels)
         self.kernels = Kernels.parse(kernels)
@@ -139,6 +141,12 @@ class MemoptBackend:
         if solver == "milp" and importlib.util.find_spec("highspy") is None:
             raise ImportError('solver="milp" needs HiGHS: pip install "memopt[solver]" '
                               '(or pip install highspy)')
+        if offload is not None and not isinstance(offload, (bool, Link)):
+            raise ValueError(f"offload must be None (on where the device has its own memory), "
+                             f"True, False or a memopt.Link, got {offload!r}")
+        if offload not in (None, False) and self.kernels is Kernels.INDUCTOR:
+            raise ValueError('offload is not available with kernels="inductor" yet (its copies '
+                             'run between op-by-op graph nodes): use kernels="aten"')
         # Under inductor, buffer reuse and in-place updates are inductor's (memopt.kernels)
         inplace = inplace and self.kernels is Kernels.ATEN
         self.options = Options(inplace=inplace, mirror=mirror,
@@ -146,7 +154,8 @@ class MemoptBackend:
                                progress=progress, solver=solver,
                                solver_seconds=float(solver_seconds),
                                drop_outputs=drop_outputs,
-                               fusible=self.kernels is Kernels.INDUCTOR, reserved=reserved)
+                               fusible=self.kernels is Kernels.INDUCTOR, reserved=reserved,
+                               offload=offload)
         self.plan_only = plan_only
         #: the optimizer's state and step bytes the budget counts (memopt.optimizer; set by
         #: memopt.compile / memopt.plan from `optimizer=`), None: not counted

@@ -286,6 +286,36 @@ class FsdpRecord(BaseModel):
                 f"planned: see 'after backward'))")
 
 
+class OffloadRecord(BaseModel):
+    """A saved value the plan copies to host memory (memopt.offload): the steps its device
+    bytes are freed after, allocated again before and first read at, and its copies'
+    times in seconds from the step's start (the link's schedule, allocator.offload)."""
+
+    model_config = _FROZEN
+    name: str
+    nbytes: Bytes
+    freed_after: str
+    prefetch_at: str
+    first_read: str
+    d2h_start_s: NonNegativeFloat
+    d2h_end_s: NonNegativeFloat
+    h2d_start_s: NonNegativeFloat
+    h2d_end_s: NonNegativeFloat
+    wait_s: NonNegativeFloat   # the backward's wait for it at its first read
+
+
+class LinkRecord(BaseModel):
+    """The host link the plan's copies run on, and the step's predicted time with them."""
+
+    model_config = _FROZEN
+    d2h_bytes_per_s: NonNegativeFloat
+    h2d_bytes_per_s: NonNegativeFloat
+    compute_s: NonNegativeFloat   # the ops' own seconds (memopt.passes.offload's roofline)
+    wait_s: NonNegativeFloat      # what the backward waits for copies back
+    busy_s: NonNegativeFloat      # seconds the link copies
+    occupancy: NonNegativeFloat   # busy_s over the step's predicted seconds
+
+
 class MemoryPlan(BaseModel):
     """The plan of one captured training graph (forward + backward)."""
 
@@ -382,6 +412,10 @@ class MemoryPlan(BaseModel):
     #: peak as memopt's fusion model predicts it on memopt's order (passes.fusion), which
     #: memopt.kernels compares with inductor's estimate of its own order
     fusion_estimate_bytes: tuple[Bytes, Bytes] = (0, 0)
+    #: saved values copied to host memory between their forward and backward reads
+    #: (memopt.planner.offload_choice), and the link they use; () and None: none
+    offloaded: tuple[OffloadRecord, ...] = ()
+    link: LinkRecord | None = None
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The plan as JSON text; `MemoryPlan.from_json` reads it back equal."""

@@ -20,6 +20,8 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from memopt.allocator.caching import reserved_for
+from memopt.allocator.offload import Link
+from memopt.link import measured
 from memopt.passes._torch_compat import dce_impure_random
 from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
@@ -37,6 +39,7 @@ from .chen import choose_mirror, solve_exactly
 from .families import ChoiceContext, HeadFamily, ReversibleFamily, Sites, relax
 from .fusible import fusible_mirror
 from .joint_heads import choose_heads_jointly
+from .offload_choice import Mix, apply, best_mix, records
 from .observe import Observed, is_verifying, notify, verify
 from .request import PlanRequest
 
@@ -77,6 +80,9 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
         configuration that still fits with that mirror set.
     Step 6b (`reserved=True`): while the bytes CUDA's caching allocator would reserve for
         the step exceed the budget, Steps 5 and 6 again aiming lower by the excess.
+    Step 6c: keep, recompute or offload (planner.offload_choice): where offload is on,
+        the fastest predicted mix of the mirror set, no recomputation and the lowest-peak
+        mirror set, each with what the budget needs copied to host memory.
     Step 7: the exact build of the choice and its plan (planner.assemble), with the
         timelines of live bytes by kind of the step and of the baseline.
     """
@@ -104,9 +110,12 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
         if request.options.reserved:
             mirror, search = run.fit_reserved(mirror, search)
         expected = run.simulate(mirror).peak_bytes
+    mix = run.offload(mirror)                       # Step 6c
+    if mix is not None and mix.offloaded:
+        return run.finish(mix.mirror, search, mix.schedule.peak_bytes, mix)
     if request.must_fit and run.fits is not None and expected > run.fits:
         run.bar.close()  # below reach: no graphs to build (the simulated peak is the build's)
-        raise run.budget_error(expected)
+        raise run.budget_error(min(expected, run.offload_floor or expected))
     return run.finish(mirror, search, expected)     # Step 7
 
 
@@ -128,6 +137,7 @@ class _Planning:
         self.options, self.step = request.options, request.step
         self.found: dict[object, Sites] = {}
         self.cache: dict[tuple, Simulated] = {}
+        self.offload_floor = 0  # the lowest peak offload reached (Step 6c), 0: not tried
 
     def build(self, mirror: Mirror, inplace: bool | None = None, done: list | None = None
               ) -> Built:
@@ -382,12 +392,37 @@ class _Planning:
         err.plan_seconds = time.perf_counter() - self.t0
         return err
 
+    # Step 6c
+    def offload(self, mirror: Mirror) -> Mix | None:
+        """The fastest mix of keep, recompute and offload that fits (None: offload is off,
+        no budget, or nothing fits)."""
+        r, opt = self.request, self.options.offload
+        device = device_of(self.joint)
+        if opt is False or self.fits is None or r.lowest_peak or self.step.fused \
+                or self.options.mirror is not None \
+                or (opt is None and not device.startswith("cuda")):
+            return None
+        with stage("offload", self.done):
+            link, compute = measured(device)
+            if isinstance(opt, Link):
+                link = opt
+            # the search's choice, none, one recomputing about half as much, the lowest
+            mirrors = [mirror, Mirror()]
+            top = self.simulate(Mirror()).peak_bytes
+            if self.simulate(mirror).peak_bytes > self.fits:  # below recomputation's reach
+                mirrors.append(self.search(1)[0])
+            elif top > self.fits:
+                mirrors.append(self.search((top + self.fits) // 2)[0])
+            mix, self.offload_floor = best_mix(mirrors, self.build, self.fits, link, compute,
+                                               self.gran)
+            return mix
+
     # Step 7
-    def finish(self, mirror: Mirror, search: tuple[SearchCandidate, ...], expected: int
-               ) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
+    def finish(self, mirror: Mirror, search: tuple[SearchCandidate, ...], expected: int,
+               mix: Mix | None = None) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
         self.bar.set_postfix_str("building the plan's graphs")
-        final = self.build(mirror, done=self.done)
-        if final.peak_bytes != expected:  # a disagreement: the exact build decides
+        final = self.build(mirror, done=self.done) if mix is None else apply(mix)
+        if mix is None and final.peak_bytes != expected:  # the exact build decides
             log.warning("memopt: the step simulator predicted a peak of %d bytes, the exact "
                         "build %d (please report this model); planning with exact builds",
                         expected, final.peak_bytes)
@@ -405,6 +440,13 @@ class _Planning:
         with stage("allocator", self.done):
             plan = assemble(final, self.request, decisions, device_of(final.fw), self.gran,
                             time.perf_counter() - self.t0)
+            if mix is not None:
+                offloaded, link = records(mix)
+                names = set(mix.names)
+                plan = plan.model_copy(update={
+                    "offloaded": offloaded, "link": link,
+                    "saved": tuple(s.model_copy(update={"decision": "offloaded"})
+                                   if s.name in names else s for s in plan.saved)})
         self.bar.close()
         log.info(
             "memopt: peak %s -> %s (lower bound %s, arena %s), %d in-place, %d saved tensors, "

@@ -117,6 +117,12 @@ class Options:
     #: step (memopt.allocator.caching's model of its segments), not only the allocated
     #: peak (memopt.planner.plan, Step 6b).
     reserved: bool = False
+    #: Offload saved values to host memory where that is faster than recomputing them
+    #: (memopt.planner.offload_choice, Step 6c): None where the device has separate host
+    #: memory (CUDA) and the graphs run op by op, True always (on CPU the copy is a no-op:
+    #: nothing is freed), False never, or a memopt.allocator.offload.Link to plan with
+    #: instead of the measured one (memopt.link).
+    offload: object = None
 
 
 @dataclass(frozen=True)
