@@ -21,6 +21,24 @@ def _ddp_line(plan: MemoryPlan) -> str:
                  f"the kept .grad tensors (gradient_as_bucket_view=True)")
     return line + ")"
 
+def _offload_lines(plan: MemoryPlan, max_rows: int) -> list[str]:
+    """The summary's lines on offloaded values and the link (memopt.offload)."""
+    b, link = format_bytes, plan.link
+    total = sum(o.nbytes for o in plan.offloaded)
+    lines = [f"  offloaded        {b(total):>12}   in {len(plan.offloaded)} saved values, "
+             f"copied to host memory between their forward and backward reads"]
+    if link is not None:
+        lines.append(
+            f"  host link        {link.d2h_bytes_per_s / 1e9:.1f} GB/s out, "
+            f"{link.h2d_bytes_per_s / 1e9:.1f} GB/s back; busy {link.busy_s * 1e3:.2f} ms "
+            f"of the step's predicted {(link.compute_s + link.wait_s) * 1e3:.2f} ms "
+            f"({link.occupancy:.0%}); the backward waits {link.wait_s * 1e3:.2f} ms for it")
+    for o in sorted(plan.offloaded, key=lambda o: -o.nbytes)[:max_rows]:
+        lines.append(f"    {o.name[:28]:<28} {b(o.nbytes):>10}  off the device after "
+                     f"{o.freed_after}, back from {o.prefetch_at}, read at {o.first_read}")
+    return lines
+
+
 def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
     """A readable report: the headline numbers, then the largest saved tensors."""
     b = format_bytes
@@ -97,6 +115,8 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
         twice = sum(1 for r in plan.recomputed if r.times > 1)
         if twice:
             lines.append(f"  recomputed twice {twice} (Chen Sec. 4.4 recursion)")
+    if plan.offloaded:
+        lines += _offload_lines(plan, max_rows)
     for c in plan.chains:
         lines.append(
             f"  chain {c.module} ({c.module_type}): T={c.steps} as t={c.t} chunks of "
