@@ -199,14 +199,20 @@ def schedule(intervals: Sequence[Interval], num_steps: int, candidates: Sequence
                            link_busy_s=busy)
 
 
+#: How many candidates `choose` tries at each step before it stops (the largest first):
+#: each try schedules the whole step, so a graph of thousands of saved values stays linear.
+TRIES = 16
+
+
 def choose(intervals: Sequence[Interval], num_steps: int, candidates: Sequence[Candidate],
            step_seconds: Sequence[float], link: Link, target: int, num_forward: int = 0
            ) -> OffloadSchedule:
-    """The offloaded set for `target`: while the peak is over it, the largest candidate
-    live across the peak step whose offload lowers the bytes live there without raising
-    the peak (ties: the one the backward reads last, whose copy back has longest to
-    hide). Stops at the first step that finds none; the caller compares the result's
-    peak with the target (it may miss) and its seconds with recomputation's."""
+    """The offloaded set for `target`: while the peak is over it, the largest candidates
+    live across the peak step, as many as its excess needs, where that lowers the peak;
+    else the largest one whose offload lowers the bytes live there without raising the
+    peak (ties: the one the backward reads last, whose copy back has longest to hide). Stops at the first step where none of the TRIES largest does; the caller
+    compares the result's peak with the target (it may miss) and its seconds with
+    recomputation's."""
     chosen: frozenset[int] = frozenset()
     best = schedule(intervals, num_steps, candidates, chosen, step_seconds, link, num_forward)
     while best.peak_bytes > target:
@@ -215,12 +221,23 @@ def choose(intervals: Sequence[Interval], num_steps: int, candidates: Sequence[C
         order = sorted((c for c in candidates if c.index not in chosen
                         and c.fw_last < p < c.bw_first),
                        key=lambda c: (-c.nbytes, -c.bw_first, c.index))
+        # first the largest together, as many as the excess at this step needs (one
+        # schedule for many values on a large graph), then one at a time
+        batch, freed = [], 0
         for c in order:
-            trial = schedule(intervals, num_steps, candidates, chosen | {c.index},
+            if freed >= best.peak_bytes - target:
+                break
+            batch.append(c.index)
+            freed += c.nbytes
+        tries = [frozenset(batch)] if len(batch) > 1 else []
+        tries += [frozenset({c.index}) for c in order[:TRIES]]
+        for more in tries:
+            trial = schedule(intervals, num_steps, candidates, chosen | more,
                              step_seconds, link, num_forward)
-            if trial.peak_bytes <= best.peak_bytes and \
-                    live_bytes_profile(trial.intervals, num_steps)[p] < live_now:
-                chosen, best = chosen | {c.index}, trial
+            if trial.peak_bytes < best.peak_bytes or (
+                    trial.peak_bytes == best.peak_bytes
+                    and live_bytes_profile(trial.intervals, num_steps)[p] < live_now):
+                chosen, best = chosen | more, trial
                 break
         else:
             break

@@ -390,7 +390,11 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             memopt.fsdp_blocks); `reserved=True` makes the budget bound the bytes CUDA's
             caching allocator would reserve for the step too (its segments, as
             memopt.allocator.caching models them: plan.cuda_reserved_bytes()), not
-            only the allocated peak, recomputing more where the segments need it.
+            only the allocated peak, recomputing more where the segments need it;
+            `offload` copies saved values to host memory between their forward and
+            backward reads where that is faster than recomputing them (None, the
+            default: on CUDA with kernels="aten", off elsewhere; True; False; or a
+            memopt.Link to plan with; memopt.offload and docs/offload.md).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or

@@ -297,6 +297,8 @@ class OffloadRecord(BaseModel):
     freed_after: str
     prefetch_at: str
     first_read: str
+    freed_step: Count      # the steps above, as indices of the step's ops (the picture's x)
+    prefetch_step: Count
     d2h_start_s: NonNegativeFloat
     d2h_end_s: NonNegativeFloat
     h2d_start_s: NonNegativeFloat

@@ -41,6 +41,7 @@ KIND_COLORS = {
 }
 BUDGET_COLOR = "#c44e52"
 BOUND_COLOR = "#222222"
+OFFLOAD_COLOR = "#937860"
 
 #: The report's files, in `save_report`'s order.
 REPORT_FILES = ("memory.png", "summary.txt", "plan.json")
@@ -76,6 +77,7 @@ def plot(plan: Plan, path: str | Path) -> Path:
         _panel(row[0], g.baseline_timeline, f"{where}baseline (no recomputation, no in-place)",
                g.budget_bytes, None, unit)
         _panel(row[1], g.timeline, f"{where}memopt", g.budget_bytes, g.lower_bound_bytes, unit)
+        _offloaded(row[1], g)
         row[0].set_ylabel(f"{unit_name} live")
     axes[0][0].set_ylim(bottom=0)
     _legend(fig, axes, graphs)
@@ -141,6 +143,24 @@ def _panel(ax: Any, timeline: Timeline, title: str, budget: int | None,
     if lower_bound is not None:
         ax.axhline(lower_bound / unit, color=BOUND_COLOR, linewidth=0.9, linestyle=":")
     _label_peak(ax, timeline, unit)
+
+
+def _offloaded(ax: Any, plan: MemoryPlan) -> None:
+    """Where the plan offloads (memopt.offload): a bar along the panel's top for each
+    offloaded value, from the op after which it leaves the device to the op its copy
+    back is issued at, and the link's share of the step's time."""
+    records = getattr(plan, "offloaded", ())
+    if not records:
+        return
+    band = ax.get_xaxis_transform()  # x in ops, y in the panel's height
+    for k, o in enumerate(sorted(records, key=lambda o: o.freed_step)):
+        y = 0.93 - 0.025 * (k % 8)
+        ax.plot([o.freed_step + 1, o.prefetch_step], [y, y], transform=band,
+                color=OFFLOAD_COLOR, linewidth=2, solid_capstyle="butt")
+    total = format_bytes(sum(o.nbytes for o in records))
+    busy = f", link busy {plan.link.occupancy:.0%} of the step" if plan.link else ""
+    ax.text(0.01, 0.965, f"on host: {len(records)} values, {total}{busy}", transform=ax.transAxes,
+            fontsize=8, color=OFFLOAD_COLOR, va="bottom")
 
 
 def _label_peak(ax: Any, timeline: Timeline, unit: int) -> None:

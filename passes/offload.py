@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import fx
 
@@ -98,10 +99,10 @@ def step_seconds(schedule: StepSchedule, fw: fx.GraphModule, bw: fx.GraphModule,
 
 
 def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, schedule: StepSchedule,
-            transfers: Sequence[tuple[Transfer, str]], bw_first: dict[str, int]) -> None:
-    """The runtime's calls (memopt.offload) for each offloaded value, in place."""
-    from memopt import offload as runtime
-
+            transfers: Sequence[tuple[Transfer, str]], bw_first: dict[str, int],
+            runtime: Any) -> None:
+    """The runtime's calls for each offloaded value, in place (`runtime`: a module with
+    `to_host`, `prefetch` and `ready`, memopt.offload, which lives above the passes)."""
     nodes = _nodes(fw, bw)
     fw_out = next(iter(fw.graph.find_nodes(op="output")))
     for transfer, name in transfers:

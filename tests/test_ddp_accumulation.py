@@ -18,6 +18,10 @@ One spawn of 2 ranks runs two scenarios (each spawn costs seconds of start-up on
   `.grad`: the buckets are held beside the new gradients, all counted) and the second
   (the kept `.grad` are views of the buckets: counted once, as existing gradients).
 
+- "no_sync-offload": as the first, with saved values offloaded to host memory
+  (memopt.offload, real copies outside PyTorch's allocator) while DDP's all-reduce runs:
+  measured at both micro-steps.
+
 For each: the gradients after the last all-reduce and the parameters after two optimizer
 steps equal single-process eager's on the whole batch; each measured step's allocated
 peak (memopt.measure.allocation_peak, plus what was resident at its start: parameters,
@@ -38,10 +42,12 @@ STEPS = 2
 BATCH = 256  # per rank and micro-batch
 
 #: name -> (no_sync on the first micro-batch, gradient_as_bucket_view, zero_grad's
-#: set_to_none, the micro-steps of step 1 to measure)
+#: set_to_none, the micro-steps of step 1 to measure, saved values offloaded to host
+#: memory with real copies outside PyTorch's allocator: memopt.offload.CPU_HOST_COPIES)
 SCENARIOS = {
-    "no_sync-default_buckets": (True, False, False, (1,)),
-    "sync_every_micro-bucket_view": (False, True, True, (0, 1)),
+    "no_sync-default_buckets": (True, False, False, (1,), False),
+    "sync_every_micro-bucket_view": (False, True, True, (0, 1), False),
+    "no_sync-offload": (True, False, False, (0, 1), True),
 }
 
 
@@ -86,7 +92,14 @@ def _run_scenario(rank: int, name: str) -> dict:
     import memopt  # noqa: PLC0415
     from memopt.measure import allocation_peak  # noqa: PLC0415
 
-    use_no_sync, bucket_view, set_to_none, measure = SCENARIOS[name]
+    use_no_sync, bucket_view, set_to_none, measure, offload = SCENARIOS[name]
+    if offload:  # a fixed link and rate (not this machine's timing), real copies
+        from memopt import link, offload as runtime  # noqa: PLC0415
+        from memopt.passes.offload import ComputeModel  # noqa: PLC0415
+        runtime.CPU_HOST_COPIES = True
+        fast = memopt.Link(d2h_bytes_per_s=20e9, h2d_bytes_per_s=20e9)
+        link._measured[link._key(torch.device("cpu"))] = (
+            fast, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11))
     model = _model()
     buckets = sum(p.numel() * p.element_size() for p in model.parameters())  # DDP's, all synced
     baseline = memopt.plan(model, _batch(0, 0, rank), existing_grads=True).baseline_peak_bytes
@@ -96,8 +109,8 @@ def _run_scenario(rank: int, name: str) -> dict:
         memopt.compile(DDP(model))
     except memopt.InputError as err:
         refused = type(err).__name__
-    ddp = DDP(memopt.compile(model, budget=budget), gradient_as_bucket_view=bucket_view,
-              bucket_cap_mb=0.1)
+    ddp = DDP(memopt.compile(model, budget=budget, offload=None if not offload else True),
+              gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.1)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     steps, grads = [], []
     for step in range(STEPS):
@@ -119,6 +132,7 @@ def _run_scenario(rank: int, name: str) -> dict:
                               "ddp_bucket_bytes": plan.ddp_bucket_bytes,
                               "counted": plan.ddp_bucket_counted_bytes,
                               "expected_counted": 0 if in_grads else buckets,
+                              "offloaded": len(plan.offloaded), "offload": offload,
                               "summary": plan.summary(0)})
             else:
                 _micro_step(ddp, x, sync)
@@ -180,5 +194,6 @@ def test_ddp_peak_within_budget_buckets_counted(ranks: list[dict], scenario: str
             assert step["ddp_bucket_bytes"] == result["param_bytes"], step
             assert step["counted"] == step["expected_counted"], step
             assert "DDP gradient buckets:" in step["summary"], step["summary"]
+            assert bool(step["offloaded"]) == step["offload"], step  # the offload scenario's
             assert step["measured"] <= step["budget"], step
             assert abs(step["measured"] - step["predicted"]) <= 0.10 * step["predicted"], step

@@ -584,3 +584,49 @@ def test_fuzz_slice_inductor(spec: ModelSpec, tally: Tally, one_thread) -> None:
     every check, buffers at fp32 tolerances (fused kernels round a running statistic's
     update differently). Slow: each budget of each model compiles twice with inductor."""
     check_model(spec, tally, kernels="inductor")
+
+
+@pytest.fixture
+def offload_everywhere(monkeypatch):
+    """memopt.compile with offload on at a fixed 20 GB/s link and device rate (not this
+    machine's timing), copies real and outside PyTorch's allocator
+    (memopt.offload.CPU_HOST_COPIES), so the allocated peak shows what leaves the device."""
+    import functools  # noqa: PLC0415
+
+    import memopt.link  # noqa: PLC0415
+    from memopt import offload as runtime  # noqa: PLC0415
+    from memopt.passes.offload import ComputeModel  # noqa: PLC0415
+
+    fast = memopt.Link(d2h_bytes_per_s=20e9, h2d_bytes_per_s=20e9)
+    monkeypatch.setattr(runtime, "CPU_HOST_COPIES", True)
+    monkeypatch.setitem(memopt.link._measured, memopt.link._key(torch.device(DEVICE)),
+                        (fast, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11)))
+    compiled, original = [], memopt.compile
+
+    def compile_with_offload(*args, **kwargs):
+        compiled.append(functools.partial(original, offload=fast)(*args, **kwargs))
+        return compiled[-1]
+
+    monkeypatch.setattr(memopt, "compile", compile_with_offload)
+    yield
+    assert runtime.pending() == 0, "an offloaded value outlived its step"
+    offloaded = sum(bool(p.offloaded) for c in compiled for p in c.memopt_plans)
+    print(f"offload: {offloaded} plans offloaded values")
+    assert offloaded, "no plan offloaded anything: the slice did not test offload"
+
+
+@settings(max_examples=6, report_multiple_bugs=False, **_SETTINGS)
+@given(spec=model_specs(max_layers=6))
+def test_fuzz_slice_with_offload(spec: ModelSpec, tally: Tally, one_thread,
+                                 offload_everywhere) -> None:
+    """The slice's models with offload on everywhere (memopt.offload): every check, the
+    minimum being what keep, recompute and offload reach together."""
+    check_model(spec, tally)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, **_SETTINGS)
+@given(spec=model_specs())
+def test_fuzz_with_offload(spec: ModelSpec, tally: Tally, one_thread, offload_everywhere) -> None:
+    """60 random models x 5 budgets with offload on everywhere."""
+    check_model(spec, tally)

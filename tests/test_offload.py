@@ -206,3 +206,13 @@ def test_offload_on_cuda_measures_within_the_budget_and_the_prediction():
     peak, plan = torch.cuda.max_memory_allocated(), compiled.memopt_plan
     assert peak <= plan.budget_bytes
     assert abs(peak - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes
+
+
+def test_the_picture_shows_what_is_on_the_host(cpu_rates, tmp_path):
+    pytest.importorskip("matplotlib")
+    model, x = _mlp(), torch.randn(256, 128)
+    compiled = memopt.compile(copy.deepcopy(model), budget=0.7, offload=FAST)
+    compiled(x).sum().backward()
+    plan = compiled.memopt_plan
+    assert all(o.freed_step < o.prefetch_step for o in plan.offloaded)
+    assert plan.plot(tmp_path / "memory.png").stat().st_size > 0

@@ -26,6 +26,7 @@ from memopt.allocator.offload import Link, OffloadSchedule, Transfer, choose
 from memopt.passes.liveness import StepSchedule, StorageLife
 from memopt.passes.offload import ComputeModel, candidates, rewrite, step_seconds
 
+from .. import offload as runtime
 from ..memory_plan import LinkRecord, OffloadRecord
 from .build import Built, Mirror, intervals
 
@@ -96,7 +97,7 @@ def apply(mix: Mix) -> Built:
                                     kind=s.kind))
     schedule = StepSchedule(steps=sched.steps, num_forward_steps=sched.num_forward_steps,
                             storages=tuple(storages), fusion_estimates=sched.fusion_estimates)
-    rewrite(built.fw, built.bw, sched, transfers, mix.bw_first)
+    rewrite(built.fw, built.bw, sched, transfers, mix.bw_first, runtime)
     return dataclasses.replace(built, schedule=schedule, peak_bytes=mix.schedule.peak_bytes)
 
 
@@ -108,6 +109,7 @@ def records(mix: Mix) -> tuple[tuple[OffloadRecord, ...], LinkRecord]:
         return OffloadRecord(name=name, nbytes=t.nbytes, freed_after=steps[t.freed_after],
                              prefetch_at=steps[t.prefetch_at],
                              first_read=steps[mix.bw_first[name]],
+                             freed_step=t.freed_after, prefetch_step=t.prefetch_at,
                              d2h_start_s=t.d2h_start_s, d2h_end_s=t.d2h_end_s,
                              h2d_start_s=t.h2d_start_s, h2d_end_s=t.h2d_end_s, wait_s=t.wait_s)
     s = mix.schedule

@@ -402,6 +402,8 @@ class _Planning:
                 or self.options.mirror is not None \
                 or (opt is None and not device.startswith("cuda")):
             return None
+        if not mirror.names and not mirror.twice and self.simulate(mirror).peak_bytes <= self.fits:
+            return None  # nothing recomputed and it fits: nothing for offload to buy
         with stage("offload", self.done):
             link, compute = measured(device)
             if isinstance(opt, Link):
