@@ -5,9 +5,10 @@ per machine and device, then read from a small JSON cache.
     measured(device) -> (Link, ComputeModel)
 
 A GPU's link is measured with pinned host buffers (the copies memopt.offload makes),
-64 MiB each way, its rate with a 4096^2 matmul and a 256 MiB copy. On CPU there is no
-separate host memory (offload is off there unless asked for): the "link" is a memory
-copy and the rate a 512^2 matmul, which is what the planner's tests schedule with.
+32 MiB each way, its rate with a 2048^2 matmul and a 64 MiB copy (under 200 MiB of the
+GPU in all, freed to the caching allocator, once per machine). On CPU there is no
+separate host memory (offload is off there unless asked for): the link is SIMULATED_LINK
+(a PCIe 4 x16) and the rate a 512^2 matmul's and a 16 MiB copy's.
 The cache is `$MEMOPT_CACHE_DIR/link.json` (default `~/.cache/memopt`); delete it to
 measure again.
 """
@@ -29,6 +30,9 @@ from memopt.passes.offload import ComputeModel
 
 _measured: dict[str, tuple[Link, ComputeModel]] = {}
 
+#: The link offload=True plans with on CPU, which has none: a PCIe 4 x16's 25 GB/s each way.
+SIMULATED_LINK = Link(d2h_bytes_per_s=25e9, h2d_bytes_per_s=25e9)
+
 
 def cache_path() -> Path:
     root = os.environ.get("MEMOPT_CACHE_DIR") or Path.home() / ".cache" / "memopt"
@@ -42,14 +46,19 @@ def _key(device: torch.device) -> str:
 
 
 def _median_of(fn, repeats: int = 5) -> float:
-    """The median of `repeats` timed calls (after one warm-up), in seconds."""
-    fn()
+    """The median of `repeats` timed calls (after three warm-up calls), in seconds."""
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    for _ in range(3):  # warm-up: the first calls of a process pay for its thread pool
+        fn()
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return max(statistics.median(times), 1e-9)
 
@@ -61,19 +70,22 @@ def _measure(device: torch.device) -> tuple[Link, ComputeModel]:
 
 def _measure_real(device: torch.device) -> tuple[Link, ComputeModel]:
     cuda = device.type == "cuda"
-    n = (64 << 20) // 4 if cuda else (16 << 20) // 4
-    src = torch.empty(n, device=device)
-    host = torch.empty(n, pin_memory=cuda)
-    d2h = _median_of(lambda: host.copy_(src, non_blocking=cuda))
-    h2d = _median_of(lambda: src.copy_(host, non_blocking=cuda))
-    m = 4096 if cuda else 512
-    a = torch.randn(m, m, device=device)
-    mm = _median_of(lambda: a @ a)
-    big = torch.empty(4 * n, device=device)
-    other = torch.empty_like(big)
-    copy = _median_of(lambda: other.copy_(big))
+    n = (32 << 20) // 4 if cuda else (16 << 20) // 4  # 32 MiB: little of a full GPU
     nbytes = n * 4
-    return (Link(d2h_bytes_per_s=nbytes / d2h, h2d_bytes_per_s=nbytes / h2d),
+    if cuda:
+        src = torch.empty(n, device=device).fill_(1.0)
+        host = torch.empty(n, pin_memory=True).fill_(1.0)
+        link = Link(d2h_bytes_per_s=nbytes / _median_of(lambda: host.copy_(src, non_blocking=True)),
+                    h2d_bytes_per_s=nbytes / _median_of(lambda: src.copy_(host, non_blocking=True)))
+    else:
+        link = SIMULATED_LINK
+    m = 2048 if cuda else 512
+    a = torch.full((m, m), 0.5, device=device)  # no random draw: the user's RNG stays
+    mm = _median_of(lambda: a @ a)
+    big = torch.empty(2 * n, device=device).fill_(1.0)
+    other = torch.empty_like(big).fill_(1.0)
+    copy = _median_of(lambda: other.copy_(big))
+    return (link,
             ComputeModel(flops_per_s=2 * m ** 3 / mm, bytes_per_s=2 * big.numel() * 4 / copy,
                          launch_s=5e-6 if cuda else 2e-6))
 
