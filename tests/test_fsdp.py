@@ -10,6 +10,8 @@ rank's allocated peak over its second step (the collectives included) is within 
 budget and at most its plan's. The other orders, `memopt.compile(fully_shard(model))` and a
 model whose layers are FSDP2 units, are refused with an InputError naming the one that
 works (on torch 2.13 dynamo does not trace FSDP2's hooks: memopt would plan nothing).
+The same with saved values offloaded to host memory (memopt.offload) trains to eager's
+parameters within its budget.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def _results(rank: int) -> dict:
     plan = sharded.memopt_plan
     return {
         **_with_adamw(rank, mesh),
+        **_with_offload(rank, mesh),
         "params": [p.full_tensor().tolist() for p in sharded.parameters()],
         "measured": measured, "predicted": plan.predicted_peak_bytes,
         "budget": plan.budget_bytes, "fsdp": plan.fsdp.model_dump(),
@@ -139,6 +142,42 @@ def _with_adamw(rank: int, mesh) -> dict:
             "adamw_measured": measured, "adamw_predicted": plan.predicted_peak_bytes,
             "adamw_budget": plan.budget_bytes, "adamw_state": state,
             "adamw_counted": plan.optimizer_state_bytes, "adamw_optimizer": plan.optimizer}
+
+
+def _with_offload(rank: int, mesh) -> dict:
+    """Saved values offloaded to host memory (memopt.offload, real copies outside
+    PyTorch's allocator) while FSDP's all-gathers and reduce-scatters run: eager's
+    parameters, the second step measured within the budget."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    import memopt  # noqa: PLC0415
+    from memopt import link, offload as runtime  # noqa: PLC0415
+    from memopt.measure import allocation_peak  # noqa: PLC0415
+    from memopt.passes.offload import ComputeModel  # noqa: PLC0415
+
+    runtime.CPU_HOST_COPIES = True
+    fast = memopt.Link(d2h_bytes_per_s=20e9, h2d_bytes_per_s=20e9)
+    link._measured[link._key(torch.device("cpu"))] = (
+        fast, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11))  # not this machine's timing
+    sharded = fully_shard(memopt.compile(_model(), budget=0.8, offload=True), mesh=mesh)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    measured = None
+    for step in range(STEPS):
+        opt.zero_grad()
+        x = _batch(step, rank)
+        if step == STEPS - 1:
+            before = _local_bytes(sharded, x)
+            with allocation_peak("cpu") as seen:
+                _loss(sharded(x)).backward()
+            measured = seen.peak + before
+        else:
+            _loss(sharded(x)).backward()
+        opt.step()
+    plan = sharded.memopt_plan
+    runtime.CPU_HOST_COPIES = False
+    return {"offload_params": [p.full_tensor().tolist() for p in sharded.parameters()],
+            "offload_measured": measured, "offload_budget": plan.budget_bytes,
+            "offloaded": len(plan.offloaded), "offload_pending": runtime.pending()}
 
 
 def _eager_reference(adamw: bool = False) -> list[torch.Tensor]:
@@ -186,3 +225,9 @@ def test_fsdp2_of_compiled_matches_eager_within_budget(tmp_path) -> None:
         assert got["adamw_counted"] == got["adamw_state"] > 0
         assert got["adamw_measured"] <= got["adamw_budget"], got
         assert got["adamw_measured"] <= got["adamw_predicted"], got
+    # offload under FSDP's collectives: eager's parameters, within the budget
+    for got in results:
+        for p, q in zip(got["offload_params"], reference):
+            torch.testing.assert_close(torch.tensor(p), q, rtol=1e-4, atol=1e-5)
+        assert got["offloaded"] > 0 and got["offload_pending"] == 0, got
+        assert got["offload_measured"] <= got["offload_budget"], got
