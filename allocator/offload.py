@@ -88,6 +88,7 @@ class Transfer:
     h2d_start_s: float
     h2d_end_s: float
     wait_s: float         # how long the backward waited for it at its first read
+    frees: bool = True    # False: its copy out ends after its prefetch step, nothing freed
 
 
 @dataclass(frozen=True)
@@ -184,13 +185,15 @@ def schedule(intervals: Sequence[Interval], num_steps: int, candidates: Sequence
         iv = intervals[c.index]
         freed = max(c.fw_last, _step_at(starts, d2h[c.index][1]))
         at = prefetch[c.index]
-        if freed + 1 < at and c not in late:
+        frees = freed + 1 < at and c not in late
+        if frees:
             out[c.index] = Interval(iv.size, iv.start, freed)
             out.append(Interval(iv.size, at, iv.end))
         transfers.append(Transfer(index=c.index, nbytes=c.nbytes, d2h_start_s=d2h[c.index][0],
                                   d2h_end_s=d2h[c.index][1], freed_after=freed,
                                   prefetch_at=at, h2d_start_s=h2d[c.index][0],
-                                  h2d_end_s=h2d[c.index][1], wait_s=waited[c.index]))
+                                  h2d_end_s=h2d[c.index][1], wait_s=waited[c.index],
+                                  frees=frees))
     profile = live_bytes_profile(out, num_steps)
     peak = max(profile) if profile else 0
     return OffloadSchedule(transfers=tuple(transfers), intervals=tuple(out), peak_bytes=peak,
@@ -241,4 +244,9 @@ def choose(intervals: Sequence[Interval], num_steps: int, candidates: Sequence[C
                 break
         else:
             break
+    # a value offloaded in a batch whose copy frees nothing is kept on the device instead
+    useless = frozenset(t.index for t in best.transfers if not t.frees)
+    if useless:
+        best = schedule(intervals, num_steps, candidates, chosen - useless, step_seconds,
+                        link, num_forward)
     return best

@@ -36,6 +36,8 @@ def _offload_lines(plan: MemoryPlan, max_rows: int) -> list[str]:
     for o in sorted(plan.offloaded, key=lambda o: -o.nbytes)[:max_rows]:
         lines.append(f"    {o.name[:28]:<28} {b(o.nbytes):>10}  off the device after "
                      f"{o.freed_after}, back from {o.prefetch_at}, read at {o.first_read}")
+    if len(plan.offloaded) > max_rows:
+        lines.append(f"    ... {len(plan.offloaded) - max_rows} more")
     return lines
 
 

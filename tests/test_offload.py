@@ -216,3 +216,15 @@ def test_the_picture_shows_what_is_on_the_host(cpu_rates, tmp_path):
     plan = compiled.memopt_plan
     assert all(o.freed_step < o.prefetch_step for o in plan.offloaded)
     assert plan.plot(tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_a_value_whose_copy_frees_nothing_is_not_offloaded():
+    """A link too slow for the copy out to end before the copy back must start: offloading
+    that value frees no step's bytes, so `choose` keeps it on the device (and does not pay
+    for its copies)."""
+    ivs, n, cands = _step()
+    crawl = Link(1.0, 1.0, latency_s=0.0)  # 100 s a copy
+    out = choose(ivs, n, cands, [1.0] * n, crawl, target=0, num_forward=4)
+    assert out.transfers == () and out.peak_bytes == 400
+    slow = schedule(ivs, n, cands, frozenset({0}), [1.0] * n, crawl, num_forward=4)
+    assert not slow.transfers[0].frees and slow.intervals == tuple(ivs)

@@ -88,6 +88,7 @@ def apply(mix: Mix) -> Built:
     its prefetch step."""
     built, sched = mix.built, mix.built.schedule
     transfers = list(zip(mix.schedule.transfers, mix.names))
+    assert all(t.frees for t, _ in transfers), "allocator.offload.choose keeps only these"
     storages = list(sched.storages)
     for t, name in transfers:
         s = storages[t.index]

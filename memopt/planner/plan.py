@@ -399,7 +399,7 @@ class _Planning:
         r, opt = self.request, self.options.offload
         device = device_of(self.joint)
         if opt is False or self.fits is None or r.lowest_peak or self.step.fused \
-                or self.options.mirror is not None \
+                or self.options.mirror is not None or self.options.reserved \
                 or (opt is None and not device.startswith("cuda")):
             return None
         if not mirror.names and not mirror.twice and self.simulate(mirror).peak_bytes <= self.fits:
