@@ -49,17 +49,19 @@ class _NoStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
 
 class _NoEvent:
     def record(self, stream: Any = None) -> None:
         pass
 
 
-class _Streams:
-    """The side stream of one device, and how to make events and switch streams."""
+class Streams:
+    """Everything device-specific the copies do, for one device: its current and side
+    streams, events, the host buffer and the device buffer, the copy, and keeping a block
+    from reuse while the side stream reads it. CUDA's are torch.cuda's; elsewhere every
+    call does nothing and the "host buffer" is the value itself (or, with CPU_HOST_COPIES,
+    a copy outside PyTorch's allocator). The tests put a recording stand-in in `_streams`
+    to check the order of events the CUDA path relies on."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -80,6 +82,31 @@ class _Streams:
         else:
             yield
 
+    def host_buffer(self, x: torch.Tensor) -> torch.Tensor | None:
+        """An empty host buffer for `x` (None: `x` itself stands for it, nothing copied)."""
+        if self.cuda:
+            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu",
+                                       pin_memory=True)
+        if CPU_HOST_COPIES:
+            return torch.frombuffer(bytearray(x.numel() * x.element_size()),
+                                    dtype=x.dtype).view(x.shape)
+        return None
+
+    def device_buffer(self, host: torch.Tensor, device: str) -> torch.Tensor | None:
+        """An empty device buffer for `host` (None: `host` itself is on the device)."""
+        if self.cuda or CPU_HOST_COPIES:
+            return torch.empty_strided(host.size(), host.stride(), dtype=host.dtype,
+                                       device=device)
+        return None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=self.cuda)
+
+    def keep_for_side(self, x: torch.Tensor) -> None:
+        """The allocator may not reuse `x`'s block until the side stream's work so far ends."""
+        if self.cuda:
+            x.record_stream(self.side)
+
 
 #: True: on CPU the copy to host is real, into memory outside PyTorch's allocator (a
 #: Python bytearray), and the copy back a new tensor, so the bytes PyTorch's allocator
@@ -87,16 +114,16 @@ class _Streams:
 #: accounting this way (memopt.measure.allocation_peak). False (the default): a no-op.
 CPU_HOST_COPIES = False
 
-_streams: dict[torch.device, _Streams] = {}
+_streams: dict[torch.device, Streams] = {}
 #: id(device buffer) -> the event its copy back records
 _events: dict[int, Any] = {}
 #: host buffer's data pointer -> the bytes it holds off the device
 _host: dict[int, int] = {}
 
 
-def _streams_of(device: torch.device) -> _Streams:
+def _streams_of(device: torch.device) -> Streams:
     if device not in _streams:
-        _streams[device] = _Streams(device)
+        _streams[device] = Streams(device)
     return _streams[device]
 
 
@@ -111,19 +138,14 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     s = _streams_of(x.device)
     produced = s.event()
     produced.record(s.current())
-    s.side.wait_event(produced)
+    s.side.wait_event(produced)  # the copy reads `x` only once the op that made it ran
     with s.on_side():
-        if s.cuda:
-            host = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu",
-                                       pin_memory=True)
-            host.copy_(x, non_blocking=True)
-            x.record_stream(s.side)
-        elif CPU_HOST_COPIES:
-            host = torch.frombuffer(bytearray(x.numel() * x.element_size()),
-                                    dtype=x.dtype).view(x.shape)
-            host.copy_(x)
-        else:
+        host = s.host_buffer(x)
+        if host is None:
             host = x
+        else:
+            s.copy(host, x)
+            s.keep_for_side(x)
     _track(_host, host.untyped_storage().data_ptr(), host, x.untyped_storage().nbytes())
     return host
 
@@ -132,16 +154,15 @@ def prefetch(host: torch.Tensor, device: str) -> torch.Tensor:
     """Start copying `host` back to `device`; the device buffer (on CPU: `host`)."""
     s = _streams_of(torch.device(device))
     _host.pop(host.untyped_storage().data_ptr(), None)
-    if not s.cuda and not CPU_HOST_COPIES:
-        x = host
-    else:
-        x = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=device)
+    x = s.device_buffer(host, device)  # allocated on the main stream
     issued = s.event()
     issued.record(s.current())
-    s.side.wait_event(issued)
+    s.side.wait_event(issued)  # whatever the main stream ran in that block first is done
     with s.on_side():  # the side stream's order puts it after the copy out
-        if x is not host:
-            x.copy_(host, non_blocking=s.cuda)
+        if x is None:
+            x = host
+        else:
+            s.copy(x, host)
         done = s.event()
         done.record(s.side)
     _track(_events, id(x), x, done)

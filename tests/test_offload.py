@@ -228,3 +228,85 @@ def test_a_value_whose_copy_frees_nothing_is_not_offloaded():
     assert out.transfers == () and out.peak_bytes == 400
     slow = schedule(ivs, n, cands, frozenset({0}), [1.0] * n, crawl, num_forward=4)
     assert not slow.transfers[0].frees and slow.intervals == tuple(ivs)
+
+
+class _Event:
+    def __init__(self, streams):
+        self.streams, self.position = streams, None
+
+    def record(self, stream):
+        self.position = len(stream.queue) if stream is self.streams.side else None
+        self.streams.log.append(("record", stream.name, self))
+
+
+class _Stream:
+    def __init__(self, streams, name):
+        self.streams, self.name, self.queue, self.ran = streams, name, [], 0
+
+    def wait_event(self, event):
+        self.streams.log.append(("wait", self.name, event))
+        if self.name == "main" and event.position is not None:  # the side's work up to it
+            side = self.streams.side
+            while side.ran < event.position:
+                side.queue[side.ran]()
+                side.ran += 1
+
+
+class AsyncStreams(runtime.Streams):
+    """CUDA's ordering on CPU: the side stream's copies are queued and run only when the
+    main stream waits for an event recorded after them, and every buffer starts as NaN. A
+    copy read before its wait, or a missing wait, gives NaN gradients."""
+
+    def __init__(self):
+        self.cuda, self.device, self.log, self._side_now = False, torch.device("cpu"), [], False
+        self.side, self.main = _Stream(self, "side"), _Stream(self, "main")
+
+    def current(self):
+        return self.side if self._side_now else self.main
+
+    def event(self):
+        return _Event(self)
+
+    def on_side(self):
+        import contextlib  # noqa: PLC0415
+
+        @contextlib.contextmanager
+        def side():
+            self._side_now = True
+            try:
+                yield
+            finally:
+                self._side_now = False
+        return side()
+
+    def host_buffer(self, x):
+        return torch.full_like(x, float("nan"))
+
+    def device_buffer(self, host, device):
+        return torch.full_like(host, float("nan"))
+
+    def copy(self, dst, src):
+        assert self._side_now, "a copy ran on the main stream"
+        waited = [e for kind, name, e in self.log if kind == "wait" and name == "side"]
+        recorded = [e for kind, name, e in self.log if kind == "record" and name == "main"]
+        assert waited and recorded and waited[-1] is recorded[-1], \
+            "the side stream copied without waiting for the main stream's last event"
+        self.side.queue.append(lambda: dst.copy_(src))
+
+
+def test_the_copies_are_fenced_as_on_a_gpu(cpu_rates, monkeypatch):
+    """The CUDA path's order of streams and events, run on CPU with copies that happen only
+    when the main stream waits for them: eager's gradients (a read before its copy back
+    would see NaN), every copy on the side stream after it waited for the main stream."""
+    fake = AsyncStreams()
+    monkeypatch.setitem(runtime._streams, torch.device("cpu"), fake)
+    model, x = _mlp(), torch.randn(256, 128)
+    compiled = memopt.compile(copy.deepcopy(model), budget=0.7, offload=FAST)
+    got = _grads(compiled, x)
+    want = _grads(copy.deepcopy(model), x)
+    assert compiled.memopt_plan.offloaded
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    copies = len(fake.side.queue)
+    assert copies == 2 * len(compiled.memopt_plan.offloaded)  # one out, one back each
+    assert fake.side.ran == copies  # every copy was waited for
