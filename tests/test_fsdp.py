@@ -69,20 +69,15 @@ def _refusals(mesh) -> list[str | None]:
     return seen
 
 
-def _results(rank: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+def _train_measuring_last(sharded: nn.Module, rank: int, first=None) -> int:
+    """STEPS steps of SGD; the last one's allocated peak plus what was resident before it
+    (the earlier steps inside the `first()` context where given)."""
+    from contextlib import nullcontext  # noqa: PLC0415
 
-    import memopt  # noqa: PLC0415
     from memopt.measure import allocation_peak  # noqa: PLC0415
-    from memopt.planner import verifying  # noqa: PLC0415
 
-    mesh = init_device_mesh("cpu", (WORLD,))
-    model = _model()
-    # a fraction of this rank's baseline step, FSDP's shards and all-gather output in it
-    sharded = fully_shard(memopt.compile(model, budget=0.92), mesh=mesh)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
-    measured = None
+    measured = 0
     for step in range(STEPS):
         opt.zero_grad()
         x = _batch(step, rank)
@@ -91,10 +86,27 @@ def _results(rank: int) -> dict:
             with allocation_peak("cpu") as seen:
                 _loss(sharded(x)).backward()
             measured = seen.peak + before
-        else:  # the plan: every candidate simulated, FSDP's held bytes included, is
-            with verifying():  # checked against its exact build
+        else:
+            with (first or nullcontext)():
                 _loss(sharded(x)).backward()
         opt.step()
+    return measured
+
+
+def _results(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    import memopt  # noqa: PLC0415
+    from memopt.planner import verifying  # noqa: PLC0415
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _model()
+    # a fraction of this rank's baseline step, FSDP's shards and all-gather output in it
+    sharded = fully_shard(memopt.compile(model, budget=0.92), mesh=mesh)
+    # the plan: every candidate simulated, FSDP's held bytes included, is checked against
+    # its exact build
+    measured = _train_measuring_last(sharded, rank, verifying)
     plan = sharded.memopt_plan
     return {
         **_with_adamw(rank, mesh),
@@ -152,7 +164,6 @@ def _with_offload(rank: int, mesh) -> dict:
 
     import memopt  # noqa: PLC0415
     from memopt import link, offload as runtime  # noqa: PLC0415
-    from memopt.measure import allocation_peak  # noqa: PLC0415
     from memopt.passes.offload import ComputeModel  # noqa: PLC0415
 
     runtime.CPU_HOST_COPIES = True
@@ -160,19 +171,7 @@ def _with_offload(rank: int, mesh) -> dict:
     link._measured[link._key(torch.device("cpu"))] = (
         fast, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11))  # not this machine's timing
     sharded = fully_shard(memopt.compile(_model(), budget=0.8, offload=True), mesh=mesh)
-    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
-    measured = None
-    for step in range(STEPS):
-        opt.zero_grad()
-        x = _batch(step, rank)
-        if step == STEPS - 1:
-            before = _local_bytes(sharded, x)
-            with allocation_peak("cpu") as seen:
-                _loss(sharded(x)).backward()
-            measured = seen.peak + before
-        else:
-            _loss(sharded(x)).backward()
-        opt.step()
+    measured = _train_measuring_last(sharded, rank)
     plan = sharded.memopt_plan
     runtime.CPU_HOST_COPIES = False
     return {"offload_params": [p.full_tensor().tolist() for p in sharded.parameters()],
