@@ -114,7 +114,8 @@ def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, schedule: StepSchedule,
         placeholder = nodes[f"bw.{name}"]
         users = list(placeholder.users)
         device = str(tensor_value(placeholder).device)
-        with bw.graph.inserting_before(_step_node(nodes, schedule, transfer.prefetch_at, bw)):
+        # (a backward step: allocator.offload issues no copy back before the backward)
+        with bw.graph.inserting_before(nodes[schedule.steps[transfer.prefetch_at]]):
             back = bw.graph.call_function(runtime.prefetch, (placeholder, device))
         back.meta.update(placeholder.meta)
         with bw.graph.inserting_before(nodes[schedule.steps[bw_first[name]]]):
@@ -125,11 +126,3 @@ def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, schedule: StepSchedule,
     fw.recompile()
     bw.recompile()
 
-
-def _step_node(nodes: dict[str, fx.Node], schedule: StepSchedule, step: int,
-               bw: fx.GraphModule) -> fx.Node:
-    """The backward node that runs at `step` (the backward's first op for a forward step)."""
-    name = schedule.steps[step] if step < len(schedule.steps) else ""
-    if name.startswith("bw."):
-        return nodes[name]
-    return next(n for n in bw.graph.nodes if n.op != "placeholder")

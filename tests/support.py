@@ -413,3 +413,38 @@ class TinyLM(nn.Module):
             loss = F.cross_entropy(flat, targets.view(-1), ignore_index=-100,
                                    reduction=self.reduction)
         return (loss, logits) if self.returns_logits else loss
+
+
+#: The host link the offload tests plan with (memopt.offload)
+OFFLOAD_LINK = memopt.Link(d2h_bytes_per_s=20e9, h2d_bytes_per_s=20e9)
+
+
+def offload_rates(device: str = "cpu") -> tuple[str, tuple[Any, Any]]:
+    """(key, value) of memopt.link's table of measured rates that pins what the planner
+    reads for `device` to OFFLOAD_LINK and a fixed device rate, so that what a test
+    offloads does not depend on this machine's timing."""
+    import memopt.link  # noqa: PLC0415
+    from memopt.passes.offload import ComputeModel  # noqa: PLC0415
+
+    return memopt.link._key(torch.device(device)), (
+        OFFLOAD_LINK, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11))
+
+
+def offload_everywhere(monkeypatch: Any, device: str = "cpu") -> list[Any]:
+    """memopt.compile with offload on at OFFLOAD_LINK and pinned rates, the copies real and
+    outside PyTorch's allocator (memopt.offload.CPU_HOST_COPIES), for the rest of the test;
+    the list every compiled module is appended to."""
+    import memopt.link  # noqa: PLC0415
+    from memopt import offload as runtime  # noqa: PLC0415
+
+    monkeypatch.setattr(runtime, "CPU_HOST_COPIES", True)
+    monkeypatch.setitem(memopt.link._measured, *offload_rates(device))
+    made: list[Any] = []
+    original = memopt.compile
+
+    def compile_with_offload(*args: Any, **kwargs: Any) -> Any:
+        made.append(original(*args, offload=OFFLOAD_LINK, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(memopt, "compile", compile_with_offload)
+    return made

@@ -34,6 +34,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gloo_ranks import run_on_ranks
+from support import offload_rates
 from torch import nn
 
 WORLD = 2
@@ -95,11 +96,8 @@ def _run_scenario(rank: int, name: str) -> dict:
     use_no_sync, bucket_view, set_to_none, measure, offload = SCENARIOS[name]
     if offload:  # a fixed link and rate (not this machine's timing), real copies
         from memopt import link, offload as runtime  # noqa: PLC0415
-        from memopt.passes.offload import ComputeModel  # noqa: PLC0415
         runtime.CPU_HOST_COPIES = True
-        fast = memopt.Link(d2h_bytes_per_s=20e9, h2d_bytes_per_s=20e9)
-        link._measured[link._key(torch.device("cpu"))] = (
-            fast, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11))
+        link._measured.__setitem__(*offload_rates())
     model = _model()
     buckets = sum(p.numel() * p.element_size() for p in model.parameters())  # DDP's, all synced
     baseline = memopt.plan(model, _batch(0, 0, rank), existing_grads=True).baseline_peak_bytes

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from gloo_ranks import run_on_ranks
+from support import offload_rates
 from torch import nn
 
 WORLD = 2
@@ -164,12 +165,9 @@ def _with_offload(rank: int, mesh) -> dict:
 
     import memopt  # noqa: PLC0415
     from memopt import link, offload as runtime  # noqa: PLC0415
-    from memopt.passes.offload import ComputeModel  # noqa: PLC0415
 
     runtime.CPU_HOST_COPIES = True
-    fast = memopt.Link(d2h_bytes_per_s=20e9, h2d_bytes_per_s=20e9)
-    link._measured[link._key(torch.device("cpu"))] = (
-        fast, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11))  # not this machine's timing
+    link._measured.__setitem__(*offload_rates())  # not this machine's timing
     sharded = fully_shard(memopt.compile(_model(), budget=0.8, offload=True), mesh=mesh)
     measured = _train_measuring_last(sharded, rank)
     plan = sharded.memopt_plan

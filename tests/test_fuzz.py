@@ -77,6 +77,7 @@ from fuzz_models import ModelSpec, model_specs, output_shapes
 from fuzz_models import build_model as build_on_cpu
 from fuzz_models import make_inputs as inputs_on_cpu
 from memopt.measure import allocation_peak
+from support import offload_everywhere as offload_to_host
 from support import (
     FP32,
     assert_buffers_equal,
@@ -588,26 +589,11 @@ def test_fuzz_slice_inductor(spec: ModelSpec, tally: Tally, one_thread) -> None:
 
 @pytest.fixture
 def offload_everywhere(monkeypatch):
-    """memopt.compile with offload on at a fixed 20 GB/s link and device rate (not this
-    machine's timing), copies real and outside PyTorch's allocator
-    (memopt.offload.CPU_HOST_COPIES), so the allocated peak shows what leaves the device."""
-    import functools  # noqa: PLC0415
-
-    import memopt.link  # noqa: PLC0415
+    """memopt.compile with offload on (support.offload_everywhere): the compiled modules;
+    no offloaded value outlives its step."""
     from memopt import offload as runtime  # noqa: PLC0415
-    from memopt.passes.offload import ComputeModel  # noqa: PLC0415
 
-    fast = memopt.Link(d2h_bytes_per_s=20e9, h2d_bytes_per_s=20e9)
-    monkeypatch.setattr(runtime, "CPU_HOST_COPIES", True)
-    monkeypatch.setitem(memopt.link._measured, memopt.link._key(torch.device(DEVICE)),
-                        (fast, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11)))
-    compiled, original = [], memopt.compile
-
-    def compile_with_offload(*args, **kwargs):
-        compiled.append(functools.partial(original, offload=fast)(*args, **kwargs))
-        return compiled[-1]
-
-    monkeypatch.setattr(memopt, "compile", compile_with_offload)
+    compiled = offload_to_host(monkeypatch, DEVICE)
     yield compiled
     assert runtime.pending() == 0, "an offloaded value outlived its step"
     offloaded = sum(bool(p.offloaded) for c in compiled for p in c.memopt_plans)

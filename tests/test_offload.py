@@ -20,9 +20,9 @@ from memopt.allocator.offload import Candidate, Link, choose, schedule
 from memopt.errors import BudgetError
 from memopt.measure import allocation_peak
 from memopt.memory_plan import MemoryPlan
-from memopt.passes.offload import ComputeModel
+from support import OFFLOAD_LINK, offload_rates
 
-FAST = Link(d2h_bytes_per_s=20e9, h2d_bytes_per_s=20e9)
+FAST = OFFLOAD_LINK
 
 
 # -- the schedule, on plain data ----------------------------------------------------
@@ -83,9 +83,7 @@ def test_bad_links_and_candidates_are_refused():
 @pytest.fixture
 def cpu_rates(monkeypatch):
     """A fixed device rate, so that the choice does not depend on this machine's timing."""
-    key = memopt.link._key(torch.device("cpu"))
-    monkeypatch.setitem(memopt.link._measured, key,
-                        (FAST, ComputeModel(flops_per_s=2e11, bytes_per_s=1e11)))
+    monkeypatch.setitem(memopt.link._measured, *offload_rates())
 
 
 def _mlp() -> nn.Module:
@@ -136,8 +134,8 @@ def _allocated(compiled, x) -> int:
 
 def test_offloaded_bytes_leave_the_allocator_as_planned(cpu_rates, monkeypatch):
     """With real copies to memory outside PyTorch's allocator, the step's allocated peak is
-    the plan's within 1%, under the budget; a budget recomputation alone cannot reach is
-    accepted and held."""
+    the plan's within 1%, under the budget, and so is a second step into the kept .grad;
+    a budget recomputation alone cannot reach is accepted and held."""
     monkeypatch.setattr(runtime, "CPU_HOST_COPIES", True)
     model, x = _mlp(), torch.randn(256, 128)
     for budget in (0.7, 0.53):
@@ -148,6 +146,16 @@ def test_offloaded_bytes_leave_the_allocator_as_planned(cpu_rates, monkeypatch):
         assert plan.offloaded
         assert measured <= plan.budget_bytes
         assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+    # a second step into the kept .grad (gradient accumulation): its own plan, measured
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*compiled.parameters(), *(p.grad for p in compiled.parameters()), x))
+    with allocation_peak("cpu") as seen:
+        compiled(x).sum().backward()
+    kept = compiled.memopt_plan
+    assert kept.existing_grad_bytes > 0 and kept.offloaded
+    assert seen.peak + resident <= kept.budget_bytes
+    assert abs(seen.peak + resident - kept.predicted_peak_bytes) \
+        <= 0.01 * kept.predicted_peak_bytes
     with pytest.raises(BudgetError):  # 0.53: below what recomputation alone reaches (0.56)
         memopt.compile(copy.deepcopy(model), budget=0.53, offload=False)(x).sum().backward()
 

@@ -35,6 +35,7 @@ import transformers
 import memopt
 from benchmarks.zoo import ZOO, ZooCase, allocated_peak, build
 from memopt.blocks import find_blocks
+from support import offload_everywhere
 
 pytest.importorskip("transformers")
 
@@ -370,3 +371,16 @@ def test_zoo_language_model_under_bf16_autocast(name: str) -> None:
         peak = allocated_peak(compiled, case)
     assert peak <= budget, (name, peak, budget)
     assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * peak, (name, peak, plan)
+
+
+@pytest.mark.parametrize("name", ["gpt2"])
+def test_zoo_model_with_offload_within_a_binding_budget(name: str, monkeypatch) -> None:
+    """A transformers model with offload on (memopt.offload), copies real and outside
+    PyTorch's allocator: every check of the binding budget (eager's gradients, the
+    measured peak within the budget and near the plan), and values offloaded."""
+    from memopt import offload as runtime  # noqa: PLC0415
+
+    made = offload_everywhere(monkeypatch, DEVICE)
+    _check(name, "binding")
+    assert any(p.offloaded for c in made for p in c.memopt_plans), "nothing offloaded"
+    assert runtime.pending() == 0

@@ -47,9 +47,10 @@ class Mix:
         return bool(self.schedule.transfers)
 
 
-def offload_step(built: Built, target: int, link: Link, compute: ComputeModel,
-                 granularity: int) -> Mix:
-    """`built` with what `target` needs offloaded (nothing where it fits already)."""
+def offload_step(mirror: Mirror, built: Built, target: int, link: Link,
+                 compute: ComputeModel, granularity: int) -> Mix:
+    """`built` (the build of `mirror`) with what `target` needs offloaded (nothing where
+    it fits already)."""
     sched = built.schedule
     found = candidates(sched, built.fw, built.bw, built.saved_names)
     name_of = {c.index: name for c, name in found}
@@ -57,7 +58,7 @@ def offload_step(built: Built, target: int, link: Link, compute: ComputeModel,
                     step_seconds(sched, built.fw, built.bw, compute), link, target,
                     num_forward=sched.num_forward_steps)
     names = tuple(name_of[t.index] for t in result.transfers)
-    return Mix(mirror=Mirror(), built=built, schedule=result, names=names,
+    return Mix(mirror=mirror, built=built, schedule=result, names=names,
                bw_first={name_of[c.index]: c.bw_first for c, _ in found
                          if c.index in {t.index for t in result.transfers}}, link=link)
 
@@ -70,8 +71,7 @@ def best_mix(mirrors: Sequence[Mirror], build: Callable[[Mirror], Built], target
     best: tuple[tuple[float, int], Mix] | None = None
     lowest = None
     for mirror in dict.fromkeys(mirrors):
-        mix = dataclasses.replace(offload_step(build(mirror), target, link, compute,
-                                               granularity), mirror=mirror)
+        mix = offload_step(mirror, build(mirror), target, link, compute, granularity)
         peak = mix.schedule.peak_bytes
         lowest = peak if lowest is None else min(lowest, peak)
         if peak > target:
