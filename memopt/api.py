@@ -30,7 +30,7 @@ from memopt.passes._torch_compat import (FailOnRecompileLimitHit, dynamo_config_
                                          is_dynamo_error, pytree, recompile_limit,
                                          unwrap_backend_error)
 from .backend import MemoptBackend
-from .blocks import capturing, find_blocks, mark_blocks
+from .blocks import capturing, find_blocks, loop_codes, mark_blocks
 from .compiled_graph import PlanOnly
 from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
@@ -64,15 +64,16 @@ _DYNAMO_DDP = {"optimize_ddp": False}
 
 
 def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
-                  model: nn.Module, blocks: bool = False) -> Any:
+                  model: nn.Module, blocks: bool = False, loops: tuple[Any, ...] = ()) -> Any:
     """Call a torch.compile'd function; surface memopt's own errors and name capture failures
     (inputs that do not match `model`'s device or dtype as InputError). `blocks`: the
     repeated blocks' boundaries end graphs (memopt.blocks); otherwise they do nothing, as
-    for a model compiled with blocks=True elsewhere and planned or compiled whole here."""
+    for a model compiled with blocks=True elsewhere and planned or compiled whole here;
+    `loops`, the forwards that loop over the blocks, run eagerly (blocks.loop_codes)."""
     backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
     backend.plan_log.start_clock()  # a plan's capture time counts from here
     try:
-        with _dynamo_patch(), capturing(blocks):
+        with _dynamo_patch(), capturing(blocks, loops):
             return fn(*args, **kwargs)
     except (MemoptError, PlanOnly):
         raise
@@ -160,6 +161,7 @@ class CompiledModule(nn.Module):
         groups = find_blocks(traced) if blocks else []
         object.__setattr__(self, "_memopt_blocks", groups)
         object.__setattr__(self, "_memopt_block_hooks", mark_blocks(groups))
+        object.__setattr__(self, "_memopt_loops", loop_codes(traced, groups))
         # its parameters and buffers, listed again only when the module tree changes
         object.__setattr__(self, "_memopt_tensors", ModelTensors(model))
         # a graph of this code that returns is the whole forward (memopt.steps)
@@ -219,7 +221,7 @@ class CompiledModule(nn.Module):
                                shards=block_shards(model, self._memopt_blocks))
         try:
             out = _run_captured(compiled, args, kwargs, backend, model,
-                                bool(self._memopt_blocks))
+                                bool(self._memopt_blocks), self._memopt_loops)
         except BaseException:
             backend.forward_aborted()
             raise

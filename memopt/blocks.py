@@ -31,7 +31,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from memopt.passes._torch_compat import graph_break
+from memopt.passes._torch_compat import graph_break, set_frame_skipped
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -61,6 +61,26 @@ def find_blocks(model: nn.Module) -> list[list[nn.Module]]:
     return groups
 
 
+def loop_codes(model: nn.Module, groups: list[list[nn.Module]]) -> tuple[Any, ...]:
+    """The code objects of the forwards that loop over the blocks of `groups`: those of the
+    modules holding each group's container (a `ModuleList` is iterated by its owner).
+
+    Dynamo cannot resume inside a loop, so a graph break there (a block's boundary) makes
+    it run that frame eagerly, and it marks the frame's code as skipped for good, for every
+    module of the class (torch 2.13). A memopt.compile of another copy of the model without
+    blocks, or the user's torch.compile of it, would then be captured block by block.
+    `capturing` marks these codes skipped only while a blocks=True step runs."""
+    parents = {id(child): module for module in model.modules() for child in module.children()}
+    codes: dict[int, Any] = {}
+    for group in groups:
+        container = parents.get(id(group[0]))
+        owner = parents.get(id(container)) if container is not None else None
+        code = getattr(getattr(type(owner), "forward", None), "__code__", None)
+        if code is not None:
+            codes[id(code)] = code
+    return tuple(codes.values())
+
+
 #: True while a blocks=True step of memopt runs: the boundaries break only its capture,
 #: not a torch.compile of the same model elsewhere, nor memopt.plan or a memopt.compile
 #: without blocks of a model whose blocks another memopt.compile marked (dynamo guards on
@@ -69,19 +89,25 @@ _capturing = False
 
 
 class capturing:
-    """`with capturing(blocks):` around memopt's compiled step: with `blocks` the blocks'
-    boundaries break its graphs; without, they do nothing there."""
+    """`with capturing(blocks, loops):` around memopt's compiled step: with `blocks` the
+    blocks' boundaries break its graphs; without, they do nothing there. `loops`
+    (loop_codes) are run eagerly inside, as dynamo would after failing at the loop's first
+    break, and compiled as usual again after."""
 
-    def __init__(self, blocks: bool) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: bool, loops: tuple[Any, ...] = ()) -> None:
+        self.blocks, self.loops = blocks, loops if blocks else ()
 
     def __enter__(self) -> None:
         global _capturing
         self.before, _capturing = _capturing, self.blocks
+        for code in self.loops:
+            set_frame_skipped(code, True)
 
     def __exit__(self, *exc: object) -> None:
         global _capturing
         _capturing = self.before
+        for code in self.loops:
+            set_frame_skipped(code, False)
 
 
 def _boundary(module: nn.Module, *args: Any) -> None:

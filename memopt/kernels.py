@@ -13,7 +13,7 @@ runs the two graphs it returns is a separate choice:
   memopt saves and recomputes is memopt's plan; how each graph is computed is
   inductor's.
 
-What the inductor mode changes, and why (passes._torch_compat.INDUCTOR_SETTINGS):
+What the inductor mode changes, and why (passes._inductor_compat.INDUCTOR_SETTINGS):
 
 1. The captured graph is decomposed with inductor's table (plus memopt's loss
    decompositions), so the graph memopt plans is the one inductor compiles.
@@ -49,7 +49,8 @@ import torch
 from torch import fx
 
 from memopt.allocator import Interval, peak_live_bytes
-from memopt.passes._torch_compat import inductor_compile, is_tangent, storage_key
+from memopt.passes._inductor_compat import inductor_compile
+from memopt.passes._torch_compat import is_tangent, storage_key
 from memopt.passes.fusion import RELAID_OPS, in_schedule_order, relaid_args
 from memopt.passes.meta import EXTERN_STRIDES, KERNEL_GROUP, WORKSPACE_BYTES
 from memopt.passes.workspace import WorkspaceCache, node_call, workspace_bytes_of
@@ -86,14 +87,14 @@ _CACHE_KEY = "memopt-partitioner-1"
 @dataclass
 class InductorSchedule:
     """What compiling a plan's graphs with inductor showed: its estimate of each graph's
-    own peak ("forward", "backward": passes._torch_compat._schedule_peak), the order its
+    own peak ("forward", "backward": passes._inductor_compat._schedule_peak), the order its
     kernels run each graph's nodes in (`orders`), and copies of the graphs memopt gave it
     (`graphs`, as planned: inductor's passes change the graphs they compile)."""
 
     peaks: dict[str, int] = field(default_factory=dict)
     orders: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
     #: for each entry of `orders`, its generated kernel and the node whose buffer it
-    #: writes (passes._torch_compat._schedule_kernels)
+    #: writes (passes._inductor_compat._schedule_kernels)
     kernels: dict[str, list[tuple[int, str | None]]] = field(default_factory=dict)
     graphs: tuple[fx.GraphModule, ...] = ()
     #: per graph, the (sizes, strides) of the tensors inductor hands each extern kernel
@@ -308,7 +309,7 @@ def schedule_peak(plan: MemoryPlan, schedule_peaks: dict[str, int]) -> int:
     The plan's timeline gives, at each point of the forward and of the backward, the
     bytes its graph's own buffers hold (live bytes less what inductor's estimate does not
     count: `_NOT_IN_SCHEDULE`). Inductor's estimate of the same graph as it scheduled it
-    (after fusion, in its kernels' order: passes._torch_compat._schedule_peak) counts
+    (after fusion, in its kernels' order: passes._inductor_compat._schedule_peak) counts
     its buffers without its in-place writes and frees; the plan's liveness models those
     (passes.fusion) on the graph's own order, which inductor's fusion can change. The plan
     also knows the same estimate on its own order (`plan.fusion_estimate_bytes`): where

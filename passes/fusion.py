@@ -210,7 +210,7 @@ def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | N
 
 def in_schedule_order(gm: fx.GraphModule, kernels: Sequence[Iterable[str]]) -> fx.GraphModule:
     """A copy of `gm` with its nodes in the order inductor's kernels run them (`kernels`:
-    per kernel, in order, the names of the nodes it computes: passes._torch_compat
+    per kernel, in order, the names of the nodes it computes: passes._inductor_compat
     ._schedule_order). A view or a getitem no kernel names runs right after what it
     aliases (a late getitem of an extern kernel's tuple would hold all its outputs), any
     other node no kernel names just before its first reader; placeholders stay first,

@@ -248,9 +248,7 @@ def test_the_boundaries_do_nothing_outside_memopt() -> None:
 def test_a_model_compiled_with_blocks_still_plans_whole() -> None:
     """The boundaries break only a blocks=True step's capture: memopt.plan of the same
     model captures it as one graph, the plan of a model never compiled (it raised
-    CaptureError at the first boundary before). (A memopt.compile without blocks of it
-    then plans the block graphs apart: dynamo skipped the loop's frame for good, as it
-    does for any frame with a graph break inside a loop.)"""
+    CaptureError at the first boundary before)."""
     model = Stack(depth=3)
     fresh = copy.deepcopy(model)
     memopt.compile(model, blocks=True)(_batch(0)).backward()
@@ -259,6 +257,41 @@ def test_a_model_compiled_with_blocks_still_plans_whole() -> None:
     whole = memopt.plan(model, _batch(1))
     assert not isinstance(whole, StepPlan)
     assert whole.predicted_peak_bytes == memopt.plan(fresh, _batch(1)).predicted_peak_bytes
+
+
+def test_compiles_of_the_same_class_without_blocks_stay_whole() -> None:
+    """A blocks=True step runs the forward that loops over the blocks eagerly, and dynamo
+    marks a frame it fails to compile skipped for good, by code object (a graph break
+    inside a loop): a flat memopt.compile of another copy, made before or after it, and the
+    user's torch.compile of one, were then captured block by block (4 graphs for 3 blocks).
+    memopt marks that code skipped only while its blocks=True steps run."""
+    def step(module: nn.Module, i: int) -> None:
+        module(_batch(i)).backward()
+        module.zero_grad(set_to_none=True)
+
+    before = memopt.compile(Stack(depth=3), budget=0.8)
+    step(before, 0)
+    assert not isinstance(before.memopt_plan, StepPlan)
+    blocked = memopt.compile(Stack(depth=3), blocks=True)
+    step(blocked, 1)
+    assert isinstance(blocked.memopt_plan, StepPlan)
+    block_graphs = len(blocked.memopt_plan.graphs)
+    after = memopt.compile(Stack(depth=3), budget=0.8)
+    for i in range(2, 4):  # alternating with the blocks=True module
+        step(before, i)
+        step(after, i)
+        step(blocked, i)
+        assert not isinstance(before.memopt_plan, StepPlan)
+        assert not isinstance(after.memopt_plan, StepPlan)
+        assert len(blocked.memopt_plan.graphs) == block_graphs  # as at its first step
+    graphs = []
+
+    def count(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(Stack(depth=3), backend=count)(_batch(4)).backward()
+    assert len(graphs) == 1
 
 
 def test_plan_with_blocks_on_meta_is_the_compiled_steps_plan() -> None:
