@@ -70,41 +70,64 @@ def _log_probs(logits: Tensor, upcast: bool) -> Tensor:
     return F.log_softmax(logits.float() if upcast else logits, dim=1)
 
 
-@torch.library.custom_op("memopt::head_fwd", mutates_args=())
+#: The ops are defined with torch.library's low-level API: a custom_op's Python wrappers
+#: (its backend check of the outputs' aliasing, and for head_bwd an autograd layer it never
+#: needs) cost about a quarter of a one-chunk head's host time per step, which a small
+#: model's GPU step waits for (docs/kernels.md).
+_LIB = torch.library.Library("memopt", "FRAGMENT")
+_LIB.define("head_fwd(int chunk, bool keep, bool want_logits, bool logits_grad, bool upcast, "
+            "int ignore_index, str reduction, Tensor h, Tensor weight, Tensor? bias, "
+            "Tensor target) -> Tensor[]")
+_LIB.define("head_bwd(int chunk, bool upcast, int ignore_index, str reduction, Tensor handle, "
+            "Tensor grad_loss, Tensor? grad_logits, Tensor h, Tensor weight, Tensor? bias, "
+            "Tensor target, bool need_h, bool need_weight, bool need_bias) -> Tensor[]")
+_REDUCTIONS = {"mean": 1, "sum": 2}  # aten's enum (torch.nn._reduction)
+
+
+def _stash(kept: tuple[Tensor, Tensor] | None) -> Tensor:
+    """A handle: an int64 scalar naming `kept` in the side table until head_bwd takes it
+    (or the handle dies: a forward without a backward)."""
+    if kept is None:
+        return torch.zeros((), dtype=torch.int64)
+    key = next(_HANDLES)
+    handle = torch.tensor(key, dtype=torch.int64)
+    _STASH[key] = kept
+    weakref.finalize(handle, _STASH.pop, key, None)
+    return handle
+
+
 def head_fwd(chunk: int, keep: bool, want_logits: bool, logits_grad: bool, upcast: bool,
              ignore_index: int, reduction: str, h: Tensor, weight: Tensor, bias: Tensor | None,
              target: Tensor) -> list[Tensor]:
     """[loss, logits (rows, V) or an empty tensor, handle]. ``h`` is (rows, d), ``target``
-    (rows,). With ``keep`` and one chunk, the log-probabilities stay under the handle.
-    Without ``logits_grad`` the logits output is not differentiable here: the caller
-    attaches their gradient outside the compiled graph (``attach_logits``)."""
+    (rows,). With ``keep`` and one chunk, the log-probabilities (and aten's count of the
+    rows not ignored) stay under the handle. Without ``logits_grad`` the logits output is
+    not differentiable here: the caller attaches their gradient outside the compiled
+    graph (``attach_logits``)."""
     rows = h.shape[0]
     weight, bias = _as(weight, h.dtype), _as(bias, h.dtype)
     logits = F.linear(h, weight, bias) if want_logits else None
-    whole = chunk >= rows
-    total, kept = None, None
+    out = logits if logits is not None else h.new_empty((0,), dtype=h.dtype)
+    if chunk >= rows:  # eager's way, in aten's own loss kernel (its mean, its count)
+        log_probs = _log_probs(logits if logits is not None else F.linear(h, weight, bias),
+                               upcast)
+        loss, count = torch.ops.aten.nll_loss_forward(log_probs, target, None,
+                                                      _REDUCTIONS[reduction], ignore_index)
+        return [loss, out, _stash((log_probs, count) if keep else None)]
+    total = None
     for i, j in _chunks(rows, chunk):
         part = logits[i:j] if logits is not None else F.linear(h[i:j], weight, bias)
         log_probs = _log_probs(part, upcast)
         del part
         loss = F.nll_loss(log_probs, target[i:j], ignore_index=ignore_index, reduction="sum")
         total = loss if total is None else total + loss
-        if whole and keep:
-            kept = log_probs
         del log_probs
     if reduction == "mean":
         total = total / _valid_count(target, ignore_index)
-    handle = torch.tensor(0, dtype=torch.int64)
-    if kept is not None:
-        key = next(_HANDLES)
-        handle.fill_(key)
-        _STASH[key] = kept
-        weakref.finalize(handle, _STASH.pop, key, None)
-    out = logits if logits is not None else h.new_empty((0,), dtype=h.dtype)
-    return [_fresh_scalar(total), out, handle]
+    return [_fresh_scalar(total), out, _stash(None)]
 
 
-@head_fwd.register_fake
+@torch.library.register_fake("memopt::head_fwd", lib=_LIB)
 def _(chunk, keep, want_logits, logits_grad, upcast, ignore_index, reduction, h, weight, bias,
       target):
     loss_dtype = torch.float32 if upcast else torch.promote_types(h.dtype, weight.dtype)
@@ -117,31 +140,61 @@ def _grad_of_logits(log_probs_or_logits: Tensor, from_logits: bool, target: Tens
                     ignore_index: int, scale: Tensor) -> Tensor:
     """d loss / d logits for one chunk: scale * (softmax - onehot(target)) on the rows
     whose target is not ignored, zero on the others. From the kept log-probabilities it
-    is computed in place."""
+    is computed in place. (An ignored row gets its -1 at column 0, then is zeroed.)"""
     if from_logits:
         g = torch.softmax(log_probs_or_logits, dim=1)
     else:
         g = log_probs_or_logits.exp_()
-    valid = (target != ignore_index).to(g.dtype).unsqueeze(1)
-    picked = target.masked_fill(target == ignore_index, 0).unsqueeze(1)
-    g.scatter_add_(1, picked, -valid)
-    g.mul_(valid.mul_(scale.to(g.dtype)))  # one pass over (rows, V): mask and scale at once
+    valid = target != ignore_index
+    g.scatter_(1, torch.where(valid, target, 0).unsqueeze(1), -1.0, reduce="add")
+    scale = scale if scale.dtype == g.dtype else scale.to(g.dtype)
+    g.mul_(valid.unsqueeze(1) * scale)  # one pass over (rows, V): mask and scale at once
     return g
 
 
-@torch.library.custom_op("memopt::head_bwd", mutates_args=())
+def _whole_bwd(kept: tuple[Tensor, Tensor], upcast: bool, ignore_index: int,
+               reduction: str, grad_loss: Tensor, grad_logits: Tensor | None, h: Tensor,
+               weight: Tensor, bias: Tensor | None, target: Tensor, need_h: bool,
+               need_weight: bool, need_bias: bool) -> list[Tensor]:
+    """head_bwd from the kept log-probabilities of one chunk: the logits' gradient in
+    their place, scaled by aten's count of the rows (as nll_loss's own backward)."""
+    log_probs, count = kept
+    scale = grad_loss.float() if upcast else grad_loss
+    if reduction == "mean":
+        scale = scale / count
+    g = _grad_of_logits(log_probs, False, target, ignore_index, scale)
+    del kept, log_probs
+    if grad_logits is not None and grad_logits.numel():
+        g.add_(grad_logits)
+    if g.dtype != h.dtype:
+        g = g.to(h.dtype)
+    w = _as(weight, h.dtype)
+    grad_h = torch.mm(g, w) if need_h else h.new_empty((0,))
+    grad_w = torch.mm(g.t(), h) if need_weight else weight.new_empty((0,))
+    if need_weight and grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    grad_b = weight.new_empty((0,))
+    if need_bias and bias is not None:
+        grad_b = g.sum(0)
+        grad_b = grad_b if grad_b.dtype == bias.dtype else grad_b.to(bias.dtype)
+    return [grad_h, grad_w, grad_b]
+
+
 def head_bwd(chunk: int, upcast: bool, ignore_index: int, reduction: str, handle: Tensor,
              grad_loss: Tensor, grad_logits: Tensor | None, h: Tensor, weight: Tensor,
              bias: Tensor | None, target: Tensor, need_h: bool, need_weight: bool,
              need_bias: bool) -> list[Tensor]:
     """[grad_h, grad_weight, grad_bias] (zeros of no size where not needed)."""
-    rows = h.shape[0]
     kept = _STASH.pop(int(handle), None)
+    if kept is not None:
+        return _whole_bwd(kept, upcast, ignore_index, reduction, grad_loss, grad_logits, h,
+                          weight, bias, target, need_h, need_weight, need_bias)
+    rows = h.shape[0]
     scale = grad_loss.float() if upcast else grad_loss
     if reduction == "mean":
         scale = scale / _valid_count(target, ignore_index)
     grad_h = torch.empty_like(h) if need_h else h.new_empty((0,))
-    spans = [(0, rows)] if kept is not None else _chunks(rows, chunk)
+    spans = _chunks(rows, chunk)
     # summed over the chunks into zeros; one span writes them at once (no (V, d) memset)
     whole = len(spans) == 1
     grad_w = weight.new_empty((0,)) if not need_weight or whole else torch.zeros_like(weight)
@@ -150,14 +203,10 @@ def head_bwd(chunk: int, upcast: bool, ignore_index: int, reduction: str, handle
     out_w, out_b = weight, bias  # their own dtypes
     weight, bias = _as(weight, h.dtype), _as(bias, h.dtype)  # the compute dtype (_as)
     for i, j in spans:
-        if kept is not None:
-            g = _grad_of_logits(kept, False, target[i:j], ignore_index, scale)
-            del kept
-        else:
-            part = F.linear(h[i:j], weight, bias)
-            part = part.float() if upcast else part
-            g = _grad_of_logits(part, True, target[i:j], ignore_index, scale)
-            del part
+        part = F.linear(h[i:j], weight, bias)
+        part = part.float() if upcast else part
+        g = _grad_of_logits(part, True, target[i:j], ignore_index, scale)
+        del part
         if grad_logits is not None and grad_logits.numel():
             g.add_(grad_logits[i:j])
         g = g.to(h.dtype)
@@ -177,7 +226,11 @@ def head_bwd(chunk: int, upcast: bool, ignore_index: int, reduction: str, handle
     return [grad_h, grad_w, grad_b]
 
 
-@head_bwd.register_fake
+_LIB.impl("head_fwd", head_fwd, "CompositeExplicitAutograd")
+_LIB.impl("head_bwd", head_bwd, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("memopt::head_bwd", lib=_LIB)
 def _(chunk, upcast, ignore_index, reduction, handle, grad_loss, grad_logits, h, weight, bias,
       target, need_h, need_weight, need_bias):
     return [torch.empty_like(h) if need_h else h.new_empty((0,)),
@@ -212,7 +265,8 @@ def _backward(ctx, grads):
                           out[2] if need[8] and bias is not None else None, None)
 
 
-head_fwd.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("memopt::head_fwd", _backward, setup_context=_setup_context,
+                                lib=_LIB)
 
 
 class _AttachLogits(torch.autograd.Function):
