@@ -81,7 +81,8 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
     Step 6b (`reserved=True`): while the bytes CUDA's caching allocator would reserve for
         the step exceed the budget, Steps 5 and 6 again aiming lower by the excess.
     Step 6c: keep, recompute or offload (planner.offload_choice): where offload is on,
-        the fastest predicted mix of the mirror set, no recomputation and the lowest-peak
+        the fastest predicted mix of the search's mirror set, no recomputation, a search
+        aimed halfway between them, and (where recomputation alone misses) the lowest-peak
         mirror set, each with what the budget needs copied to host memory.
     Step 7: the exact build of the choice and its plan (planner.assemble), with the
         timelines of live bytes by kind of the step and of the baseline.
