@@ -17,6 +17,7 @@ at the first call). See README.md, "Bad input".
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import warnings
@@ -192,8 +193,8 @@ class CompiledModule(nn.Module):
         return self._memopt_model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        for original, copy in self._memopt_pairs:  # train()/eval() on the user's model
-            copy.training = original.training
+        for original, twin in self._memopt_pairs:  # train()/eval() on the user's model
+            twin.training = original.training
         backend, model = self._memopt_backend, self._memopt_model
         backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit
         tensors, grads = self._memopt_tensors, None
@@ -227,6 +228,27 @@ class CompiledModule(nn.Module):
             raise
         backend.forward_ends(out)
         return out
+
+    def __deepcopy__(self, memo: dict) -> "CompiledModule":
+        """`copy.deepcopy`: the model deep-copied and compiled anew with the same budget
+        and options; its graphs and plans are made at its first call (the compiled steps
+        hold the original's tensors). Refused for a module compiled with `optimizer=`,
+        whose optimizer steps the original's parameters."""
+        budget, options = self.__dict__["_memopt_compile_args"]
+        if options.get("optimizer") is not None:
+            raise InputError(
+                "a memopt module compiled with optimizer= cannot be deep-copied: the "
+                "optimizer steps the original's parameters. Deep-copy original_module, make "
+                "an optimizer for the copy, and memopt.compile the copy with it")
+        copied = compile(copy.deepcopy(self._memopt_model, memo), budget, **options)
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a memopt module cannot be pickled (its compiled graphs are code): save "
+            "original_module, or its state_dict(), and memopt.compile the model again after "
+            "loading it")
 
     def train(self, mode: bool = True) -> "CompiledModule":
         self._memopt_model.train(mode)
@@ -438,7 +460,10 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
         check_sharded_blocks(model, find_blocks(model))
     else:
         refuse_fsdp(model, "memopt.compile")
-    return CompiledModule(model, backend, fullgraph, blocks)
+    compiled = CompiledModule(model, backend, fullgraph, blocks)
+    object.__setattr__(compiled, "_memopt_compile_args", (budget, {
+        **options, "fullgraph": fullgraph, "blocks": blocks, "optimizer": optimizer}))
+    return compiled
 
 
 def plan(model: nn.Module, *example_inputs: Any, budget: object = None,

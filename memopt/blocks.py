@@ -122,6 +122,8 @@ def mark_blocks(groups: list[list[nn.Module]]) -> list[RemovableHandle]:
     handles = []
     for group in groups:
         for block in group:
+            if any(h is _boundary for h in block._forward_pre_hooks.values()):
+                continue  # a deep copy of a model whose blocks were marked
             handles.append(block.register_forward_pre_hook(_boundary))
             handles.append(block.register_forward_hook(_boundary))
     return handles

@@ -11,6 +11,7 @@ fix named.
 from __future__ import annotations
 
 import copy
+import io
 import inspect
 import logging
 import warnings
@@ -146,3 +147,54 @@ def test_data_parallel_is_refused_naming_the_order() -> None:
         warnings.simplefilter("ignore")
         wrapped(x).sum().backward()
     assert compiled.memopt_plan is not None
+
+
+class _Net(nn.Module):
+    """Two repeated blocks with dropout and a head (blocks=True finds them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.1),
+                                                  nn.ReLU()) for _ in range(2))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_deep_copy_is_the_model_copied_and_compiled_again(blocks: bool) -> None:
+    """copy.deepcopy of a memopt module ran the original's parameters (before a step:
+    the gradients went to the original's .grad, the copy's stayed None) or raised from
+    deep inside torch (after one: the compiled graphs' FakeTensors). Now the copy is the
+    model deep-copied and compiled with the same budget and options."""
+    torch.manual_seed(0)
+    eager = _Net()
+    x = torch.randn(1024, 32)
+    compiled = memopt.compile(copy.deepcopy(eager), budget=0.98, blocks=blocks)
+    before = copy.deepcopy(compiled)
+    torch.manual_seed(1)
+    compiled(x).backward()
+    after = copy.deepcopy(compiled)
+    for module in (before, after):
+        assert isinstance(module, type(compiled)) and module is not compiled
+        assert module._memopt_backend.budget == compiled._memopt_backend.budget
+        reference = copy.deepcopy(eager)
+        for m in (module, reference):
+            for p in m.parameters():
+                p.grad = None
+            torch.manual_seed(1)
+            m(x).backward()
+        for (name, p), q in zip(module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+            assert all(p is not r for r in compiled.parameters())
+        assert module.memopt_plan is not None and module.memopt_plan is not compiled.memopt_plan
+        hooks = [len(b._forward_pre_hooks) for b in module.original_module.blocks]
+        assert hooks == [int(blocks)] * 2  # the copied boundaries, not marked twice
+    optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    with pytest.raises(memopt.InputError, match="optimizer"):
+        copy.deepcopy(memopt.compile(eager, optimizer=optimizer))
+    with pytest.raises(TypeError, match="state_dict"):
+        torch.save(compiled, io.BytesIO())
