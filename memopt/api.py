@@ -40,6 +40,7 @@ from .fsdp_blocks import block_shards, check_sharded_blocks, fsdp_units
 from .input_checks import check_options, input_mismatch, refuse_meta, refuse_wrappers
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
+from .pending import PendingBackwards
 from .plan_blocks import check_meta, plan_blocks
 from .recurrent.modules import substitute_rnns
 from .settled import ModelTensors
@@ -158,6 +159,8 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_memopt_traced", traced)
         object.__setattr__(self, "_memopt_fullgraph", fullgraph)
         object.__setattr__(self, "_memopt_fsdp", None)  # FsdpRecord under fully_shard
+        # calls whose backward has not run: two before one backward are not planned
+        object.__setattr__(self, "_memopt_pending", PendingBackwards())
         # blocks=True: each repeated block its own graph, captured and planned once
         groups = find_blocks(traced) if blocks else []
         object.__setattr__(self, "_memopt_blocks", groups)
@@ -201,6 +204,7 @@ class CompiledModule(nn.Module):
         if torch.is_grad_enabled():  # a training step: its parameters' state, cheaply
             tensors.refresh()
             grads = tensors.grad_state()
+            self._memopt_pending.check()
         existing = grads is not None and _has_grads(grads)
         compiled = self._memopt_compiled.get(existing)
         if compiled is None:
@@ -227,6 +231,8 @@ class CompiledModule(nn.Module):
             backend.forward_aborted()
             raise
         backend.forward_ends(out)
+        if grads is not None:
+            self._memopt_pending.watch(out)
         return out
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":

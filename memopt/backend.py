@@ -25,6 +25,7 @@ from torch import fx
 
 from memopt.passes.lm_heads import Attach, chunk_heads
 from memopt.passes.cell_loops import chain_loops
+from memopt.passes.allocated import can_track
 from memopt.passes.workspace import SHARED, WorkspaceCache
 
 # The runtimes of memopt's own operators, which the passes reach through
@@ -353,6 +354,24 @@ class MemoptBackend:
         if not last.plan.fits:
             self.plan_log.pending = last.budget_error()
 
+    def _plan_again_measured(self) -> None:
+        """Plans made while a profiler recorded on CPU counted no kernel workspace and
+        estimated the heads' transients (passes.workspace, passes.lm_heads): at the first
+        step where allocations can be tracked, every graph is planned again, measured,
+        for the steps after it (a profiled first step planned 695 KB where the step
+        measured 1,014 KB, and every later step ran that plan over its budget)."""
+        graphs = list(self.plan_log.graphs_built)
+        if not graphs or not can_track(graphs[0].plan.device):
+            return
+        self.plan_log.untracked = False
+        for graph in graphs:
+            graph.settled, before = None, graph.plan
+            graph.replan(graph.outside, graph.policy, graph.step_baseline)
+            if self.plan_log.last is before:  # the plan the next step runs
+                self.plan_log.last = graph.plan
+            if not graph.plan.fits and self.plan_log.pending is None:
+                self.plan_log.pending = graph.budget_error()
+
     def forward_ends(self, returned: Any) -> None:
         """The forward of a memopt module returned (memopt.api): with every graph of it
         known, re-plan the graphs whose plans assumed less than the rest of the step
@@ -361,6 +380,8 @@ class MemoptBackend:
         call, self.plan_log.call = self.plan_log.call, None
         if call is None:
             return
+        if self.plan_log.untracked:
+            self._plan_again_measured()
         if call.traced is None:  # at most a settled graph ran: nothing to plan again
             if call.skipped:
                 self.plan_log.last_runs = tuple(graph for graph, _, _ in call.skipped)

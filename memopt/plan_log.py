@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
+from memopt.passes.allocated import can_track
+
 from .errors import BudgetError, CaptureError
 from .memory_plan import MemoryPlan
 
@@ -57,6 +59,10 @@ class PlanLog:
     clock: float = 0.0
     #: the gradient buckets of the DDP running the current forward (None: no DDP)
     ddp: DDPBuckets | None = None
+    #: a plan was made while allocations could not be tracked (a profiler recording on
+    #: CPU): its kernel workspaces and heads' transients were not measured (MemoptBackend
+    #: plans every graph again at the first step where they can be)
+    untracked: bool = False
 
     def start_clock(self) -> None:
         """Capture time counts from now (a compiled call begins, or a graph was planned)."""
@@ -77,6 +83,7 @@ class PlanLog:
 
     def record(self, plan: MemoryPlan) -> None:
         self.plans.append(plan)
+        self.untracked = self.untracked or not can_track(plan.device)
         self.start_clock()
 
     def amend(self, plan: MemoryPlan) -> None:

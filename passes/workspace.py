@@ -205,7 +205,8 @@ def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int
             todo = {}
         elif not can_track(device):
             log.warning("memopt: cannot track allocations while planning (a profiler is "
-                        "recording); kernel workspaces are not counted in this plan")
+                        "recording); kernel workspaces are not counted in this plan (it is made again at the first "
+                        "step outside the profiler)")
             todo = {}
         if len(cache.bytes_of) + len(todo) > cache.max_entries:
             cache.bytes_of.clear()

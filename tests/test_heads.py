@@ -281,3 +281,35 @@ def test_a_heads_costs_are_measured_once_per_shape(monkeypatch):
     assert len(calls) == 1 and again.heads == first.heads
     memopt.plan(model, tokens[:4], targets[:4], budget=0.6)  # other shapes: measured
     assert len(calls) == 2
+
+
+def test_a_plan_made_under_a_profiler_is_made_again_outside_it():
+    """A step that plans while a profiler records on CPU cannot measure its heads'
+    transients or its kernels' workspaces: its estimate of a one-chunk head left out the
+    logits the forward makes (a plan 695 KB, the step 1,014 KB, found from outside).
+    The estimate counts them now, and the first step outside the profiler plans every
+    graph again, measured: the plan is then the one a step never profiled makes."""
+    torch.manual_seed(0)
+    model = TinyLM(V, dropout=0.0)
+    tokens, targets = _inputs()
+    resident = sum(t.untyped_storage().nbytes()
+                   for t in (*model.parameters(), tokens, targets))
+    plain = memopt.compile(copy.deepcopy(model), budget=0.8)
+    _step(plain, tokens, targets)
+    profiled = memopt.compile(copy.deepcopy(model), budget=0.8)
+    with allocation_peak("cpu"):
+        _step(profiled, tokens, targets)  # plans under the profiler: estimated
+    estimated = profiled.memopt_plan
+    assert not any(w == 0 for h in estimated.heads
+                   for w in (h.forward_workspace_bytes,) if h.chunks == 1)
+    for p in model.parameters():
+        p.grad = None
+    profiled.zero_grad(set_to_none=True)
+    _step(profiled, tokens, targets)  # outside it: planned again, measured
+    again = profiled.memopt_plan
+    assert again is not estimated
+    assert again.predicted_peak_bytes == plain.memopt_plan.predicted_peak_bytes
+    assert again.heads == plain.memopt_plan.heads
+    profiled.zero_grad(set_to_none=True)
+    measured = _allocated(profiled, tokens, targets, resident)
+    assert measured <= again.budget_bytes, (measured, again.budget_bytes)
