@@ -250,6 +250,12 @@ class CompiledModule(nn.Module):
         memo[id(self)] = copied
         return copied
 
+    def __copy__(self) -> "CompiledModule":
+        """`copy.copy`: a module sharing everything with this one, as for any module."""
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
             "a memopt module cannot be pickled (its compiled graphs are code): save "

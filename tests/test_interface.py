@@ -198,3 +198,4 @@ def test_a_deep_copy_is_the_model_copied_and_compiled_again(blocks: bool) -> Non
         copy.deepcopy(memopt.compile(eager, optimizer=optimizer))
     with pytest.raises(TypeError, match="state_dict"):
         torch.save(compiled, io.BytesIO())
+    assert copy.copy(compiled).original_module is compiled.original_module  # shallow: shared
