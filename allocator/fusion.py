@@ -91,6 +91,10 @@ class FusionNode:
     #: memopt.kernels.scheduled_peak): the wrapper allocates every buffer a kernel writes
     #: before the kernel runs, so no node takes a buffer freed by a node of its own kernel
     group: int | None = None
+    #: a view that reads its input's elements in their order (a reshape of a contiguous
+    #: value), so that a kernel reading through it reads at the positions it writes;
+    #: False for a permute, a slice, an expand
+    keeps_order: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -223,8 +227,10 @@ def fuse(nodes: Sequence[FusionNode], thresholds: Thresholds = Thresholds()) -> 
             if src_node.storage is None or not src_node.whole:
                 continue
             theirs = find(src_node.storage)
-            if theirs in pinned or last.get(theirs) != i or src_node.layout != n.layout \
-                    or not 0.95 * src_node.nbytes <= n.nbytes <= src_node.nbytes:
+            if theirs in pinned or last.get(theirs) != i \
+                    or not 0.95 * src_node.nbytes <= n.nbytes <= src_node.nbytes \
+                    or (src_node.layout != n.layout
+                        and not _same_positions(nodes, virtual, i, a)):
                 continue
             inplace[i] = a
             parent[mine] = theirs
@@ -245,6 +251,33 @@ def fuse(nodes: Sequence[FusionNode], thresholds: Thresholds = Thresholds()) -> 
                 copies[i] = copies.get(i, 0) + nodes[a].nbytes
     return Fusion(virtual=frozenset(virtual), reads=reads, inplace=inplace, reuse=reuse,
                   estimate=estimate, copies=copies)
+
+
+def _same_positions(nodes: Sequence[FusionNode], virtual: set[int], i: int, a: int) -> bool:
+    """Whether node `i` reads node `a`, of another shape, at the positions it writes
+    (inductor's `can_inplace`: the read's index is the write's once its loops are merged):
+    both contiguous, of one dtype and size, and every unrealized node between them keeps
+    the elements' order (a reshape, not a permute). A backward's fused kernel writes the
+    logits' gradient, (batch, tokens, V), over the saved (batch x tokens, V)
+    log-probabilities it reads."""
+    n, src = nodes[i], nodes[a]
+    if not (n.whole and src.whole and n.key is not None and n.key == src.key):
+        return False
+    memo: dict[int, bool | None] = {}
+
+    def in_order(k: int) -> bool | None:  # None: no path to `a`; False: one reorders
+        if k == a:
+            return True
+        if k not in virtual:
+            return None
+        if k not in memo:
+            found = [in_order(x) for x in nodes[k].inputs]
+            memo[k] = None if all(f is None for f in found) \
+                else nodes[k].keeps_order and False not in found
+        return memo[k]
+
+    found = [in_order(x) for x in n.inputs]
+    return True in found and False not in found
 
 
 def _pool(nodes: Sequence[FusionNode], virtual: set[int], read_by, inplace: dict[int, int]

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from memopt.passes.runtime import RUNTIMES
 
-_STASH: dict[int, Tensor] = {}
+_STASH: dict[int, tuple[Tensor, Tensor]] = {}  # handle -> (log-probabilities, count)
 _HANDLES = itertools.count(1)
 
 

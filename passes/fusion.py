@@ -134,6 +134,7 @@ class Traits:
     heavy: bool = False
     out: bool = False  # an extern kernel called with a buffer the wrapper allocates
     relaid: tuple[int, ...] = ()  # its arguments inductor lays out anew (relaid_args)
+    keeps_order: bool = True  # as a view, its input's elements in their order (_keeps_order)
 
 
 def traits(node: fx.Node) -> Traits:
@@ -147,7 +148,17 @@ def traits(node: fx.Node) -> Traits:
     return Traits(kind, True, nbytes=value.untyped_storage().nbytes(),
                   layout=(tuple(value.shape), tuple(value.stride()), value.dtype),
                   whole=whole, heavy=is_heavy(node), out=node.target in _OUT_EXTERN,
-                  relaid=relaid_args(node))
+                  relaid=relaid_args(node), keeps_order=_keeps_order(node, value))
+
+
+def _keeps_order(node: fx.Node, value: torch.Tensor) -> bool:
+    """Whether `value`, read as a view of `node`'s first argument, has that tensor's
+    elements in their order: both contiguous, of one size, at one offset (a reshape)."""
+    first = node.args[0] if node.args else None
+    base = fake_value(first) if isinstance(first, fx.Node) else None
+    return not isinstance(base, torch.Tensor) or (
+        value.is_contiguous() and base.is_contiguous() and value.numel() == base.numel()
+        and value.storage_offset() == base.storage_offset())
 
 
 T = TypeVar("T", bound=Hashable)
@@ -195,7 +206,7 @@ def graph_fusion(inputs: Sequence[T], body: Sequence[T], outputs: Iterable[T | N
             storage=ids[n][0] if t.single and ids[n] else None, nbytes=t.nbytes,
             whole=t.whole, layout=t.layout, heavy=t.heavy,
             donated=kind == INPUT and donated(n), freeable=kind == INPUT and freeable(n),
-            relaid=relaid, group=group(n),
+            relaid=relaid, group=group(n), keeps_order=t.keeps_order,
             pooled=kind in (POINTWISE, KERNEL) or (kind == EXTERN and t.out),
             key=(t.layout[2], t.nbytes) if t.single else None))
     fused = fuse(nodes, Thresholds(heavy_on_reuse=cpu))

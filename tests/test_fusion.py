@@ -106,8 +106,26 @@ def test_a_kernel_writes_into_a_buffer_read_for_the_last_time() -> None:
     g = graph(node(INPUT), node(EXTERN, 0), node(POINTWISE, 1), node(EXTERN, 1, 2,
                                                                      output=True))
     assert fuse(g).inplace == {}  # the extern reads it after
-    g = graph(node(INPUT), node(EXTERN, 0), node(POINTWISE, 1, layout="T", output=True))
-    assert fuse(g).inplace == {}
+    g = graph(node(INPUT), node(EXTERN, 0), node(POINTWISE, 1, nbytes=200, output=True))
+    assert fuse(g).inplace == {}  # a larger buffer
+
+
+def test_a_kernel_writes_in_place_through_a_reshape_not_a_permute() -> None:
+    """A saved value read through an unrealized reshape is read at the positions the
+    kernel writes (the logits' gradient over the saved log-probabilities, another shape):
+    its buffer is taken; through a permute, or where the kernel's output is not
+    contiguous, it is not."""
+    def through(keeps_order: bool, whole: bool = True) -> dict[int, int]:
+        return fuse(graph(node(INPUT, donated=True, layout="(256, V)"),
+                          node(POINTWISE, 0, layout="(256, V)"),
+                          node(VIEW, 1, storage=1, layout="(4, 64, V)",
+                               keeps_order=keeps_order),
+                          node(POINTWISE, 2, layout="(4, 64, V)", whole=whole,
+                               output=True))).inplace
+
+    assert through(keeps_order=True) == {3: 0}
+    assert through(keeps_order=False) == {}
+    assert through(keeps_order=True, whole=False) == {}
 
 
 def test_the_pool_holds_a_freed_buffer_until_a_later_allocation_takes_it() -> None:
@@ -250,6 +268,47 @@ def test_the_prediction_under_inductor_is_the_measured_peak(budget: object) -> N
         (measured, plan.predicted_peak_bytes)
     if budget is not None:
         assert measured <= plan.budget_bytes
+
+
+class GatherHead(nn.Module):
+    """A language model's head whose loss is a gather of the log-probabilities of the
+    flattened logits, returning the logits too: the backward's fused kernel writes the
+    logits' gradient, (4, 64, V), over the saved log-probabilities, (256, V), it reads."""
+
+    def __init__(self, width: int = 64, vocab: int = 2000) -> None:
+        super().__init__()
+        self.inp, self.proj = nn.Linear(width, width), nn.Linear(width, vocab)
+        self.register_buffer("target", torch.randint(
+            0, vocab, (256,), generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.proj(torch.tanh(self.inp(x)))
+        log_probs = logits.view(-1, logits.shape[-1]).log_softmax(-1)
+        return -log_probs.gather(1, self.target[:, None]).mean(), logits
+
+
+def test_a_saved_value_read_through_a_reshape_is_written_over() -> None:
+    """Inductor writes a kernel's output over a buffer it reads for the last time at the
+    positions it writes, through a reshape too: the prediction counted the logits'
+    gradient beside the saved log-probabilities (30% above the step here, 14% on the
+    zoo's Mamba); now it is above the measurement by less than that one buffer."""
+    torch.manual_seed(0)
+    model = GatherHead()
+    x = torch.randn(4, 64, 64)
+    compiled = memopt.compile(copy.deepcopy(model), kernels="inductor")
+    inner = compiled.original_module
+    for _ in range(2):
+        inner.zero_grad(set_to_none=True)
+        compiled(x)[0].backward()
+    inner.zero_grad(set_to_none=True)
+    resident = sum(t.untyped_storage().nbytes() for t in (*inner.parameters(),
+                                                          *inner.buffers(), x))
+    with allocation_peak("cpu") as seen:
+        out = compiled(x)
+        out[0].backward()
+        del out
+    measured, predicted = seen.peak + resident, compiled.memopt_plan.predicted_peak_bytes
+    assert measured <= predicted < measured + 256 * 2000 * 4, (measured, predicted)
 
 
 class ReturnsTwice(nn.Module):
