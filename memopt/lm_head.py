@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from memopt.passes._torch_compat import library_for_op
 from memopt.passes.runtime import RUNTIMES
 
 _STASH: dict[int, tuple[Tensor, Tensor]] = {}  # handle -> (log-probabilities, count)
@@ -73,14 +74,16 @@ def _log_probs(logits: Tensor, upcast: bool) -> Tensor:
 #: The ops are defined with torch.library's low-level API: a custom_op's Python wrappers
 #: (its backend check of the outputs' aliasing, and for head_bwd an autograd layer it never
 #: needs) cost about a quarter of a one-chunk head's host time per step, which a small
-#: model's GPU step waits for (docs/kernels.md).
-_LIB = torch.library.Library("memopt", "FRAGMENT")
-_LIB.define("head_fwd(int chunk, bool keep, bool want_logits, bool logits_grad, bool upcast, "
-            "int ignore_index, str reduction, Tensor h, Tensor weight, Tensor? bias, "
-            "Tensor target) -> Tensor[]")
-_LIB.define("head_bwd(int chunk, bool upcast, int ignore_index, str reduction, Tensor handle, "
-            "Tensor grad_loss, Tensor? grad_logits, Tensor h, Tensor weight, Tensor? bias, "
-            "Tensor target, bool need_h, bool need_weight, bool need_bias) -> Tensor[]")
+#: model's GPU step waits for (docs/kernels.md). One library per op, replaced when this
+#: module runs again in a process (passes._torch_compat.library_for_op).
+_FWD_LIB, _BWD_LIB = library_for_op("memopt", "head_fwd"), library_for_op("memopt", "head_bwd")
+_FWD_LIB.define("head_fwd(int chunk, bool keep, bool want_logits, bool logits_grad, bool upcast, "
+                "int ignore_index, str reduction, Tensor h, Tensor weight, Tensor? bias, "
+                "Tensor target) -> Tensor[]", tags=(torch.Tag.pt2_compliant_tag,))
+_BWD_LIB.define("head_bwd(int chunk, bool upcast, int ignore_index, str reduction, "
+                "Tensor handle, Tensor grad_loss, Tensor? grad_logits, Tensor h, Tensor weight, "
+                "Tensor? bias, Tensor target, bool need_h, bool need_weight, bool need_bias) "
+                "-> Tensor[]", tags=(torch.Tag.pt2_compliant_tag,))
 _REDUCTIONS = {"mean": 1, "sum": 2}  # aten's enum (torch.nn._reduction)
 
 
@@ -127,7 +130,7 @@ def head_fwd(chunk: int, keep: bool, want_logits: bool, logits_grad: bool, upcas
     return [_fresh_scalar(total), out, _stash(None)]
 
 
-@torch.library.register_fake("memopt::head_fwd", lib=_LIB)
+@torch.library.register_fake("memopt::head_fwd", lib=_FWD_LIB)
 def _(chunk, keep, want_logits, logits_grad, upcast, ignore_index, reduction, h, weight, bias,
       target):
     loss_dtype = torch.float32 if upcast else torch.promote_types(h.dtype, weight.dtype)
@@ -226,11 +229,11 @@ def head_bwd(chunk: int, upcast: bool, ignore_index: int, reduction: str, handle
     return [grad_h, grad_w, grad_b]
 
 
-_LIB.impl("head_fwd", head_fwd, "CompositeExplicitAutograd")
-_LIB.impl("head_bwd", head_bwd, "CompositeExplicitAutograd")
+_FWD_LIB.impl("head_fwd", head_fwd, "CompositeExplicitAutograd")
+_BWD_LIB.impl("head_bwd", head_bwd, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("memopt::head_bwd", lib=_LIB)
+@torch.library.register_fake("memopt::head_bwd", lib=_BWD_LIB)
 def _(chunk, upcast, ignore_index, reduction, handle, grad_loss, grad_logits, h, weight, bias,
       target, need_h, need_weight, need_bias):
     return [torch.empty_like(h) if need_h else h.new_empty((0,)),
@@ -266,7 +269,7 @@ def _backward(ctx, grads):
 
 
 torch.library.register_autograd("memopt::head_fwd", _backward, setup_context=_setup_context,
-                                lib=_LIB)
+                                lib=_FWD_LIB)
 
 
 class _AttachLogits(torch.autograd.Function):

@@ -435,6 +435,18 @@ def set_frame_skipped(code: Any, skipped: bool) -> None:
     set_code_exec_strategy(code, FrameExecStrategy(action, FrameAction.DEFAULT))
 
 
+def library_for_op(namespace: str, name: str) -> Any:
+    """A `torch.library.Library` fragment to define `namespace::name` in, replacing the one
+    an earlier import of the defining module made (a module imported again after its
+    `sys.modules` entry was removed would define the op twice: a RuntimeError), as
+    torch.library.custom_op does."""
+    try:
+        from torch._library.custom_ops import get_library_allowing_overwrite  # noqa: PLC0415
+    except ImportError:
+        return torch.library.Library(namespace, "FRAGMENT")
+    return get_library_allowing_overwrite(namespace, name)
+
+
 def graph_break() -> None:
     """End dynamo's graph here (a no-op outside dynamo): memopt.blocks' boundaries."""
     torch._dynamo.graph_break()
