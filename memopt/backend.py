@@ -360,7 +360,7 @@ class MemoptBackend:
         step where allocations can be tracked, every graph is planned again, measured,
         for the steps after it (a profiled first step planned 695 KB where the step
         measured 1,014 KB, and every later step ran that plan over its budget)."""
-        graphs = list(self.plan_log.graphs_built)
+        graphs = [g for g in self.plan_log.graphs_built if g.plan is not None]  # planned
         if not graphs or not can_track(graphs[0].plan.device):
             return
         self.plan_log.untracked = False

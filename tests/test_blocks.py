@@ -9,10 +9,12 @@ layer, the measured peak within the budget and near the plan.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 from test_zoo import _check
+from benchmarks.zoo import ZOO
 from torch import nn
 
 import memopt
@@ -394,3 +396,22 @@ def test_zoo_trains_through_the_block_path(name: str, budget_of: str) -> None:
     that is below it)."""
     pytest.importorskip("transformers")
     _check(name, budget_of, blocks=True)
+
+
+def test_a_first_step_under_a_profiler_then_outside_it() -> None:
+    """A blocks=True step planned while a profiler records is planned again at the first
+    step outside it (memopt.backend); a graph built but not yet planned then is skipped
+    (it raised AttributeError on a Hugging Face GPT-2, found from outside)."""
+    from memopt.measure import allocation_peak
+
+    case = ZOO["gpt2"]()
+    compiled = memopt.compile(case.model, blocks=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with allocation_peak("cpu"):
+            case.run_step(compiled)
+        for _ in range(2):
+            case.model.zero_grad(set_to_none=True)
+            case.run_step(compiled)
+    assert not compiled._memopt_backend.plan_log.untracked
+    assert isinstance(compiled.memopt_plan, StepPlan)
