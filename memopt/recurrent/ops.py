@@ -286,9 +286,55 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
     return _unaliased([out, *final], [*state, xs, *params]) + [handle]
 
 
+#: the stride orders of a step's output and of its input's gradient (_step_orders)
+_ORDERS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _step_orders(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: list[Tensor]
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The stride orders (outermost first) of the step's output and of its input's
+    gradient, which the ops return as they are where the chain runs as one chunk:
+    nn.LSTM, GRU and RNN with batch_first=True give a time-major buffer transposed, for
+    both (inductor checks an op's strides against its fake's: an LSTM with batch_first
+    failed there). The output's is learned once on real zeros of two steps, the RNG state
+    left as it was; the gradient's is taken to be the same where the output is not laid
+    out in its own order (a fake kernel runs below autograd: no backward to learn it)."""
+    key = (id(spec), xs.device, xs.dtype, *(s.dtype for s in state), *(p.dtype for p in params))
+    if key not in _ORDERS:
+        def zeros(t: Tensor) -> Tensor:
+            return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+        devices = [xs.device.index or 0] if xs.device.type == "cuda" else []
+        with real_tensors(), torch.random.fork_rng(devices=devices), torch.no_grad():
+            x1, p1 = chunk_input(spec, xs, params, 0, min(2, steps_of(spec, xs, params)))
+            out, _ = spec.step(tuple(map(zeros, p1)), tuple(zeros(s) for s in state),
+                               zeros(x1))
+        order = tuple(sorted(range(out.dim()), key=lambda d: -out.stride(d)))
+        _ORDERS[key] = (order, order)
+    return _ORDERS[key]
+
+
+def _laid_out(y: Tensor, order: tuple[int, ...]) -> Tensor:
+    """An empty tensor of `y`'s shape with strides in `order` (outermost first)."""
+    if len(order) != y.dim() or order == tuple(range(y.dim())):
+        return y
+    laid = y.new_empty([y.shape[d] for d in order])
+    return laid.permute(*sorted(range(y.dim()), key=order.__getitem__))
+
+
+def _step_laid(spec: ChainSpec, chunk: int, xs: Tensor, params: list[Tensor]) -> bool:
+    """Whether an op returns the step's own tensors (one chunk of a time-major-or-not
+    tensor input), whose layout its fake must give (_step_orders)."""
+    return bool(spec.time_dim) and not spec.rows and not spec.sliced and isinstance(
+        xs, Tensor) and len(_bounds(spec, chunk_sizes(steps_of(spec, xs, params), chunk))) == 1
+
+
 @chain_fwd.register_fake
 def _(chain, chunk, m, strategy, keep, state, xs, params):
-    y, final = _outputs_like(_SPECS[chain], state, xs, params)
+    spec = _SPECS[chain]
+    y, final = _outputs_like(spec, state, xs, params)
+    if _step_laid(spec, chunk if keep else sys.maxsize, xs, params):  # the step's output
+        y = _laid_out(y, _step_orders(spec, state, xs, params)[0])
     return [y, *final, torch.empty((), dtype=torch.int64)]
 
 
@@ -354,7 +400,11 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
 def _(chain, chunk, m, strategy, need_x, handle, grad_ys, grad_state, state, xs, params):
     grads = [torch.empty_like(s) for s in state] + [torch.empty_like(p) for p in params]
     if need_x:
-        grads.append(torch.empty_like(xs))
+        spec = _SPECS[chain]
+        grad_x = torch.empty_like(xs)
+        if _step_laid(spec, chunk, xs, params):  # a whole-length chunk's, taken as is
+            grad_x = _laid_out(grad_x, _step_orders(spec, state, xs, params)[1])
+        grads.append(grad_x)
     return grads
 
 
