@@ -220,6 +220,24 @@ def _returned_only(gm: fx.GraphModule, linear: fx.Node, others: list[fx.Node]
             placeholders.index(bias) if bias is not None else None)
 
 
+def _autocast_inside(gm: fx.GraphModule) -> dict[fx.Node, dict[str, torch.dtype | None]]:
+    """The autocast regions a forward enters itself (`with torch.autocast(...)` inside it:
+    dynamo's `_enter_autocast` / `_exit_autocast` nodes): per node inside one, {device
+    type: dtype, or None where the region turns autocast off}, innermost last."""
+    active: list[tuple[fx.Node, str, torch.dtype | None]] = []
+    found: dict[fx.Node, dict[str, torch.dtype | None]] = {}
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name == "_enter_autocast" and len(node.args) >= 3:
+            device, dtype, enabled = node.args[:3]
+            active.append((node, device, dtype if enabled else None))
+        elif name == "_exit_autocast":
+            active = [a for a in active if a[0] not in node.args]
+        elif active:
+            found[node] = {device: dtype for _, device, dtype in active}
+    return found
+
+
 def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = None,
                 skip_logits: bool = False, returned_only: bool = False
                 ) -> list[ChunkedHeadSite]:
@@ -228,7 +246,9 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
     pattern it cannot prove equal is left as it is, with one debug line saying why.
 
     ``autocast``: {device type: dtype} of the autocast regions the graph is traced in
-    (``torch.autocast`` around the forward). There eager runs the projection in that
+    (``torch.autocast`` around the forward), and those the forward enters itself
+    (``_autocast_inside``: its loss came out bfloat16 where eager's is float32, found
+    from outside). There eager runs the projection in that
     dtype (``linear`` is on autocast's lower-precision list) and the loss in float32, so
     the op is given ``h`` cast to it, an explicit node that AOTAutograd differentiates (its
     backward casts the gradient back, as autocast's cast does), and upcasts the logits for
@@ -254,6 +274,7 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
     runtime("heads")
     fwd_op, _ = _ops()
     done = []
+    inside = _autocast_inside(gm)  # regions the forward enters itself
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     output = next(iter(gm.graph.find_nodes(op="output")))
     for loss in list(gm.graph.nodes):
@@ -280,7 +301,7 @@ def chunk_heads(gm: fx.GraphModule, autocast: dict[str, torch.dtype] | None = No
         bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
         logits = _example(linear)
         rows, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
-        cast = (autocast or {}).get(logits.device.type)
+        cast = {**(autocast or {}), **inside.get(loss, {})}.get(logits.device.type)
         skip = skip_logits and returned is not None
         if skip:
             others = []

@@ -341,3 +341,35 @@ def test_a_short_heads_chunks_are_priced_as_chunks():
         chunks.update(h.chunks for h in compiled.memopt_plan.heads)
         assert measured <= budget, (k, measured, budget, compiled.memopt_plan.heads)
     assert 2 in chunks, chunks  # a 32-row chunk was chosen at least once
+
+
+class _AutocastInside(torch.nn.Module):
+    """A classifier and its loss under an autocast region the forward enters itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.fc = torch.nn.Linear(32, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(self.fc(torch.relu(self.l1(x))), y)
+
+
+def test_a_head_under_autocast_the_forward_enters_keeps_eagers_float32_loss():
+    """The head pass saw only autocast around the call: under a region the forward
+    enters itself, its op computed the loss in bfloat16 (2.328125 against eager's
+    2.32652), found from outside. It now reads dynamo's autocast nodes: eager's loss and
+    gradients, exactly."""
+    torch.manual_seed(0)
+    model = _AutocastInside()
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    budget = int(1.1 * memopt.plan(model, x, y).predicted_peak_bytes)  # binds the head
+    compiled = memopt.compile(copy.deepcopy(model), budget=budget)
+    got, want = compiled(x, y), model(x, y)
+    assert compiled.memopt_plan.heads, "the classifier runs as memopt's head op"
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.backward()
+    want.backward()
+    for p, q in zip(compiled.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
