@@ -10,7 +10,7 @@ fix: one backward per call, or both calls inside one module's forward (one graph
 together).
 
 A call is watched through the autograd node of its compiled graph
-(`CompiledFunctionBackward`, AOTAutograd's): a hook on it says when its backward ran, a
+(`CompiledFunctionBackward`, AOTAutograd's): a pre-hook on it says when its backward ran, a
 weak reference when the graph was dropped without one. One hook and one weak reference a
 call, whatever the model's size.
 """
@@ -72,7 +72,10 @@ class PendingBackwards:
             if ran[0] == 2:  # inside autograd's engine: no user frame to point at
                 self._warn(SECOND_BACKWARD, 2)
 
-        node.register_hook(backward_ran)
+        # a pre-hook: a post-hook makes autograd keep the node's incoming gradients until
+        # it returns (its arguments), past where the backward frees them (the fuzz slice
+        # measured 8-15% over its budgets with one)
+        node.register_prehook(backward_ran)
         self.calls.append((weakref.ref(node), ran))
 
     def check(self) -> None:
