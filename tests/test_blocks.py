@@ -398,6 +398,7 @@ def test_zoo_trains_through_the_block_path(name: str, budget_of: str) -> None:
     _check(name, budget_of, blocks=True)
 
 
+@pytest.mark.slow  # a Hugging Face GPT-2 planned three times (~17 s)
 def test_a_first_step_under_a_profiler_then_outside_it() -> None:
     """A blocks=True step planned while a profiler records is planned again at the first
     step outside it (memopt.backend); a graph built but not yet planned then is skipped

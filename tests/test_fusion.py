@@ -287,6 +287,7 @@ class GatherHead(nn.Module):
         return -log_probs.gather(1, self.target[:, None]).mean(), logits
 
 
+@pytest.mark.slow  # compiles with inductor (~20 s); the rule's unit test runs by default
 def test_a_saved_value_read_through_a_reshape_is_written_over() -> None:
     """Inductor writes a kernel's output over a buffer it reads for the last time at the
     positions it writes, through a reshape too: the prediction counted the logits'
