@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
-from memopt.passes.allocated import can_track
+from memopt.passes.allocated import UNMEASURED
 
 from .errors import BudgetError, CaptureError
 from .memory_plan import MemoryPlan
@@ -59,10 +59,12 @@ class PlanLog:
     clock: float = 0.0
     #: the gradient buckets of the DDP running the current forward (None: no DDP)
     ddp: DDPBuckets | None = None
-    #: a plan was made while allocations could not be tracked (a profiler recording on
-    #: CPU): its kernel workspaces and heads' transients were not measured (MemoptBackend
-    #: plans every graph again at the first step where they can be)
+    #: a plan was made with something planning measures estimated instead (allocations
+    #: untracked while a profiler records on CPU: kernel workspaces, heads' transients;
+    #: MemoptBackend plans every graph again at the first step where they can be), and
+    #: the count of such estimates (passes.allocated.UNMEASURED) when it last looked
     untracked: bool = False
+    unmeasured: int = field(default_factory=lambda: UNMEASURED[0])
 
     def start_clock(self) -> None:
         """Capture time counts from now (a compiled call begins, or a graph was planned)."""
@@ -83,7 +85,8 @@ class PlanLog:
 
     def record(self, plan: MemoryPlan) -> None:
         self.plans.append(plan)
-        self.untracked = self.untracked or not can_track(plan.device)
+        if UNMEASURED[0] != self.unmeasured:
+            self.untracked, self.unmeasured = True, UNMEASURED[0]
         self.start_clock()
 
     def amend(self, plan: MemoryPlan) -> None:

@@ -61,6 +61,17 @@ class AllocationPeak:
     end: int = 0
 
 
+#: how many times planning could not measure what it needed (allocations untracked while
+#: another profiler records: kernel workspaces, a head's transients); a plan made across
+#: one is made again at the first step where they can be (memopt.plan_log.PlanLog)
+UNMEASURED = [0]
+
+
+def note_unmeasured() -> None:
+    """Planning used an estimate where it measures (see UNMEASURED)."""
+    UNMEASURED[0] += 1
+
+
 def can_track(device: torch.device | str) -> bool:
     """False where the counters are unavailable: another profiler is recording on
     CPU (profilers do not nest), or a device that is neither CPU nor CUDA."""

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ._torch_compat import real_tensors
-from .allocated import can_track, maybe_allocation_peak
+from .allocated import can_track, maybe_allocation_peak, note_unmeasured
 from .meta import NN_MODULE_STACK, OpBytes, _clean_path, fake_value, record_op_bytes, \
     handle_readers
 from .runtime import runtime
@@ -443,6 +443,7 @@ def head_costs(joint: fx.GraphModule, site: HeadSite) -> HeadCosts:
     b = fake_value(a[_FWD_B]) if a[_FWD_B] is not None else None
     device = h.device
     if not can_track(device):
+        note_unmeasured()
         return _estimated_costs(site, h.element_size(), bool(a[_UPCAST]))
     # once per process for a head of these shapes and options: a compilation plans its
     # graphs several times (the first forward's re-plans, a repeated block's second plan),

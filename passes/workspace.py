@@ -73,7 +73,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import OpOverload, real_tensors, storage_key
-from .allocated import allocation_peak, can_track
+from .allocated import allocation_peak, can_track, note_unmeasured
 from memopt.allocator.units import format_bytes
 
 from .meta import WORKSPACE_BYTES, fake_value, value_tensors
@@ -204,6 +204,7 @@ def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int
             log.info("memopt: planning on %s: kernel workspaces are not measured", device)
             todo = {}
         elif not can_track(device):
+            note_unmeasured()
             log.warning("memopt: cannot track allocations while planning (a profiler is "
                         "recording); kernel workspaces are not counted in this plan (it is made again at the first "
                         "step outside the profiler)")
