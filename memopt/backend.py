@@ -40,7 +40,8 @@ from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
 from .errors import BudgetError, CaptureError, PassError
-from .graph_breaks import ReplanPolicy, replan_forward, required, step_baseline
+from .graph_breaks import (ReplanPolicy, replan_forward, required, step_baseline,
+                           step_minimum)
 from .run_plans import split_later_runs
 from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
@@ -255,10 +256,14 @@ class MemoptBackend:
         # fraction budget is of the whole step's baseline, not known before then either.
         budget = None if self.budget is not None and self.budget.fraction is not None \
             else self.budget
+        # A graph that misses a byte budget even at its lowest peak runs that plan: the
+        # smallest budget of the whole step counts the graphs after it, and forward_ends
+        # raises it before the backward runs (graph_breaks.step_minimum).
         try:
             compiled = graph.compile(example_inputs, outside, ReplanPolicy.LEAN, budget)
         except BudgetError:
-            compiled = graph.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget)
+            compiled = graph.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget,
+                                     must_fit=False)
         graph.provisional = True
         return compiled
 
@@ -410,10 +415,31 @@ class MemoptBackend:
             # once per sequence of graphs: from the first forward's plans, as it ran
             key = tuple(id(run.primary) for run in runs)
             baseline = self.plan_log.step_baselines.setdefault(key, step_baseline(runs))
+        # The first forward's graphs were planned before the rest of the step was known,
+        # and its backward runs those plans: where the whole step misses the budget, the
+        # step is refused here, before the backward runs over it.
+        first = any(g.provisional for g in runs)
+        planned = list(runs)
         missed = replan_forward(runs, bases, baseline, refine=split_later_runs)
         self.plan_log.last_runs = tuple(runs)  # as the next forwards run them
         if missed is not None:
-            self.plan_log.pending = missed
+            self.plan_log.pending = step_minimum(
+                missed, lambda nbytes: self._misses_at(planned, bases, nbytes))
+            if first:
+                raise self.plan_log.pending
+
+    def _misses_at(self, runs: list[CompiledGraph], bases: list[Outside],
+                   nbytes: int) -> BudgetError | None:
+        """Plan a forward's graphs again as its first forward is planned, under a byte
+        budget of `nbytes` in place of this backend's: the BudgetError of a graph that
+        misses it, or None (graph_breaks.step_minimum)."""
+        kept, self.budget = self.budget, Budget(nbytes=nbytes)
+        try:
+            for graph in runs:
+                graph.provisional, graph.weight = True, 0
+            return replan_forward(list(runs), bases, None, refine=split_later_runs)
+        finally:
+            self.budget = kept
 
 
 def _resumed(frame: CompilingFrame) -> bool:

@@ -90,6 +90,17 @@ class BudgetError(MemoptError):
             f"can differ from it by 10-20%."
         )
 
+    def with_minimum(self, minimum_bytes: int) -> BudgetError:
+        """This error for the same budget and step, naming another minimum (a forward
+        with graph breaks planned again at the one named first:
+        memopt.graph_breaks.step_minimum)."""
+        error = BudgetError(budget_bytes=self.budget_bytes, minimum_bytes=minimum_bytes,
+                            baseline_bytes=self.baseline_bytes, budget=self._budget,
+                            headroom=self.headroom, byte_headroom=self._byte_headroom,
+                            step=self.step)
+        error.plan_seconds, error.capture_seconds = self.plan_seconds, self.capture_seconds
+        return error
+
     def __reduce__(self) -> tuple:  # keyword-only __init__: pickle (multiprocessing) needs this
         return _rebuild_budget_error, (self.budget_bytes, self.minimum_bytes, self.baseline_bytes,
                                        self._budget, self.headroom, self._byte_headroom,

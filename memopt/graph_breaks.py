@@ -267,6 +267,34 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
                     policies[id(g)] = ReplanPolicy.LEAN
 
 
+#: Budgets step_minimum plans a forward at before it names the last one tried
+MINIMUM_TRIES = 6
+
+
+def step_minimum(missed: BudgetError, misses_at: Callable[[int], BudgetError | None]
+                 ) -> BudgetError:
+    """The BudgetError for a forward with graph breaks that misses its budget, naming the
+    smallest budget its whole step is planned within. replan_forward stops at the first
+    graph that misses; that graph's minimum counts the graphs before it, made lean, and
+    not the ones after it, which can miss at that minimum in turn (a Mixtral with router
+    logits: 3,918,295 bytes named, then 4,438,100 at the next step). So the forward is
+    planned again at each minimum named (`misses_at(bytes)`: the forward planned as a
+    first forward at that byte budget, its BudgetError or None where every graph fits),
+    up to MINIMUM_TRIES times, and the last minimum tried is the one named."""
+    tried, seconds = missed.minimum_bytes, missed.plan_seconds
+    for _ in range(MINIMUM_TRIES):
+        again = misses_at(tried)
+        if again is None:
+            break
+        seconds += again.plan_seconds
+        tried = max(again.minimum_bytes, tried + 1)
+    if tried == missed.minimum_bytes:
+        return missed
+    error = missed.with_minimum(tried)
+    error.plan_seconds = seconds
+    return error
+
+
 def _recompute_flops(runs: list[CompiledGraph]) -> int:
     return sum(run.plan.recompute_flops for run in runs)
 

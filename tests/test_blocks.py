@@ -416,3 +416,23 @@ def test_a_first_step_under_a_profiler_then_outside_it() -> None:
             case.run_step(compiled)
     assert not compiled._memopt_backend.plan_log.untracked
     assert isinstance(compiled.memopt_plan, StepPlan)
+
+
+def test_a_refused_first_step_names_a_minimum_its_blocks_are_planned_within() -> None:
+    """A byte budget out of reach is refused at the first step, before its backward (no
+    `.grad` made), naming a minimum that counts every block's graph; at that budget the
+    steps run within it. The first step once ran and the second refused it, naming more
+    (a tiny GPT-2 with blocks=True; a Qwen3: 2,906,510 bytes, then 3,495,866)."""
+    torch.manual_seed(0)
+    eager = Stack()
+    model = copy.deepcopy(eager)
+    low = int(0.3 / 0.8 * _binding_budget(eager))  # 0.3 of the no-budget plan
+    with pytest.raises(memopt.BudgetError) as info:
+        _train(memopt.compile(model, budget=low, blocks=True), model, steps=1)
+    assert all(p.grad is None for p in model.parameters())
+    budget = info.value.minimum_bytes
+    compiled = memopt.compile(model, budget=budget, blocks=True)
+    peaks = _train(compiled, model, steps=3)
+    _train(eager, eager, steps=3)
+    _assert_same_parameters(model, eager)
+    assert max(peaks[1:]) <= budget, (peaks, budget)  # the first step plans
