@@ -171,6 +171,21 @@ def _bounds(spec: ChainSpec, sizes: list[int]) -> list[tuple[int, int]]:
 _DTYPES: dict[tuple, tuple[torch.dtype, ...]] = {}
 
 
+def _step_on_zeros(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: list[Tensor],
+                   steps: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The chain's step run once on real zeros shaped as its first `steps` time steps
+    (at most): what a fake kernel learns from (dtypes under autocast, layouts). The RNG
+    state is left as it was: a step with dropout draws nothing eager's steps would."""
+    def zeros(t: Tensor) -> Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+    devices = [xs.device.index or 0] if xs.device.type == "cuda" else []
+    with real_tensors(), torch.random.fork_rng(devices=devices), torch.no_grad():
+        x1, p1 = chunk_input(spec, xs, params, 0, min(steps, steps_of(spec, xs, params)))
+        x1 = tuple(map(zeros, x1)) if isinstance(x1, tuple) else zeros(x1)
+        return spec.step(tuple(map(zeros, p1)), tuple(zeros(s) for s in state), x1)
+
+
 def _outputs_like(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: list[Tensor]
                   ) -> tuple[Tensor, list[Tensor]]:
     """Empty tensors like the chain's output and final state. Without autocast they
@@ -183,13 +198,7 @@ def _outputs_like(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: list
     key = (id(spec), xs.device, xs.dtype, *(s.dtype for s in state),
            *(p.dtype for p in params))
     if key not in _DTYPES:
-        def zeros(t: Tensor) -> Tensor:
-            return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-
-        with real_tensors(), torch.no_grad():
-            x1, p1 = chunk_input(spec, xs, params, 0, min(1, steps_of(spec, xs, params)))
-            x1 = tuple(map(zeros, x1)) if isinstance(x1, tuple) else zeros(x1)
-            y1, new = spec.step(tuple(map(zeros, p1)), tuple(zeros(s) for s in state), x1)
+        y1, new = _step_on_zeros(spec, state, xs, params, 1)
         _DTYPES[key] = (y1.dtype, *(s.dtype for s in new))
     dtypes = _DTYPES[key]
     return y.to(dtypes[0]), [f.to(d) for f, d in zip(final, dtypes[1:])]
@@ -301,14 +310,7 @@ def _step_orders(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: list[
     out in its own order (a fake kernel runs below autograd: no backward to learn it)."""
     key = (id(spec), xs.device, xs.dtype, *(s.dtype for s in state), *(p.dtype for p in params))
     if key not in _ORDERS:
-        def zeros(t: Tensor) -> Tensor:
-            return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-
-        devices = [xs.device.index or 0] if xs.device.type == "cuda" else []
-        with real_tensors(), torch.random.fork_rng(devices=devices), torch.no_grad():
-            x1, p1 = chunk_input(spec, xs, params, 0, min(2, steps_of(spec, xs, params)))
-            out, _ = spec.step(tuple(map(zeros, p1)), tuple(zeros(s) for s in state),
-                               zeros(x1))
+        out, _ = _step_on_zeros(spec, state, xs, params, 2)
         order = tuple(sorted(range(out.dim()), key=lambda d: -out.stride(d)))
         _ORDERS[key] = (order, order)
     return _ORDERS[key]
