@@ -68,6 +68,10 @@ BIRNNS = {
     "lstm2_dropout": lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, dropout=0.5),
     "lstm2_proj": lambda: nn.LSTM(4, 6, num_layers=2, bidirectional=True, proj_size=3),
     "gru_bf": lambda: nn.GRU(4, 6, bidirectional=True, batch_first=True),
+    # eager draws a batch_first stack's dropout on its time-major layout (the masks once
+    # fell on other elements: another loss, other gradients)
+    "gru2_bf_dropout": lambda: nn.GRU(4, 6, num_layers=2, bidirectional=True,
+                                      batch_first=True, dropout=0.4),
     "rnn3_relu": lambda: nn.RNN(4, 6, num_layers=3, bidirectional=True, nonlinearity="relu",
                                 dropout=0.3),
 }

@@ -320,9 +320,18 @@ class ChainedRNN(nn.Module):
                                                  [s[k:k + 1] for s in state], input, params)
                 ys.append(out[0])
                 finals.append(out[1:-1])
-            input = torch.cat(ys, -1)
             if self.dropout > 0 and self.training and layer < layers - 1:
-                input = nn.functional.dropout(input, self.dropout, True)
+                # eager runs a batch_first stack time-major and draws the noise on the
+                # layer's (time, batch, 2 * hidden) output: drawn on that layout here, the
+                # same numbers fall on the same elements (on the batch-first layout they did
+                # not: another loss and other gradients)
+                if self.batch_first:
+                    timed = torch.cat([y.transpose(0, 1) for y in ys], -1)
+                    input = nn.functional.dropout(timed, self.dropout, True).transpose(0, 1)
+                else:
+                    input = nn.functional.dropout(torch.cat(ys, -1), self.dropout, True)
+            else:
+                input = torch.cat(ys, -1)
         return input, [torch.cat([f[i] for f in finals]) for i in range(len(state))]
 
     @torch.compiler.disable(recursive=False)
