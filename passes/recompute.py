@@ -170,6 +170,10 @@ def add_mirror_nodes(joint: fx.GraphModule, num_fwd_outputs: int, mirrored: froz
     # replaces a random or stateful op. They go before the output; Step 4 moves them.
     clones: dict[tuple[fx.Node, str], fx.Node] = {}
     ops: dict[str, dict[fx.Node, fx.Node]] = {"A": {}, "S": {}, "B": {}}
+    # a twin apart from the op's own copy: an InstanceNorm's BatchNorm has its normalized
+    # output recomputed by its twin and its running statistics (read by its backward) by
+    # a copy of the op, whose outputs the twin lacks
+    twins: dict[str, dict[fx.Node, fx.Node]] = {"A": {}, "S": {}, "B": {}}
     output = next(iter(gm.graph.find_nodes(op="output")))
     with gm.graph.inserting_before(output):
         for node in [n for n in gm.graph.nodes if n in mirror]:
@@ -181,7 +185,7 @@ def add_mirror_nodes(joint: fx.GraphModule, num_fwd_outputs: int, mirrored: froz
                     return clones[(a, level(lvl, a))] if a in mirror else a
 
                 if is_twinned(node):
-                    clones[(node, lvl)] = emit_twin(gm.graph, node, env, ops[lvl], lvl)
+                    clones[(node, lvl)] = emit_twin(gm.graph, node, env, twins[lvl], lvl)
                     continue
                 if node.target is operator.getitem:
                     op = node.args[0]

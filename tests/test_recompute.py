@@ -144,6 +144,23 @@ def test_batchnorm_output_is_recomputed_without_touching_its_statistics() -> Non
     assert int(run.model[1].num_batches_tracked) == 3   # and running stats match eager's
 
 
+def test_a_tracked_instance_norm_recomputed_keeps_eagers_gradients_and_statistics() -> None:
+    """InstanceNorm with running statistics is a BatchNorm over (1, N * C, ...) whose
+    running statistics the backward reads too: its normalized output recomputed by the
+    twin, its statistics by a copy of the op. The two shared one cache, and the backward
+    read the twin's missing fourth output (an IndexError from inside torch, found from
+    outside)."""
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+                             nn.InstanceNorm2d(8, affine=True, track_running_stats=True),
+                             nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+
+    run = check_matches_eager(make, lambda: (torch.randn(8, 4, 12, 12),),
+                              compile_fn=lambda m: memopt.compile(m, mirror="all"), steps=2)
+    assert "aten._native_batch_norm_legit_functional[0]" in {
+        r.op for r in run.compiled.memopt_plan.recomputed}
+
+
 class _ScaledByCounter(nn.Module):
     """Reads a buffer the step then mutates: a recomputation would read the new value."""
 
