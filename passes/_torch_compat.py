@@ -117,7 +117,9 @@ def compiling_frame() -> CompilingFrame:
 
 
 #: ignored_logging_config's last answer per option name: (the user's set, the changes)
-_LOGGING_CHANGES: dict[str, tuple[set[Any], dict[str, Any]]] = {}
+_LOGGING_CHANGES: dict[str, tuple[tuple[set[Any], set[Any]], dict[str, Any]]] = {}
+_LOGGING_NAMES = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
+                  "warning_once", "info_once")
 
 
 def ignored_logging_config() -> dict[str, Any]:
@@ -127,7 +129,7 @@ def ignored_logging_config() -> dict[str, Any]:
     transformers is imported) and ``warnings.warn``, added to what the user has set.
     The option is ``ignore_logging_functions`` in torch 2.13 (``ignore_logger_methods``,
     Logger methods only, before it). Called at every step: the answer is kept while the
-    user's own set stays the same."""
+    user's own set and the Logger's methods stay the same."""
     import logging  # noqa: PLC0415
     import warnings  # noqa: PLC0415
 
@@ -135,12 +137,14 @@ def ignored_logging_config() -> dict[str, Any]:
     key = ("ignore_logging_functions" if hasattr(config, "ignore_logging_functions")
            else "ignore_logger_methods")
     user = getattr(config, key)
+    # transformers installs warning_once on logging.Logger when it is imported, which
+    # can be after a first step: the answer is kept for the functions found as well
+    functions = {getattr(logging.Logger, n) for n in _LOGGING_NAMES
+                 if hasattr(logging.Logger, n)}
     kept = _LOGGING_CHANGES.get(key)
-    if kept is not None and kept[0] == user:
+    if kept is not None and kept[0] == (user, functions):
         return kept[1]
-    names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",
-             "warning_once", "info_once")
-    functions = {getattr(logging.Logger, n) for n in names if hasattr(logging.Logger, n)}
+    found = set(functions)
     if key == "ignore_logging_functions":
         functions.add(warnings.warn)
     changes: dict[str, Any] = {key: set(user) | functions}
@@ -153,7 +157,7 @@ def ignored_logging_config() -> dict[str, Any]:
         # filter drops that one record.
         changes["log_compilation_metrics"] = False
         logging.getLogger("torch._dynamo.metrics_context").addFilter(_UNSORTABLE_CONFIG)
-    _LOGGING_CHANGES[key] = (set(user), changes)
+    _LOGGING_CHANGES[key] = ((set(user), found), changes)
     return changes
 
 
