@@ -34,6 +34,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 from memopt.allocator.mirror import placement_order
@@ -88,6 +89,32 @@ def mirrorable(joint: fx.GraphModule, num_fwd_outputs: int,
         elif tensor_value(node) is not None and _pure(node, mutable_inputs):
             result.append(node)  # tuples: through their getitems; symbols travel separately
     return result
+
+
+#: The tags dynamo gives the nodes of a torch.utils.checkpoint region that eager recomputes
+_RECOMPUTED_BY_USER = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def user_checkpointed(joint: fx.GraphModule, num_fwd_outputs: int,
+                      mutable_inputs: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The mirrorable forward nodes the model's own `torch.utils.checkpoint` regions
+    recompute in eager (dynamo tags each region's nodes: node.meta "recompute", one
+    "ac_graph_id" a region; a selective policy's saved ops are tagged to save), less each
+    region's outputs: the forward reads them outside the region, and eager keeps them
+    (the next region's saved input, or what the code after it saves). A plan with no
+    budget recomputes these, as eager does (Chen et al. 2016, Sec. 4.1: the user's
+    segments), instead of keeping what the model asked to recompute."""
+    region = forward_region(joint, num_fwd_outputs)
+
+    def tag(node: fx.Node) -> tuple[bool, object]:
+        return node.meta.get("recompute") in _RECOMPUTED_BY_USER, node.meta.get("ac_graph_id")
+
+    names = set()
+    for node in mirrorable(joint, num_fwd_outputs, mutable_inputs):
+        tagged, graph_id = tag(node)
+        if tagged and all(tag(u) == (True, graph_id) for u in node.users if u in region):
+            names.add(node.name)
+    return frozenset(names)
 
 
 def kept_by_ops(joint: fx.GraphModule) -> set[fx.Node]:
