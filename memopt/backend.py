@@ -262,8 +262,11 @@ class MemoptBackend:
         try:
             compiled = graph.compile(example_inputs, outside, ReplanPolicy.LEAN, budget)
         except BudgetError:
-            compiled = graph.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget,
-                                     must_fit=False)
+            try:  # op by op under inductor where its lowest plan misses and aten's fits
+                compiled = graph.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget)
+            except BudgetError:
+                compiled = graph.compile(example_inputs, outside, ReplanPolicy.LOWEST,
+                                         budget, must_fit=False)
         graph.provisional = True
         return compiled
 
@@ -424,7 +427,8 @@ class MemoptBackend:
         self.plan_log.last_runs = tuple(runs)  # as the next forwards run them
         if missed is not None:
             self.plan_log.pending = step_minimum(
-                missed, lambda nbytes: self._misses_at(planned, bases, nbytes))
+                missed, lambda nbytes: self._misses_at(planned, bases, nbytes),
+                baseline if baseline is not None else step_baseline(planned))
             if first:
                 raise self.plan_log.pending
 

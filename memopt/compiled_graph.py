@@ -351,13 +351,15 @@ class CompiledGraph:
                 return compiled
             plan, request = planned[-1], requests[-1]
             peak = inductor_peak(plan, schedule, request)
+            # what the plan's `fits` allows: the budget less its headroom
             budget = plan.budget_bytes
+            room = None if budget is None else budget - plan.headroom_bytes
             excess = max(0, peak - plan.predicted_peak_bytes)
-            if budget is None or peak <= budget:
+            if room is None or peak <= room:
                 self._amend(planned, schedule_excess_bytes=excess, predicted_peak_bytes=peak)
                 return compiled
             if attempt == 0:  # plan again, leaving the excess free
-                reserve[0] += peak - budget
+                reserve[0] += peak - room
                 planned.clear()
         planned.clear()
         reserve[0] = 0  # op by op, the plan's own liveness is the step's
@@ -385,6 +387,15 @@ class CompiledGraph:
             self.compile(self.fakes, outside, ReplanPolicy.LOWEST, budget, step_baseline,
                          must_fit=False)
             self.policy = ReplanPolicy.LEAN  # what was asked: LOWEST is how LEAN fits here
+        if not self.plan.fits and self.kernels is Kernels.INDUCTOR:
+            # op by op where inductor's lowest plan misses and aten's fits (the fallback a
+            # plan that must fit takes: _inductor_or_aten); the graph after a break missed
+            # without it, and budget_error then found a plan that fits
+            try:
+                self.compile(self.fakes, outside, ReplanPolicy.LOWEST, budget, step_baseline)
+            except BudgetError:
+                pass  # the plan that misses stays
+            self.policy = policy
         self.provisional = False
 
     def budget_error(self) -> BudgetError:

@@ -90,12 +90,15 @@ class BudgetError(MemoptError):
             f"can differ from it by 10-20%."
         )
 
-    def with_minimum(self, minimum_bytes: int) -> BudgetError:
+    def with_minimum(self, minimum_bytes: int, baseline_bytes: int | None = None
+                     ) -> BudgetError:
         """This error for the same budget and step, naming another minimum (a forward
         with graph breaks planned again at the one named first:
-        memopt.graph_breaks.step_minimum)."""
+        memopt.graph_breaks.step_minimum) and, where given, the whole step's baseline in
+        place of one graph's."""
+        baseline = self.baseline_bytes if baseline_bytes is None else baseline_bytes
         error = BudgetError(budget_bytes=self.budget_bytes, minimum_bytes=minimum_bytes,
-                            baseline_bytes=self.baseline_bytes, budget=self._budget,
+                            baseline_bytes=baseline, budget=self._budget,
                             headroom=self.headroom, byte_headroom=self._byte_headroom,
                             step=self.step)
         error.plan_seconds, error.capture_seconds = self.plan_seconds, self.capture_seconds

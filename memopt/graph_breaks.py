@@ -271,8 +271,8 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
 MINIMUM_TRIES = 6
 
 
-def step_minimum(missed: BudgetError, misses_at: Callable[[int], BudgetError | None]
-                 ) -> BudgetError:
+def step_minimum(missed: BudgetError, misses_at: Callable[[int], BudgetError | None],
+                 baseline: int) -> BudgetError:
     """The BudgetError for a forward with graph breaks that misses its budget, naming the
     smallest budget its whole step is planned within. replan_forward stops at the first
     graph that misses; that graph's minimum counts the graphs before it, made lean, and
@@ -280,7 +280,9 @@ def step_minimum(missed: BudgetError, misses_at: Callable[[int], BudgetError | N
     logits: 3,918,295 bytes named, then 4,438,100 at the next step). So the forward is
     planned again at each minimum named (`misses_at(bytes)`: the forward planned as a
     first forward at that byte budget, its BudgetError or None where every graph fits),
-    up to MINIMUM_TRIES times, and the last minimum tried is the one named."""
+    up to MINIMUM_TRIES times, and the last minimum tried is the one named, with the
+    whole step's `baseline` (step_baseline: what a fraction is of; the missing graph's
+    own made `smallest_fraction` None or too high)."""
     tried, seconds = missed.minimum_bytes, missed.plan_seconds
     for _ in range(MINIMUM_TRIES):
         again = misses_at(tried)
@@ -288,9 +290,7 @@ def step_minimum(missed: BudgetError, misses_at: Callable[[int], BudgetError | N
             break
         seconds += again.plan_seconds
         tried = max(again.minimum_bytes, tried + 1)
-    if tried == missed.minimum_bytes:
-        return missed
-    error = missed.with_minimum(tried)
+    error = missed.with_minimum(tried, baseline)
     error.plan_seconds = seconds
     return error
 
