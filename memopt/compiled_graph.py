@@ -6,7 +6,7 @@ memopt.planner.plan_joint), and where in the user's code it ends. Also what the 
 tells the planner about the step: which primals are parameters, buffers and inputs; the
 output gradients autograd forms outside the compiled backward; the `.grad` tensors a
 kept-gradient step adds into; and, with drop_outputs, the watcher that warns when the
-loop still holds an output the plan freed (DroppedOutputs).
+loop still holds an output the plan freed (memopt.dropped).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
                                          loss_decompositions, make_boxed, pytree,
@@ -39,7 +38,8 @@ from .memory_plan import GraphBreak, MemoryPlan
 from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
 from .planner.fusible import returns_view
-from .steps import Outside, holds_memory
+from .dropped import DroppedOutputs
+from .steps import Outside
 from .stepper import Stepping, stepping_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -436,41 +436,6 @@ class CompiledGraph:
         elif skipped:
             call.skipped.append((self, flat, out))
         return out
-
-
-class DroppedOutputs:
-    """drop_outputs=True: the forward's non-scalar outputs, watched by storage, so that
-    the backward can say when the loop still holds one that the plan freed as the
-    forward ended (passes.liveness: its bytes then come on top of the predicted peak)."""
-
-    def __init__(self) -> None:
-        #: (weak reference, data pointer, bytes, shape) of each watched output's storage
-        self.refs: list[tuple[StorageWeakRef, int, int, tuple[int, ...]]] = []
-
-    def watch(self, out: Any) -> None:
-        self.refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().data_ptr(),
-                      t.untyped_storage().nbytes(), tuple(t.shape))
-                     for t in pytree.tree_leaves(out)
-                     if holds_memory(t) and t.dim() > 0]
-
-    def check(self, backward_inputs: list[Any]) -> None:
-        """At the backward's start: outputs still alive that backward does not read
-        (Python's warning filter shows the same warning once)."""
-        read = {t.untyped_storage().data_ptr() for t in backward_inputs
-                if isinstance(t, torch.Tensor)}
-        alive = [(n, shape) for ref, ptr, n, shape in self.refs
-                 if not ref.expired() and ptr not in read]
-        self.refs = []
-        if alive:
-            shapes = ", ".join(str(list(shape)) for _, shape in alive)
-            warnings.warn(
-                f"memopt planned this step with drop_outputs=True, but "
-                f"{format_bytes(sum(n for n, _ in alive))} of the forward's outputs (shapes "
-                f"{shapes}) are still alive as its backward starts: this step can exceed the "
-                f"plan's predicted peak by that much. Drop every output but the loss before "
-                f"calling backward (loss = model(**batch).loss), or compile without "
-                f"drop_outputs.", stacklevel=2)
-
 
 
 def _view_grads(joint: fx.GraphModule, num_fwd_outputs: int) -> frozenset[int]:
