@@ -98,12 +98,13 @@ class ConsumedGradient(Memoryless):
         why = _READERS.get(name, f"{func} read it after backward")
         raise GradientConsumedError(
             f"memopt stepped this parameter's optimizer inside the backward and freed its "
-            f"gradient (memopt.compile(..., optimizer=...) chose it to fit the budget), and "
-            f"then {why}. A loop that reads gradients after backward (gradient accumulation, "
-            f"clip_grad_norm_, GradScaler, gradient logging) cannot step in the backward: "
-            f"pass step_in_backward=False to memopt.compile (a budget that needs it is then "
-            f"refused with the smallest one that fits), or raise the budget. Parameters "
-            f"stepped before this error keep their update.")
+            f"gradient (step_in_backward=True asked for it, or memopt.compile(..., "
+            f"optimizer=...) chose it to fit the budget), and then {why}. A loop that reads "
+            f"gradients after backward (gradient accumulation, clip_grad_norm_, GradScaler, "
+            f"gradient logging) cannot step in the backward: pass step_in_backward=False to "
+            f"memopt.compile (a budget that needs the step in the backward is then refused "
+            f"with the smallest one that fits). Parameters stepped before this error keep "
+            f"their update.")
 
 
 class ParamStepper(GradSink):
