@@ -365,8 +365,8 @@ class CompiledGraph:
         reserve[0] = 0  # op by op, the plan's own liveness is the step's
         compiled = aten()
         note = (f"aten: inductor's schedule holds {format_bytes(excess)} more than the plan, "
-                f"which would end at {format_bytes(peak)}, over the budget of "
-                f"{format_bytes(budget)}")
+                f"which would end at {format_bytes(peak)}, over the budget less its headroom, "
+                f"{format_bytes(room)}")
         self._amend(planned, kernels=Kernels.ATEN.value, kernels_note=note,
                     schedule_excess_bytes=excess)
         return compiled
