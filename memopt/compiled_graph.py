@@ -351,22 +351,27 @@ class CompiledGraph:
                 return compiled
             plan, request = planned[-1], requests[-1]
             peak = inductor_peak(plan, schedule, request)
-            # what the plan's `fits` allows: the budget less its headroom
             budget = plan.budget_bytes
-            room = None if budget is None else budget - plan.headroom_bytes
             excess = max(0, peak - plan.predicted_peak_bytes)
-            if room is None or peak <= room:
-                self._amend(planned, schedule_excess_bytes=excess, predicted_peak_bytes=peak)
+            if budget is None or peak <= budget:
+                # inductor's schedule is the step's peak: what it leaves of the budget is
+                # the headroom kept (less than the plan's where the schedule ends above
+                # it), so that `plan.fits` says what was accepted (a re-plan after graph
+                # breaks found it missing, and then an AssertionError)
+                headroom = plan.headroom_bytes if budget is None \
+                    else min(plan.headroom_bytes, budget - peak)
+                self._amend(planned, schedule_excess_bytes=excess, predicted_peak_bytes=peak,
+                            headroom_bytes=headroom)
                 return compiled
             if attempt == 0:  # plan again, leaving the excess free
-                reserve[0] += peak - room
+                reserve[0] += peak - budget
                 planned.clear()
         planned.clear()
         reserve[0] = 0  # op by op, the plan's own liveness is the step's
         compiled = aten()
         note = (f"aten: inductor's schedule holds {format_bytes(excess)} more than the plan, "
-                f"which would end at {format_bytes(peak)}, over the budget less its headroom, "
-                f"{format_bytes(room)}")
+                f"which would end at {format_bytes(peak)}, over the budget of "
+                f"{format_bytes(budget)}")
         self._amend(planned, kernels=Kernels.ATEN.value, kernels_note=note,
                     schedule_excess_bytes=excess)
         return compiled
