@@ -340,6 +340,8 @@ class _Planning:
         regions recompute in eager (passes.recompute.user_checkpointed), where the
         simulated peak is then no higher (a plan with no budget stays at or below eager's
         peak for a model that checkpoints: it measured 1.52x eager's keeping them)."""
+        if not any("recompute" in n.meta for n in self.joint.graph.nodes):
+            return free  # no checkpoint in the model: no stage
         with stage("the model's own checkpoints", self.done):
             names = user_checkpointed(self.joint, self.n, self.step.mutable_inputs)
             both = Mirror(free.names | names, free.twice)
