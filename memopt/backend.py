@@ -262,11 +262,7 @@ class MemoptBackend:
         try:
             compiled = graph.compile(example_inputs, outside, ReplanPolicy.LEAN, budget)
         except BudgetError:
-            try:  # op by op under inductor where its lowest plan misses and aten's fits
-                compiled = graph.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget)
-            except BudgetError:
-                compiled = graph.compile(example_inputs, outside, ReplanPolicy.LOWEST,
-                                         budget, must_fit=False)
+            compiled = graph.compile_lowest(example_inputs, outside, budget)
         graph.provisional = True
         return compiled
 

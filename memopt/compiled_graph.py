@@ -21,7 +21,7 @@ from torch import fx
 
 from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
                                          loss_decompositions, make_boxed, pytree,
-                                         storage_key)
+                                         rng_kept, storage_key)
 from memopt.passes.lm_heads import Attach
 from memopt.passes.runtime_views import views_as_reshapes
 from memopt.passes.scans import scan_saved_bytes
@@ -237,7 +237,7 @@ class CompiledGraph:
                 bw_compiler=compile_backward, inference_compiler=compile_graph,
                 partition_fn=partition_fn, decompositions=loss_decompositions())
 
-        with torch.random.fork_rng(devices=_cuda_devices()):
+        with rng_kept():
             if self.kernels is Kernels.INDUCTOR:
                 compiled = self._inductor_or_aten(example_inputs, partition_fn, planned, aten,
                                                   reserve, requests)
@@ -388,20 +388,28 @@ class CompiledGraph:
         budget = self.backend.budget
         self.backend.plan_log.start_clock()  # capture: AOTAutograd's tracing only
         self.compile(self.fakes, outside, policy, budget, step_baseline, must_fit=False)
-        if policy == ReplanPolicy.LEAN and not self.plan.fits:
-            self.compile(self.fakes, outside, ReplanPolicy.LOWEST, budget, step_baseline,
-                         must_fit=False)
-            self.policy = ReplanPolicy.LEAN  # what was asked: LOWEST is how LEAN fits here
-        if not self.plan.fits and self.kernels is Kernels.INDUCTOR:
-            # op by op where inductor's lowest plan misses and aten's fits (the fallback a
-            # plan that must fit takes: _inductor_or_aten); the graph after a break missed
-            # without it, and budget_error then found a plan that fits
-            try:
-                self.compile(self.fakes, outside, ReplanPolicy.LOWEST, budget, step_baseline)
-            except BudgetError:
-                pass  # the plan that misses stays
-            self.policy = policy
+        if not self.plan.fits and (policy == ReplanPolicy.LEAN
+                                   or self.kernels is Kernels.INDUCTOR):
+            # under inductor GREEDY too: the graph after a break missed without the op-by-op
+            # fallback, and budget_error then found a plan that fits
+            self.compile_lowest(self.fakes, outside, budget, step_baseline)
+            self.policy = policy  # what was asked: LOWEST is how it fits here
         self.provisional = False
+
+    def compile_lowest(self, example_inputs: Sequence[Any], outside: Outside,
+                       budget: Budget | None, step_baseline: int | None = None) -> Callable:
+        """compile() by the LOWEST policy where that fits the budget (under inductor, op by
+        op where inductor's lowest plan misses and aten's fits: _inductor_or_aten), else
+        that lowest plan kept all the same (`plan.fits` False): the step's minimum is then
+        named where the forward ends (memopt.graph_breaks.step_minimum)."""
+        if self.kernels is Kernels.INDUCTOR:  # op by op, the plan kept is the one tried
+            try:
+                return self.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget,
+                                    step_baseline)
+            except BudgetError:
+                pass
+        return self.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget,
+                            step_baseline, must_fit=False)
 
     def budget_error(self) -> BudgetError:
         """The BudgetError of this graph's plan, which misses the budget."""
@@ -495,10 +503,6 @@ def _warn_parallel_scan(fw: fx.GraphModule, plan: MemoryPlan) -> bool:
         f"switch) to train the sequential scan; memopt plans it like eager. memopt does not "
         f"recompute the tree's levels yet (docs/limits.md).", UserWarning, stacklevel=2)
     return True
-
-
-def _cuda_devices() -> list[int]:
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
 
 
 def attach_logits(compiled: Callable, attaches: list[Attach]) -> Callable:

@@ -312,6 +312,19 @@ def real_tensors():
     return stack
 
 
+def rng_kept(device: torch.device | None = None):
+    """A context that leaves the RNG state as it was (CPU, and CUDA: `device`'s where
+    given, else every initialized device): planning runs ops for real (a chain step, a
+    workspace probe, AOTAutograd's tracing) and must not move the user's RNG, or dropout
+    would draw other masks than eager's."""
+    if device is not None:
+        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+    else:
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=devices)
+
+
 def cpu_allocation_events(prof: Any) -> list[tuple[int, int, int]]:
     """(time in ns, bytes, address) of every allocation (bytes > 0) and free (< 0)
     PyTorch's CPU allocator reported while ``prof`` (a

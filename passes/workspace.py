@@ -72,7 +72,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._torch_compat import OpOverload, real_tensors, storage_key
+from ._torch_compat import OpOverload, real_tensors, rng_kept, storage_key
 from .allocated import allocation_peak, can_track, note_unmeasured
 from memopt.allocator.units import format_bytes
 
@@ -211,7 +211,7 @@ def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int
             todo = {}
         if len(cache.bytes_of) + len(todo) > cache.max_entries:
             cache.bytes_of.clear()
-        with real_tensors(), torch.random.fork_rng(devices=_cuda_devices(device)):
+        with real_tensors(), rng_kept(device):
             for key, call in todo.items():
                 cache.bytes_of[key] = _run(call, device)
     cache.hits += len(calls) - len(todo)
@@ -272,11 +272,6 @@ def _key(target: Any, node_args: tuple, node_kwargs: dict) -> tuple | None:
 
 class _Unkeyable(Exception):
     pass
-
-
-def _cuda_devices(device: torch.device) -> list[int]:
-    return [device.index if device.index is not None else torch.cuda.current_device()] \
-        if device.type == "cuda" else []
 
 
 def _reads_host_scalars(target: Any) -> bool:

@@ -202,6 +202,33 @@ def test_with_no_budget_the_models_own_checkpoints_recompute_as_in_eager(reentra
         assert peaks[1] <= peaks[0], peaks
 
 
+@pytest.mark.parametrize("budget", [None, 0.8], ids=["no_budget", "budget_0.8"])
+def test_the_models_own_checkpoints_accumulate_eagers_gradients(budget) -> None:
+    """Gradient accumulation over a model that checkpoints its blocks, with dropout in
+    them: three micro-batches add into the kept `.grad` (the kept-gradient step), each
+    recomputed block drawing eager's mask, at no budget (the checkpoints' own recompute)
+    and at a binding one."""
+    import copy  # noqa: PLC0415
+
+    from support import FP32, assert_grads_close  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    eager = _Checkpointed(reentrant=False, dropout=0.2)
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, budget=budget)
+    batches = [torch.randn(256, 64) for _ in range(3)]
+    for step in range(2):
+        for module in (eager, compiled):
+            for k, x in enumerate(batches):
+                torch.manual_seed(10 * step + k)
+                (module(x).square().mean() / len(batches)).backward()
+        assert_grads_close(model, eager, FP32)
+    plan = compiled.memopt_plan  # the last step's: the kept-gradient step
+    assert plan.existing_grad_bytes and plan.recomputed
+    if budget is not None:
+        assert plan.fits
+
+
 class _ScaledByCounter(nn.Module):
     """Reads a buffer the step then mutates: a recomputation would read the new value."""
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from memopt.passes.runtime import RUNTIMES
-from memopt.passes._torch_compat import own_fake_mode, real_tensors, storage_key
+from memopt.passes._torch_compat import own_fake_mode, real_tensors, rng_kept, storage_key
 from memopt.allocator.gruslys import chunk_sizes, parse_strategy, solve, useful_m
 
 from .executor import ChainRun, ChainStats, Step
@@ -179,8 +179,7 @@ def _step_on_zeros(spec: ChainSpec, state: list[Tensor], xs: Tensor, params: lis
     def zeros(t: Tensor) -> Tensor:
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
-    devices = [xs.device.index or 0] if xs.device.type == "cuda" else []
-    with real_tensors(), torch.random.fork_rng(devices=devices), torch.no_grad():
+    with real_tensors(), rng_kept(xs.device), torch.no_grad():
         x1, p1 = chunk_input(spec, xs, params, 0, min(steps, steps_of(spec, xs, params)))
         x1 = tuple(map(zeros, x1)) if isinstance(x1, tuple) else zeros(x1)
         return spec.step(tuple(map(zeros, p1)), tuple(zeros(s) for s in state), x1)
