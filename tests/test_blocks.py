@@ -436,3 +436,33 @@ def test_a_refused_first_step_names_a_minimum_its_blocks_are_planned_within() ->
     _train(eager, eager, steps=3)
     _assert_same_parameters(model, eager)
     assert max(peaks[1:]) <= budget, (peaks, budget)  # the first step plans
+
+
+@pytest.mark.slow  # a Hugging Face GPT-2 planned, refused, then trained at its minimum (1-3 min)
+def test_a_language_models_refused_first_step_names_a_minimum_it_trains_within() -> None:
+    """The refusal of test_a_refused_first_step_names_a_minimum_its_blocks_are_planned_within
+    on a Hugging Face GPT-2 under blocks=True, whose token embedding is read between the
+    graphs: refused before its first backward, then trained at the minimum it named,
+    within it (it once ran its first step and refused the second, naming more)."""
+    from memopt.measure import allocation_peak  # noqa: PLC0415
+
+    model = _language_model("gpt2")
+    ids = torch.randint(0, model.config.vocab_size, (1, 128))
+    free = memopt.compile(copy.deepcopy(model), blocks=True)
+    free(input_ids=ids, labels=ids).loss.backward()
+    low = int(0.3 * free.memopt_plan.predicted_peak_bytes)
+    with pytest.raises(memopt.BudgetError) as info:
+        memopt.compile(model, budget=low, blocks=True)(input_ids=ids, labels=ids)
+    assert all(p.grad is None for p in model.parameters())
+    budget = info.value.minimum_bytes
+    compiled = memopt.compile(model, budget=budget, blocks=True)
+    resident = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), ids])
+    peaks = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with allocation_peak("cpu") as seen:
+            out = compiled(input_ids=ids, labels=ids)
+            out.loss.backward()
+        del out
+        peaks.append(seen.peak + resident)
+    assert max(peaks) <= budget, (peaks, budget)
