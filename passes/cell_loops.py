@@ -68,8 +68,8 @@ from torch import fx, nn
 from memopt.allocator.repeats import MIN_STEPS, Loop, Op, Ref, Slot, find_loops
 
 from ._torch_compat import OpOverload, OpOverloadPacket
-from .loop_packing import (Packing, example_value, is_packed, packing_of, slices_inputs,
-                           sliced_inputs, time_dim_of, unpack_outputs)
+from .loop_packing import (EXAMPLE_VALUE, Packing, example_value, is_packed, packing_of,
+                           slices_inputs, sliced_inputs, time_dim_of, unpack_outputs)
 from .runtime import runtime
 from .initial_states import widen_initial_states
 from .scan_inputs import sink_into_steps
@@ -531,6 +531,16 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
 # -- Step 6: the rewrite -----------------------------------------------------------------
 
 
+def _keep_example(old: fx.Node, new: fx.Node) -> None:
+    """`new`, the chain's value that replaces `old` (a stacked output, a final state),
+    with `old`'s recorded FakeTensor: later passes read shapes from it (the language-model
+    heads pass read None for a loop's stacked outputs under a Linear and cross-entropy:
+    an AttributeError, found from outside)."""
+    value = example_value(old)
+    if value is not None and example_value(new) is None:
+        new.meta[EXAMPLE_VALUE] = value
+
+
 def _rewrite(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, keep: bool,
              autocast: dict[str, torch.dtype]) -> ChainedLoop:
     params = _outside_refs(loop)
@@ -571,11 +581,13 @@ def _rewrite(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, keep: bool,
                 ys[k] = graph.call_function(torch.movedim, (ys[k], time_dim, stack_dim))
     doomed = set(run)
     for u, k in zip(loop.stacks, loop.stacked):
+        _keep_example(plain.nodes[u], ys[k])
         plain.nodes[u].replace_all_uses_with(ys[k])
         doomed.add(plain.nodes[u])
     for q, o in enumerate(loop.state):
         j = loop.ops[-1][o]
         if j is not None:
+            _keep_example(plain.nodes[j], finals[q])
             plain.nodes[j].replace_all_uses_with(finals[q], delete_user_cb=lambda u: u not in doomed)
     for node in reversed(list(graph.nodes)):
         dead_view = (_index(node) is not None or _is_unbind(node)) and not node.users

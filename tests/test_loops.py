@@ -235,6 +235,40 @@ def test_compiled_loop_runs_as_a_chain_with_eager_gradients(kind):
     assert not chain_ops._STASH
 
 
+class _TeacherForced(nn.Module):
+    """A teacher-forced LSTMCell language model: the loop's stacked outputs go through a
+    Linear head into cross-entropy."""
+
+    def __init__(self, vocab: int = 50, hidden: int = 32) -> None:
+        super().__init__()
+        self.vocab, self.hidden = vocab, hidden
+        self.emb = nn.Embedding(vocab, N_IN)
+        self.cell = nn.LSTMCell(N_IN, hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = c = torch.zeros(tokens.shape[0], self.hidden)
+        e = self.emb(tokens)
+        outs = []
+        for t in range(tokens.shape[1] - 1):
+            h, c = self.cell(e[:, t], (h, c))
+            outs.append(h)
+        logits = self.out(torch.stack(outs, 1))
+        return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+
+
+def test_a_loops_stacked_outputs_feed_a_language_model_head_under_a_budget():
+    """The chain's stacked output replaces the loop's stack; the language-model heads pass
+    reads its shape. It had none: every budget raised PassError (AttributeError) from the
+    heads pass, the probe for the smallest budget too (found from outside)."""
+    from support import check_matches_eager  # noqa: PLC0415
+
+    tokens = torch.randint(0, 50, (8, 17), generator=torch.Generator().manual_seed(0))
+    run = check_matches_eager(_TeacherForced, lambda: (tokens,), budget=0.7, steps=2)
+    plan = run.compiled.memopt_plan
+    assert plan.chains and plan.chains[0].t > 1 and plan.fits
+
+
 def test_loops_false_leaves_the_loop_unrolled():
     torch.manual_seed(0)
     model = LSTMCellLoop()
