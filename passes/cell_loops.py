@@ -516,7 +516,7 @@ def _spec(gm: fx.GraphModule, plain: PlainGraph, loop: Loop, params: list[Ref],
         plain_step = step
 
         def step(p: tuple, state: tuple, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-            with torch.autocast(cast[0], dtype=cast[1]):
+            with ops.chunk_autocast(cast):
                 return plain_step(p, state, x)
 
     # the RNG state is kept and replayed where the step may draw (a random op, or a module

@@ -135,7 +135,7 @@ def _rnn_step(rnn: nn.RNNBase, *, layers: int, reverse: bool = False,
         if autocast is None:
             out, new = run(params, state, x)
         else:
-            with torch.autocast(autocast[0], dtype=autocast[1]):
+            with ops.chunk_autocast(autocast):
                 out, new = run(params, state, x)
         return (out.flip(time_dim) if reverse else out), new
 

@@ -24,11 +24,12 @@ them by running it once.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -38,6 +39,24 @@ from memopt.passes._torch_compat import own_fake_mode, real_tensors, rng_kept, s
 from memopt.allocator.gruslys import chunk_sizes, parse_strategy, solve, useful_m
 
 from .executor import ChainRun, ChainStats, Step
+
+
+@contextlib.contextmanager
+def chunk_autocast(cast: tuple[str, torch.dtype]) -> Iterator[None]:
+    """The autocast state a chunk's step enters (ChainSpec.autocast), its cast cache
+    emptied as it leaves. autocast caches the cast of every leaf that needs grad until the
+    outermost region exits, and each chunk's parameters are new leaves: in a loop whose
+    backward runs inside the user's `torch.autocast` (its forward and backward in one
+    `with`), the casts of every chunk run and recomputation stayed alive to the step's
+    end (an nn.LSTM at a 0.4 budget under bf16: 1.17x the budget, found from outside).
+    Emptied, the casts a chunk's graph saves live as long as it does. The compiled graph
+    reads no cache (its casts are explicit ops); eager code in the user's region casts
+    again."""
+    with torch.autocast(cast[0], dtype=cast[1]):
+        try:
+            yield
+        finally:
+            torch.clear_autocast_cache()
 
 
 @dataclass(frozen=True)
