@@ -33,7 +33,8 @@ Algorithm:
         overwrite: the output has the argument's shape, dtype and strides, the
         argument is a whole, dense storage that is not a graph input or output,
         no other argument aliases it, the op is not random, and this node is the
-        storage's last reader.
+        storage's last reader; for a softmax's `out=` kernel, a target surely
+        contiguous at run time (laid_out_as_traced).
     Step 3: rewrite the target (and add `out=`), record the overwritten argument
         in `memopt.inplace_of`. The output now lives in that storage, so later
         rewrites see the merged lifetime.
@@ -50,7 +51,7 @@ from torch import fx
 
 from ._torch_compat import OpOverload, storage_key
 
-from .meta import set_inplace_source, tensor_value
+from .meta import inplace_source, set_inplace_source, tensor_value
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,36 @@ def opaque_output(node: fx.Node) -> bool:
         and op._opname not in _FRESH_OUTPUTS
 
 
+#: `out=` kernels that write `out` as if it were contiguous (the CPU's softmax family,
+#: torch 2.13): handed a non-contiguous `out`, they write wrong values.
+_CONTIGUOUS_OUT = frozenset({
+    "aten._softmax.default", "aten._log_softmax.default",
+    "aten._softmax_backward_data.default", "aten._log_softmax_backward_data.default"})
+
+
+def laid_out_as_traced(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """Whether `node`'s real output surely has the contiguous strides its FakeTensor
+    has. A pointwise op's kernel lays its output out as its inputs are, while some of
+    their FakeTensors say contiguous regardless (`native_dropout_backward` of a
+    transposed gradient, torch 2.13), so a pointwise op (or one rewritten in place: it
+    writes into what it reads) counts only where every tensor it reads does,
+    recursively; any other op is taken at its FakeTensor's word. For the
+    `out=` kernels of _CONTIGUOUS_OUT: the gradients of an attention whose softmax's
+    gradient came through dropout and a transpose were wrong with no budget (HF
+    Longformer, found from outside)."""
+    if node in memo:
+        return memo[node]
+    value = tensor_value(node)
+    ok = value is not None and value.is_contiguous()
+    if ok and node.op == "call_function" and isinstance(node.target, OpOverload) \
+            and (torch.Tag.pointwise in node.target.tags or inplace_source(node)):
+        memo[node] = True  # a cycle cannot occur in a graph; this only stops re-entry
+        ok = all(laid_out_as_traced(a, memo) for a in node.all_input_nodes
+                 if tensor_value(a) is not None and tensor_value(a).dim() > 0)
+    memo[node] = ok
+    return ok
+
+
 def merge_storage(old: object, key: object, merged: dict, last_read: dict, pinned: set) -> None:
     """Step 3's bookkeeping: the output's storage `old` now lives in `key`; it is read as
     late as either was, and protected if either was."""
@@ -217,6 +248,7 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
         )
 
     rewrites: list[InplaceRewrite] = []
+    laid_out: dict[fx.Node, bool] = {}
     for node in nodes:
         if node.op != "call_function":
             continue
@@ -230,7 +262,9 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
         elif (found := out_overload(functional)) is not None:
             target, out_name = found
             src = next((a for a in node.args if isinstance(a, fx.Node)
-                        and may_overwrite(node, a)), None)
+                        and may_overwrite(node, a)
+                        and (str(functional) not in _CONTIGUOUS_OUT
+                             or laid_out_as_traced(a, laid_out))), None)
             kwargs = {**node.kwargs, out_name: src}
         if src is None:
             continue

@@ -343,3 +343,31 @@ def test_ops_that_clone_selfs_storage_are_charged_what_their_kernel_allocates():
         restore_storage_sizes(gm)
         assert [n.meta["val"].untyped_storage().nbytes() for n in outs] == real
         assert [(n.meta["val"].shape, n.meta["val"].stride()) for n in outs] == before
+
+
+class _TransposedAttention(nn.Module):
+    """Longformer's pattern: scores laid out (batch, query, head, key), softmax, dropout,
+    and back to (batch, head, query, key) for the product with the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, 2, 32).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-1, -2)).transpose(1, 2)
+        p = torch.nn.functional.dropout(scores.softmax(-1), 0.1, self.training)
+        return (p.transpose(1, 2) @ v).square().mean()
+
+
+def test_a_softmax_gradient_is_never_written_into_a_buffer_laid_out_otherwise():
+    """The softmax's gradient came through dropout from a transposed gradient: the real
+    `native_dropout_backward` output follows that layout where its FakeTensor says
+    contiguous, and `_softmax_backward_data.out` writes a non-contiguous `out` as if it
+    were contiguous. The in-place pass wrote it there: wrong gradients for q and k at no
+    budget (HF Longformer, found from outside); now it does not."""
+    from support import check_matches_eager  # noqa: PLC0415
+
+    run = check_matches_eager(_TransposedAttention, lambda: (torch.randn(2, 64, 64),), steps=2)
+    assert not any("softmax" in r.op for r in run.compiled.memopt_plan.inplace)
