@@ -42,7 +42,7 @@ from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
 from .pending import PendingBackwards
 from .plan_blocks import check_meta, plan_blocks
-from .recurrent.modules import substitute_rnns
+from .recurrent.modules import RNNSubstitution
 from .settled import ModelTensors
 
 #: Sharing these dicts makes the compiled module hold the very same parameter
@@ -154,8 +154,9 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_memopt_backend", backend)
         # nn.LSTM / nn.GRU / nn.RNN run as recurrent chains (memopt.recurrent): the traced
         # module tree is a shallow copy with those wrapped; the model is not modified.
-        traced, pairs = substitute_rnns(model, packed_as_called=backend.budget is None)
-        object.__setattr__(self, "_memopt_pairs", pairs)
+        rnns = RNNSubstitution(model, packed_as_called=backend.budget is None)
+        traced = rnns.tree
+        object.__setattr__(self, "_memopt_rnns", rnns)
         object.__setattr__(self, "_memopt_traced", traced)
         object.__setattr__(self, "_memopt_fullgraph", fullgraph)
         object.__setattr__(self, "_memopt_fsdp", None)  # FsdpRecord under fully_shard
@@ -196,8 +197,7 @@ class CompiledModule(nn.Module):
         return self._memopt_model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        for original, twin in self._memopt_pairs:  # train()/eval() on the user's model
-            twin.training = original.training
+        self._memopt_rnns.sync()  # train()/eval(), replaced modules: the user's model
         backend, model = self._memopt_backend, self._memopt_model
         backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit
         tensors, grads = self._memopt_tensors, None
@@ -510,7 +510,7 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
         check_optimizer(optimizer, model)
         backend.optimizer_source = optimizer
         _count_optimizer(backend, model)
-    traced, _ = substitute_rnns(model, packed_as_called=backend.budget is None)
+    traced = RNNSubstitution(model, packed_as_called=backend.budget is None).tree
     backend.plan_log.set_forward(traced.forward)
     tensors = ModelTensors(model)
     if not backend.existing_grads and not _has_grads(tensors.grad_state()):

@@ -479,6 +479,89 @@ def test_packed_lengths_with_no_budget_plan_no_new_kind_of_step(packs, one_threa
         assert torch.equal(losses[0], losses[1])
 
 
+# -- the user's module after compile -------------------------------------------------
+
+
+class _Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.lstm(x)[0]).square().mean()
+
+
+def _hooked_tagger() -> nn.Module:
+    model = _Tagger()
+    model.lstm.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+    model.lstm.register_forward_hook(lambda m, args, out: (out[0] * 2, out[1]))
+    return model
+
+
+@pytest.mark.parametrize("budget", [None, 0.6], ids=["no_budget", "budget_0.6"])
+def test_an_rnns_forward_hooks_run_as_in_eager(budget):
+    """The forward pre-hook and hook of an nn.LSTM run around its chains (the wrapped
+    module is not called as a module: they were skipped, another loss and gradients,
+    silently; found from outside)."""
+    from support import check_matches_eager  # noqa: PLC0415
+
+    run = check_matches_eager(_hooked_tagger, lambda: (torch.randn(4, 24, 8),),
+                              budget=budget, steps=2)
+    if budget is not None:  # the hooks' call on the module breaks the graph around them
+        plan = run.compiled.memopt_plan
+        chains = [c for g in getattr(plan, "graphs", [plan]) for c in g.chains]
+        assert chains and chains[0].t > 1, chains
+
+
+def test_an_rnns_module_backward_hook_is_refused():
+    """A full backward hook on the nn.LSTM would not run around its chains: InputError
+    (it was skipped, silently), at compile and when added after it."""
+    hooked = _Tagger()
+    hooked.lstm.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(memopt.InputError, match="backward hook"):
+        memopt.compile(hooked)
+    model = _Tagger()
+    compiled = memopt.compile(model)
+    compiled(torch.randn(2, 5, 8)).backward()
+    model.lstm.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(memopt.InputError, match="backward hook"):
+        compiled(torch.randn(2, 5, 8))
+
+
+def test_an_rnns_parameters_and_modules_replaced_after_compile_are_used():
+    """A parameter of the nn.LSTM replaced, then the LSTM itself, then its sibling: each
+    step computes eager's loss and gradients with the new tensors (the traced copy of the
+    tree kept the old ones, silently; found from outside)."""
+    torch.manual_seed(0)
+    eager = _Tagger()
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model)
+    x = torch.randn(4, 12, 8)
+    changes = [
+        lambda m, w: setattr(m.lstm, "weight_hh_l0", nn.Parameter(w["hh"].clone())),
+        lambda m, w: setattr(m, "lstm", copy.deepcopy(w["lstm"])),
+        lambda m, w: setattr(m, "fc", copy.deepcopy(w["fc"])),
+    ]
+    for change in [None, *changes]:
+        if change is not None:
+            new = {"hh": torch.randn(64, 16), "lstm": nn.LSTM(8, 16, batch_first=True),
+                   "fc": nn.Linear(16, 10)}
+            change(model, new)
+            change(eager, new)
+        losses = []
+        for module, m in ((eager, eager), (compiled, model)):
+            m.zero_grad(set_to_none=True)
+            loss = module(x)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0])
+        ours = dict(model.named_parameters())
+        for name, p in eager.named_parameters():
+            assert ours[name].grad is not None, name
+            torch.testing.assert_close(ours[name].grad, p.grad, msg=name)
+
+
 # -- autocast -----------------------------------------------------------------------
 
 

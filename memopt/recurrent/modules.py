@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,7 +38,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from memopt.passes._torch_compat import rnn_kernels
 from memopt.passes.runtime import RUNTIMES
-from memopt.errors import CaptureError
+from memopt.errors import CaptureError, InputError
 
 from . import ops, packed
 from .executor import Step, Tensors
@@ -203,6 +204,9 @@ class ChainedRNN(nn.Module):
         # Dynamo refuses to trace through an nn.RNNBase, even an attribute access: keep
         # the module out of the traced tree; its parameters are registered here too.
         object.__setattr__(self, "rnn", rnn)
+        #: whether the module has forward (pre-)hooks, kept by RNNSubstitution.sync: read
+        #: in forward, where an attribute of the nn.RNNBase would break dynamo's graph
+        self.hooked = _hooked(rnn)
         self.weight_names = list(rnn._flat_weights_names)
         for n in self.weight_names:
             self.register_parameter(n, getattr(rnn, n))
@@ -212,7 +216,7 @@ class ChainedRNN(nn.Module):
         self.dropout = float(rnn.dropout)
         self.h_size, self.c_size = rnn.proj_size or rnn.hidden_size, rnn.hidden_size
         time_dim = 1 if rnn.batch_first else 0
-        name = name or type(rnn).__name__
+        name = self.path = name or type(rnn).__name__
         # the chains: one for a unidirectional RNN, else (layer, direction) in
         # _flat_weights_names order; each once per autocast state (None: off)
         if rnn.bidirectional:
@@ -273,6 +277,11 @@ class ChainedRNN(nn.Module):
         return table[autocast]
 
     def forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
+        if self.hooked:  # the user's module is out of the traced tree: its hooks run here
+            return _with_hooks(self.rnn, self._forward, input, hx)
+        return self._forward(input, hx)
+
+    def _forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
         if isinstance(input, PackedSequence):
             return self._packed(input, hx)
         lstm, batch_first = self.lstm, self.batch_first
@@ -442,6 +451,29 @@ class Recurrent(nn.Module):
         return out[0], tuple(final) if tupled else final[0]
 
 
+def _with_hooks(module: nn.Module, run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)`` with ``module``'s forward pre-hooks and forward hooks around it, as
+    nn.Module.__call__ runs them (those registered with_kwargs too): the wrapped RNN is
+    not called as a module, and its hooks were skipped, silently (found from outside)."""
+    kwargs: dict[str, Any] = {}
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if key in module._forward_pre_hooks_with_kwargs:
+            got = hook(module, args, kwargs)
+            if got is not None:
+                args, kwargs = got
+        else:
+            got = hook(module, args)
+            if got is not None:
+                args = got if isinstance(got, tuple) else (got,)
+    out = run(*args, **kwargs)
+    for key, hook in list(module._forward_hooks.items()):
+        got = hook(module, args, kwargs, out) if key in module._forward_hooks_with_kwargs \
+            else hook(module, args, out)
+        if got is not None:
+            out = got
+    return out
+
+
 @torch.compiler.disable
 def _called(rnn: nn.RNNBase, input: PackedSequence, hx: Any) -> tuple[PackedSequence, Any]:
     """``rnn(input, hx)``, out of dynamo's reach: the rows' count (the batch's total
@@ -451,35 +483,80 @@ def _called(rnn: nn.RNNBase, input: PackedSequence, hx: Any) -> tuple[PackedSequ
     return rnn(input, hx)
 
 
-def substitute_rnns(model: nn.Module, packed_as_called: bool = False
-                    ) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
-    """A shallow copy of ``model``'s module tree with every nn.LSTM / nn.GRU / nn.RNN
-    wrapped in a ChainedRNN (parameters, buffers and other modules shared); the
-    model itself when it has none. Also the (original, copy) pairs whose ``training``
-    flags the caller keeps in sync. ``packed_as_called`` (no budget): each wrapper runs
-    a PackedSequence as the module's own call (``ChainedRNN.packed_as_called``)."""
-    pairs: list[tuple[nn.Module, nn.Module]] = []
+class RNNSubstitution:
+    """A shallow copy of a model's module tree (``tree``) with every nn.LSTM / nn.GRU /
+    nn.RNN wrapped in a ChainedRNN (parameters, buffers, hooks and other modules shared);
+    the model itself when it has none. ``pairs``: the (original, copy) modules, which
+    ``sync`` keeps in step with the model. ``packed_as_called`` (no budget): each wrapper
+    runs a PackedSequence as the module's own call (``ChainedRNN.packed_as_called``)."""
 
-    def has_rnn(m: nn.Module) -> bool:
-        return any(isinstance(s, _RNN_TYPES) for s in m.modules())
+    def __init__(self, model: nn.Module, packed_as_called: bool = False) -> None:
+        self.packed_as_called = packed_as_called
+        self.pairs: list[tuple[nn.Module, nn.Module]] = []
+        self._source: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.tree = self._rebuild(model, "") if _has_rnn(model) else model
 
-    def rebuild(m: nn.Module, path: str) -> nn.Module:
+    def _rebuild(self, m: nn.Module, path: str) -> nn.Module:
         if isinstance(m, _RNN_TYPES):
+            _refuse_backward_hooks(m, path or type(m).__name__)
             wrapped = ChainedRNN(m, path or type(m).__name__)
-            wrapped.packed_as_called = packed_as_called
-            pairs.append((m, wrapped))
-            return wrapped
-        if not has_rnn(m):
+            wrapped.packed_as_called = self.packed_as_called
+        elif not _has_rnn(m):
             return m
-        clone = copy.copy(m)
-        clone._modules = {k: rebuild(v, f"{path}.{k}" if path else k) if v is not None else None
-                          for k, v in m._modules.items()}
-        pairs.append((m, clone))
-        return clone
+        else:
+            wrapped = copy.copy(m)
+            wrapped._modules = {
+                k: self._rebuild(v, f"{path}.{k}" if path else k) if v is not None else None
+                for k, v in m._modules.items()}
+        self.pairs.append((m, wrapped))
+        self._source[wrapped] = m
+        return wrapped
 
-    if not has_rnn(model):
-        return model, []
-    return rebuild(model, ""), pairs
+    def sync(self) -> None:
+        """Carry into the tree what the user changed on the model since it was built (at
+        every call; it walks only the modules the tree copied): train() / eval(); an RNN
+        parameter replaced (``lstm.weight_hh_l0 = nn.Parameter(...)``); a submodule added,
+        replaced or removed on a copied module, an RNN among them wrapped anew. Left as
+        built, the copy kept computing with the old tensors and modules, silently (found
+        from outside)."""
+        for original, twin in list(self.pairs):
+            twin.training = original.training
+            if isinstance(twin, ChainedRNN):
+                _refuse_backward_hooks(original, twin.path)
+                twin.hooked = _hooked(original)
+                for n in twin.weight_names:
+                    p = getattr(original, n)
+                    if twin._parameters.get(n) is not p:
+                        twin._parameters[n] = p
+                continue
+            mine, theirs = twin._modules, original._modules
+            for k, child in theirs.items():
+                held = mine.get(k)
+                if held is child or (held is not None and self._source.get(held) is child):
+                    continue
+                mine[k] = self._rebuild(child, k) if child is not None else None
+            for k in [k for k in mine if k not in theirs]:
+                del mine[k]
+
+
+def _refuse_backward_hooks(rnn: nn.Module, name: str) -> None:
+    """InputError where the RNN has module backward hooks: nn.Module runs them around a
+    module call, and memopt runs its chains instead (they were skipped, silently)."""
+    if rnn._backward_hooks or rnn._backward_pre_hooks:
+        raise InputError(
+            f"{name} ({type(rnn).__name__}) has a module backward hook "
+            f"(register_full_backward_hook / register_full_backward_pre_hook): memopt runs "
+            f"it as recurrent chains, not as a module call, so the hook would not run. "
+            f"Register it on a module around it, or hook its output tensors "
+            f"(`out.register_hook`).")
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_pre_hooks or m._forward_hooks)
+
+
+def _has_rnn(m: nn.Module) -> bool:
+    return any(isinstance(s, _RNN_TYPES) for s in m.modules())
 
 
 RUNTIMES.loop_step = loop_step  # for passes.cell_loops (memopt.passes.runtime)
