@@ -117,7 +117,10 @@ def _assert_same_parameters(model: nn.Module, eager: nn.Module) -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("check", [False, True], ids=["loop", "item-in-loop"])
+# the .item() variant is -m slow (its graph break is trained by tests/test_zoo.py's
+# DistilBERT and tests/test_graph_breaks.py by default)
+@pytest.mark.parametrize("check", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["loop", "item-in-loop"])
 def test_a_stack_trains_through_one_block_graph_within_its_budget(check: bool) -> None:
     torch.manual_seed(0)
     eager = Stack(check=check)
@@ -207,6 +210,8 @@ def test_accumulated_gradients_through_blocks_stay_within_the_budget(kernels: st
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # ~20 s; the default suite checks the simulator against builds in
+# tests/test_simulate.py and the block plans' measured steps in the tests above
 def test_the_simulator_prices_a_block_plan_as_its_build_does() -> None:
     """Every candidate plan of the block graph, priced with its own earlier runs
     (Outside.own), simulated as its exact build runs it (memopt.planner.verifying)."""
