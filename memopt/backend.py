@@ -109,7 +109,9 @@ class MemoptBackend:
                  kernels: str = "aten", step_in_backward: bool | None = None,
                  skip_logits: bool = False, reserved: bool = False,
                  offload: object = None) -> None:
-        self.budget: Budget | None = parse_budget(budget)
+        # one cell, shared with the twin with_existing_grads makes: a budget set on one
+        # (graph_breaks' search for a step's minimum) is the other's too
+        self._budget: list[Budget | None] = [parse_budget(budget)]
         #: what runs the planned graphs (memopt.kernels)
         self.kernels = Kernels.parse(kernels)
         if self.kernels is Kernels.INDUCTOR and drop_outputs:
@@ -183,6 +185,15 @@ class MemoptBackend:
             self.chunked_step.narrow(chunk_bytes)
 
     @property
+    def budget(self) -> Budget | None:
+        """The budget the graphs are planned under (memopt.budget), None: no budget."""
+        return self._budget[0]
+
+    @budget.setter
+    def budget(self, value: Budget | None) -> None:
+        self._budget[0] = value
+
+    @property
     def plans(self) -> list[MemoryPlan]:
         return self.plan_log.plans
 
@@ -200,7 +211,8 @@ class MemoptBackend:
 
     def with_existing_grads(self) -> "MemoptBackend":
         """A twin with the same budget and options, for the steps whose parameters
-        already hold `.grad`; it records its plans in this backend's log."""
+        already hold `.grad`; it records its plans in this backend's log, and a budget
+        set on either is both's."""
         twin = copy.copy(self)
         twin.existing_grads = True
         return twin
@@ -433,20 +445,17 @@ class MemoptBackend:
         """Plan a forward's graphs again as its first forward is planned, under a byte
         budget of `nbytes` in place of this backend's: the BudgetError of a graph that
         misses it, or None (graph_breaks.step_minimum)."""
-        # the graphs' own backend: a step that finds .grad kept runs this one's twin
-        # (with_existing_grads), and re-planned at this one's budget alone, it named a
-        # minimum that missed again (7,736,668 bytes, then 8,801,213: found from outside)
-        backends = list({id(b): b for b in (self, *(g.backend for g in runs))}.values())
-        kept = [b.budget for b in backends]
+        # every graph's backend is this one or its twin (with_existing_grads), which
+        # share the budget: re-planned at the refused budget, a twin named a minimum
+        # that missed again (7,736,668 bytes, then 8,801,213: found from outside)
+        kept = self.budget
         try:
-            for backend in backends:
-                backend.budget = Budget(nbytes=nbytes)
+            self.budget = Budget(nbytes=nbytes)
             for graph in runs:
                 graph.provisional, graph.weight = True, 0
             return replan_forward(list(runs), bases, None, refine=split_later_runs)
         finally:
-            for backend, budget in zip(backends, kept):
-                backend.budget = budget
+            self.budget = kept
 
 
 def _resumed(frame: CompilingFrame) -> bool:

@@ -169,17 +169,28 @@ def laid_out_as_traced(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     `out=` kernels of _CONTIGUOUS_OUT: the gradients of an attention whose softmax's
     gradient came through dropout and a transpose were wrong with no budget (HF
     Longformer, found from outside)."""
-    if node in memo:
-        return memo[node]
-    value = tensor_value(node)
-    ok = value is not None and value.is_contiguous()
-    if ok and node.op == "call_function" and isinstance(node.target, OpOverload) \
-            and (torch.Tag.pointwise in node.target.tags or inplace_source(node)):
-        memo[node] = True  # a cycle cannot occur in a graph; this only stops re-entry
-        ok = all(laid_out_as_traced(a, memo) for a in node.all_input_nodes
-                 if tensor_value(a) is not None and tensor_value(a).dim() > 0)
-    memo[node] = ok
-    return ok
+    stack = [node]  # depth first without recursion: a residual stream is a chain of adds
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        value = tensor_value(n)
+        ok = value is not None and value.is_contiguous()
+        if not (ok and n.op == "call_function" and isinstance(n.target, OpOverload)
+                and (torch.Tag.pointwise in n.target.tags or inplace_source(n))):
+            memo[n] = ok
+            stack.pop()
+            continue
+        read = [a for a in n.all_input_nodes
+                if tensor_value(a) is not None and tensor_value(a).dim() > 0]
+        unknown = [a for a in read if a not in memo]
+        if unknown:  # a graph has no cycles: each is decided before `n` is seen again
+            stack.extend(unknown)
+            continue
+        memo[n] = all(memo[a] for a in read)
+        stack.pop()
+    return memo[node]
 
 
 def merge_storage(old: object, key: object, merged: dict, last_read: dict, pinned: set) -> None:

@@ -29,6 +29,7 @@ which the suite's peak memory did not show (2.0 GB either way).
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+#: Under pytest-xdist (the README's `-n auto`) each worker takes its share of the cores
+#: for torch's intra-op threads: two workers of two threads each on CI's 2 cores would
+#: contend for them. Set once, before any test's state is snapshotted.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+                          if hasattr(os, "sched_getaffinity") else 1)
 
 
 def _config_modules() -> dict[str, Any]:

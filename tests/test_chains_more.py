@@ -581,6 +581,45 @@ def test_an_rnns_parameters_and_modules_replaced_after_compile_are_used():
             torch.testing.assert_close(ours[name].grad, p.grad, msg=name)
 
 
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+class _Encoded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = _Encoder()
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc(self.enc(x)).pow(2).mean()
+
+
+def test_a_nested_rnn_replaced_is_wrapped_under_its_full_path_and_its_old_copy_dropped():
+    """An nn.LSTM inside a submodule replaced after compile, three times: the new one is
+    wrapped under its full path (``enc.lstm``, the name a plan and an error show; it was
+    ``lstm``), and the copies of the replaced ones leave the list of copies synced at
+    every call (they stayed in it, each holding its old module, one more per change)."""
+    torch.manual_seed(0)
+    model = _Encoded()
+    compiled = memopt.compile(model)
+    x = torch.randn(2, 5, 8)
+    compiled(x).backward()
+    rnns = compiled._memopt_rnns
+    count = len(rnns.pairs)
+    for _ in range(3):
+        model.enc.lstm = nn.LSTM(8, 16, batch_first=True)
+        compiled(x).backward()
+        assert len(rnns.pairs) == count
+    wrapped = [twin for original, twin, _ in rnns.pairs if original is model.enc.lstm]
+    assert len(wrapped) == 1 and wrapped[0].path == "enc.lstm"
+
+
 # -- autocast -----------------------------------------------------------------------
 
 

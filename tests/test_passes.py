@@ -371,3 +371,25 @@ def test_a_softmax_gradient_is_never_written_into_a_buffer_laid_out_otherwise():
 
     run = check_matches_eager(_TransposedAttention, lambda: (torch.randn(2, 64, 64),), steps=2)
     assert not any("softmax" in r.op for r in run.compiled.memopt_plan.inplace)
+
+
+def test_the_layout_check_walks_a_residual_stream_thousands_of_ops_long():
+    """laid_out_as_traced follows pointwise ops back to what they read; a residual stream
+    is a chain of adds as long as the model is deep, and the walk recursed once per add
+    (RecursionError past Python's limit). 3,000 adds: decided without recursion."""
+    from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
+
+    from memopt.passes.inplace import laid_out_as_traced  # noqa: PLC0415
+
+    def stream(x, y, n=3000):
+        for _ in range(n):
+            x = x + y
+        return x
+
+    gm = make_fx(lambda x, y: stream(x, y), tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
+    last = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
+    assert laid_out_as_traced(last, {}) is True
+    transposed = make_fx(lambda x, y: stream(x.t(), y, 10), tracing_mode="fake")(
+        torch.randn(4, 4), torch.randn(4, 4))
+    last = [n for n in transposed.graph.nodes if n.op == "call_function"][-1]
+    assert laid_out_as_traced(last, {}) is False

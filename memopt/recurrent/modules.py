@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -486,14 +485,14 @@ def _called(rnn: nn.RNNBase, input: PackedSequence, hx: Any) -> tuple[PackedSequ
 class RNNSubstitution:
     """A shallow copy of a model's module tree (``tree``) with every nn.LSTM / nn.GRU /
     nn.RNN wrapped in a ChainedRNN (parameters, buffers, hooks and other modules shared);
-    the model itself when it has none. ``pairs``: the (original, copy) modules, which
-    ``sync`` keeps in step with the model. ``packed_as_called`` (no budget): each wrapper
-    runs a PackedSequence as the module's own call (``ChainedRNN.packed_as_called``)."""
+    the model itself when it has none. ``pairs``: each copied module's (original, copy,
+    path), which ``sync`` keeps in step with the model. ``packed_as_called`` (no budget):
+    each wrapper runs a PackedSequence as the module's own call
+    (``ChainedRNN.packed_as_called``)."""
 
     def __init__(self, model: nn.Module, packed_as_called: bool = False) -> None:
         self.packed_as_called = packed_as_called
-        self.pairs: list[tuple[nn.Module, nn.Module]] = []
-        self._source: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.pairs: list[tuple[nn.Module, nn.Module, str]] = []
         self.tree = self._rebuild(model, "") if _has_rnn(model) else model
 
     def _rebuild(self, m: nn.Module, path: str) -> nn.Module:
@@ -508,18 +507,20 @@ class RNNSubstitution:
             wrapped._modules = {
                 k: self._rebuild(v, f"{path}.{k}" if path else k) if v is not None else None
                 for k, v in m._modules.items()}
-        self.pairs.append((m, wrapped))
-        self._source[wrapped] = m
+        self.pairs.append((m, wrapped, path))
         return wrapped
 
     def sync(self) -> None:
         """Carry into the tree what the user changed on the model since it was built (at
         every call; it walks only the modules the tree copied): train() / eval(); an RNN
         parameter replaced (``lstm.weight_hh_l0 = nn.Parameter(...)``); a submodule added,
-        replaced or removed on a copied module, an RNN among them wrapped anew. Left as
-        built, the copy kept computing with the old tensors and modules, silently (found
-        from outside)."""
-        for original, twin in list(self.pairs):
+        replaced or removed on a copied module, an RNN among them wrapped anew (and the
+        copies of what it replaced dropped, with the modules they held). Left as built,
+        the copy kept computing with the old tensors and modules, silently (found from
+        outside)."""
+        source = {id(twin): original for original, twin, _ in self.pairs}
+        dropped: list[nn.Module] = []
+        for original, twin, path in list(self.pairs):
             twin.training = original.training
             if isinstance(twin, ChainedRNN):
                 _refuse_backward_hooks(original, twin.path)
@@ -532,11 +533,17 @@ class RNNSubstitution:
             mine, theirs = twin._modules, original._modules
             for k, child in theirs.items():
                 held = mine.get(k)
-                if held is child or (held is not None and self._source.get(held) is child):
+                if held is child or (held is not None and source.get(id(held)) is child):
                     continue
-                mine[k] = self._rebuild(child, k) if child is not None else None
+                if held is not None:
+                    dropped.append(held)
+                mine[k] = self._rebuild(child, f"{path}.{k}" if path else k) \
+                    if child is not None else None
             for k in [k for k in mine if k not in theirs]:
-                del mine[k]
+                dropped.append(mine.pop(k))
+        if dropped:  # the copies inside what was replaced or removed: no longer synced
+            gone = {id(m) for d in dropped if d is not None for m in d.modules()}
+            self.pairs = [pair for pair in self.pairs if id(pair[1]) not in gone]
 
 
 def _refuse_backward_hooks(rnn: nn.Module, name: str) -> None:
