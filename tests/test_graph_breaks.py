@@ -380,9 +380,9 @@ def test_a_third_party_model_broken_by_a_hook() -> None:
 
 
 class _ThreeParts(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 256) -> None:
         super().__init__()
-        self.parts = nn.ModuleList(nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)])
+        self.parts = nn.ModuleList(nn.Sequential(*[nn.Linear(width, width) for _ in range(3)])
                                    for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -393,17 +393,19 @@ class _ThreeParts(nn.Module):
         return torch.tanh(self.parts[2](x)).square().mean()
 
 
-def test_a_step_with_kept_gradients_names_a_minimum_it_is_planned_within():
+@pytest.mark.parametrize("width,rows", [(256, 512), (64, 256)])
+def test_a_step_with_kept_gradients_names_a_minimum_it_is_planned_within(width, rows):
     """A forward with graph breaks whose first step finds `.grad` kept (from an eager step:
     the step accumulation runs) runs the backend's twin (with_existing_grads): the search
     for the whole step's minimum re-planned its graphs at the refused budget, and named a
-    minimum that missed again (a 9-layer MLP: 7,736,668 bytes, then 8,801,213; found from
-    outside). The minimum named is accepted, and the steps run within it."""
-    x = torch.randn(512, 256)
+    minimum that missed again (a 9-layer MLP: 7,736,668 bytes, then 8,801,213; 64 wide:
+    701,990, then 786,457; found from outside). The minimum named is accepted, and the
+    steps run within it."""
+    x = torch.randn(rows, width)
 
     def kept() -> nn.Module:
         torch.manual_seed(0)
-        model = _ThreeParts()
+        model = _ThreeParts(width)
         model(x).backward()  # .grad kept
         return model
 
