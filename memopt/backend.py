@@ -39,7 +39,7 @@ from memopt.passes._torch_compat import (CompilingFrame, compiling_frame, last_g
 from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
-from .errors import BudgetError, CaptureError, PassError
+from .errors import BudgetError, CaptureError, InputError, PassError
 from .graph_breaks import (ReplanPolicy, replan_forward, required, step_baseline,
                            step_minimum)
 from .run_plans import split_later_runs
@@ -411,6 +411,9 @@ class MemoptBackend:
             return
         self.plan_log.traced += 1
         bases = trace.end(returned)
+        if trace.opaque and self.budget is not None:
+            self.plan_log.pending = _opaque_backward_error(trace.opaque, self.budget)
+            raise self.plan_log.pending
         runs = [run.graph for run in trace.runs]
         self.plan_log.last_runs = tuple(runs)
         self._count_repeated_outputs(returned, runs[-1])
@@ -456,6 +459,20 @@ class MemoptBackend:
             return replan_forward(list(runs), bases, None, refine=split_later_runs)
         finally:
             self.budget = kept
+
+
+def _opaque_backward_error(names: set[str], budget: Budget) -> InputError:
+    """The step runs Python autograd.Functions eagerly whose backward no plan counts
+    (memopt.eager_reads.opaque_function): a budget memopt cannot hold is refused, not
+    accepted and missed."""
+    listed = ", ".join(sorted(names))
+    return InputError(
+        f"the forward ran {listed} eagerly between memopt's graphs: a torch.autograd.Function "
+        f"dynamo did not trace (a graph break inside its forward), and what its backward "
+        f"allocates is in no plan (HF Reformer's reversible layers run again there), so "
+        f"the budget {budget} cannot be held. Compile with budget=None, or let dynamo "
+        f"trace the Function (remove what breaks the graph inside it: "
+        f"TORCH_LOGS=graph_breaks names it).")
 
 
 def _resumed(frame: CompilingFrame) -> bool:

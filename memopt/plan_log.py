@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from memopt.passes.allocated import UNMEASURED
 
-from .errors import BudgetError, CaptureError
+from .errors import BudgetError, CaptureError, InputError
 from .memory_plan import MemoryPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +39,7 @@ class PlanLog:
     graphs_built: list[CompiledGraph] = field(default_factory=list)
     last_runs: tuple[CompiledGraph, ...] = ()
     forward_code: CodeType | None = None
-    pending: BudgetError | None = None
+    pending: BudgetError | InputError | None = None  # raised at the next call
     warned_eager: bool = False
     #: a plan saved levels of a parallel scan (passes.scans): said once
     warned_scan: bool = False

@@ -188,6 +188,9 @@ class ForwardTrace:
     #: parameters eager code read after the last graph run (`end`); what it saved is
     #: freed by its backward, which runs before every graph's
     _eager_after: dict[StorageId, int] = field(default_factory=dict)
+    #: Python autograd.Functions eager code ran, whose backward no plan counts
+    #: (memopt.eager_reads.opaque_function)
+    opaque: set[str] = field(default_factory=set)
 
     @classmethod
     def begin(cls, params: list[torch.nn.Parameter], buffers: list[torch.Tensor], args: tuple,
@@ -228,6 +231,7 @@ class ForwardTrace:
         inputs = list(inputs)
         run = GraphRun(graph, storages(inputs), held_bytes)
         reads = eager_reads(inputs, self._walked)
+        self.opaque |= reads.opaque
         run.eager = {s: n for s, n in reads.params.items()
                      if s in self.grads and s not in run.inputs}
         run.eager_saved = {s: n for s, n in reads.saved.items() if s not in self.resident}
@@ -310,6 +314,7 @@ class ForwardTrace:
         new plans of the graphs before run i) for what the run's plan must count."""
         self.returned = storages([returned])
         reads = eager_reads(returned, self._walked)
+        self.opaque |= reads.opaque
         self._eager_after = {s: n for s, n in reads.params.items() if s in self.grads}
         return [Outside(run.base.forward, self._base(i, run.inputs).backward)
                 for i, run in enumerate(self.runs)]
