@@ -101,6 +101,28 @@ def test_each_op_and_shape_is_measured_once_and_rng_is_untouched() -> None:
     assert (second.charged, second.total_bytes) == (first.charged, first.total_bytes)
 
 
+class _Sampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        picked = torch.multinomial(torch.softmax(x, -1), 1).squeeze(1)
+        return torch.sin(x) * nn.functional.one_hot(picked, x.shape[1])
+
+
+def test_an_op_that_refuses_zeros_is_measured_on_ones() -> None:
+    """Workspaces are measured on zero-filled inputs; torch.multinomial refuses rows of
+    zero probability, and was charged 0 where it allocates a copy of its input (a step
+    at 0.7 measured 1.02x its budget; found from outside). It is measured on ones."""
+    graphs = _joint_graphs(_Sampler(), torch.randn(2048, 64))
+    workspace.measure_workspaces(graphs, workspace.WorkspaceCache())
+    charged = [node.meta.get(workspace.WORKSPACE_BYTES, 0) for gm in graphs
+               for node in gm.graph.nodes if node.target is torch.ops.aten.multinomial.default]
+    assert charged and max(charged) >= 2048 * 64 * 4 // 2, charged
+
+
 def test_views_are_never_measured() -> None:
     graph = torch.fx.Graph()
     a = graph.placeholder("a")
