@@ -37,7 +37,8 @@ from .ddp import buckets_of
 from .errors import CaptureError, InputError, MemoptError
 from .fsdp import fsdp_sharded_params, fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .fsdp_blocks import block_shards, check_sharded_blocks, fsdp_units
-from .input_checks import check_options, input_mismatch, refuse_meta, refuse_wrappers
+from .input_checks import (check_options, input_mismatch, refuse_meta, refuse_sparse_gradients,
+                           refuse_wrappers)
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
 from .pending import PendingBackwards
@@ -468,6 +469,7 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
         backend.optimizer_source = optimizer
     refuse_meta(model)
     refuse_wrappers(model)
+    refuse_sparse_gradients(model)
     if blocks and fsdp_units(model):  # FSDP2 per block (memopt.fsdp_blocks)
         check_sharded_blocks(model, find_blocks(model))
     else:

@@ -73,6 +73,21 @@ def refuse_wrappers(model: nn.Module) -> None:
             "memopt.compile.")
 
 
+def refuse_sparse_gradients(model: nn.Module) -> None:
+    """An nn.Embedding / nn.EmbeddingBag with ``sparse=True`` gives its weight a sparse
+    gradient, which has no storage for a plan to count or share: the first step failed
+    deep inside the step model (PassError over torch's NotImplementedError, found from
+    outside). Refused by name before anything runs."""
+    sparse = [name or type(m).__name__ for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise InputError(
+            f"{', '.join(sparse)} has sparse=True: memopt plans dense gradients (a sparse "
+            f"gradient has no storage to count or share). Construct it with sparse=False "
+            f"(the default; dense optimizers such as AdamW need that anyway), or train it "
+            f"without memopt.")
+
+
 #: Options of MemoptBackend a user passes (the rest are memopt's own plumbing)
 _INTERNAL_OPTIONS = {"self", "budget", "plan_only", "workspaces"}
 

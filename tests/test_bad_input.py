@@ -206,6 +206,24 @@ def test_compile_refuses_one_parameter_on_meta() -> None:
         memopt.compile(model)
 
 
+@pytest.mark.parametrize("layer", [nn.Embedding(100, 16, sparse=True),
+                                   nn.EmbeddingBag(100, 16, sparse=True)],
+                         ids=["embedding", "embedding_bag"])
+def test_compile_refuses_a_sparse_gradient_by_name(layer: nn.Module) -> None:
+    """A sparse=True embedding's gradient is sparse, with no storage for a plan: its
+    first step failed deep inside the step model (a PassError over torch's
+    NotImplementedError, at every budget; found from outside)."""
+    model = nn.Sequential(nn.Sequential(layer), nn.Linear(16, 4))
+    with pytest.raises(memopt.InputError, match=r"^0\.0 has sparse=True"):
+        memopt.compile(model)
+    layer.sparse = False
+    compiled = memopt.compile(model)
+    ids = torch.randint(0, 100, (8, 5))
+    out = compiled(ids if isinstance(layer, nn.EmbeddingBag) else ids[:, 0])
+    out.square().mean().backward()
+    assert not layer.weight.grad.is_sparse
+
+
 def test_plan_plans_a_meta_model_on_meta_inputs() -> None:
     """benchmarks/chen_resnet.py plans ResNets on the meta device: that keeps working, and
     predicts what the materialized model's plan predicts."""
