@@ -123,6 +123,20 @@ def test_an_op_that_refuses_zeros_is_measured_on_ones() -> None:
     assert charged and max(charged) >= 2048 * 64 * 4 // 2, charged
 
 
+def test_a_workspace_that_follows_the_values_is_measured_on_ones_too() -> None:
+    """linalg_matrix_exp's work follows its input's norm (none on zeros): the step of an
+    nn.utils.parametrizations.orthogonal layer measured 1.49x an accepted budget (found
+    from outside). Its workspace is measured on ones as well, the larger charged."""
+    layer = torch.nn.utils.parametrizations.orthogonal(nn.Linear(128, 128))
+    graphs = _joint_graphs(layer, torch.randn(256, 128))
+    workspace.measure_workspaces(graphs, workspace.WorkspaceCache())
+    charged = [node.meta.get(workspace.WORKSPACE_BYTES, 0) for gm in graphs
+               for node in gm.graph.nodes
+               if node.target is torch.ops.aten.linalg_matrix_exp.default]
+    # the backward exponentiates a 256 x 256 block matrix: 4 of them on zeros, 12 on ones
+    assert charged and max(charged) >= 8 * 256 * 256 * 4, charged
+
+
 def test_views_are_never_measured() -> None:
     graph = torch.fx.Graph()
     a = graph.placeholder("a")
