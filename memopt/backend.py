@@ -237,7 +237,7 @@ class MemoptBackend:
             # a new entry into the step: a graph after a break, or after eager code that
             # began the forward, is no new one (it may be captured for each shape of what
             # that code made: a PackedSequence's rows after an RNN's eager call)
-            self.plan_log.count_graph(self.existing_grads)
+            self.plan_log.count_graph(self.existing_grads, frame.code)
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph

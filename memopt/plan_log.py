@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
+from memopt.passes._torch_compat import recompile_reasons
 from memopt.passes.allocated import UNMEASURED
 
 from .errors import BudgetError, CaptureError, InputError
@@ -94,14 +95,27 @@ class PlanLog:
         found: memopt.compiled_graph's inductor check)."""
         self.plans[-1] = plan
 
-    def count_graph(self, existing_grads: bool) -> None:
-        """One more captured graph of this kind: refuse past the limit, naming the fix."""
+    def count_graph(self, existing_grads: bool, code: Any = None) -> None:
+        """One more captured graph of this kind: refuse past the limit, naming the fix and
+        what dynamo said made it capture `code` (the frame's) again."""
         count = self.graphs.get(existing_grads, 0) + 1
         if count > self.graph_limit:
+            reasons = recompile_reasons(code)
+            said = f" Dynamo's reason to capture it again: {_first_line(reasons[-1])}" \
+                f" (a guard on what the forward read: a Python number it reads, such as a " \
+                f"step counter, is a constant of each graph; pass it as a tensor)." \
+                if reasons else ""
             raise CaptureError(
                 f"memopt plans each input shape / dtype / train-eval mode separately and this "
-                f"module has now seen more than torch._dynamo.config.recompile_limit = "
-                f"{self.graph_limit} of them. Pad inputs to a few bucket sizes, or raise "
-                f"that limit (torch._dynamo.config.patch(recompile_limit=...)) if every "
+                f"module has now been captured more than torch._dynamo.config.recompile_limit "
+                f"= {self.graph_limit} times.{said} Pad inputs to a few bucket sizes, or "
+                f"raise that limit (torch._dynamo.config.patch(recompile_limit=...)) if every "
                 f"shape really needs its own plan.")
         self.graphs[existing_grads] = count
+
+
+def _first_line(reason: str) -> str:
+    """A dynamo guard failure in one line: the guard (``0/0: self.calls == 0``), without
+    the source comment, hint and user stack dynamo appends (its hint, to make such an int
+    dynamic, does not apply: memopt captures with dynamic=False)."""
+    return reason.strip().splitlines()[0].split("#")[0].strip() if reason.strip() else ""

@@ -116,6 +116,18 @@ def compiling_frame() -> CompilingFrame:
         return CompilingFrame(code=None, graph_break=False, reason="", filename="?", lineno=0)
 
 
+def recompile_reasons(code: Any) -> list[str]:
+    """Why dynamo captured ``code`` again: the guards that failed, as dynamo words them
+    (``L['self'].calls == 7``), oldest first; empty where it kept none (its private
+    ``guard_failures``, filled while ``report_guard_failures`` is on, the default)."""
+    try:
+        from torch._dynamo.utils import guard_failures  # noqa: PLC0415
+
+        return [str(reason) for reason in guard_failures.get(code, [])]
+    except Exception:  # noqa: BLE001 - its internals moved
+        return []
+
+
 #: ignored_logging_config's last answer per option name: (the user's set, the changes)
 _LOGGING_CHANGES: dict[str, tuple[tuple[set[Any], set[Any]], dict[str, Any]]] = {}
 _LOGGING_NAMES = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log",

@@ -583,6 +583,29 @@ def test_too_many_shapes_gives_a_clear_error() -> None:
             compiled(torch.randn(n, 4)).sum().backward()
 
 
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * (1.0 + 0.01 * self.calls)
+
+
+def test_a_python_counter_read_in_the_forward_is_named_past_the_limit() -> None:
+    """A step counter the forward reads is a constant of each graph, so every step is
+    captured again; past the limit the error blamed shapes, dtypes or train/eval mode
+    while none changed (found from outside). It names dynamo's failed guard and the fix."""
+    compiled = memopt.compile(_Counting())
+    x = torch.randn(2, 4)
+    with torch._dynamo.config.patch(recompile_limit=2), \
+            pytest.raises(memopt.CaptureError, match=r"self\.calls == \d.*pass it as a tensor"):
+        for _ in range(4):
+            compiled(x).sum().backward()
+
+
 def test_recursion_limit_in_compilation_names_the_fix(monkeypatch) -> None:
     import memopt.compiled_graph
 
