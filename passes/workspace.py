@@ -47,8 +47,7 @@ Algorithm:
         tracking (passes.allocated), with gradients off and autocast off; on CUDA
         one untimed call first, so that cuDNN's algorithm search (benchmark mode)
         and cuBLAS's handle workspace, allocated once per process, are not taken for
-        a per-call workspace. An op that fails on zeros runs again on ones in its
-        floating inputs (``torch.multinomial`` refuses rows of zero probability: it was
+        a per-call workspace. An op that fails on zeros runs again on ones (``torch.multinomial`` refuses rows of zero probability: it was
         charged 0 where it allocates a copy of its input, and a step at 0.7 measured
         1.02x its budget; found from outside); one that fails on both is charged 0.
     Step 3: record the bytes on every node of that key.
@@ -298,13 +297,14 @@ CUDA_READINGS = 2
 #: ops whose workspace follows their inputs' values, not only their shapes: measured on
 #: zeros and on ones, the larger charged. linalg_matrix_exp picks its Taylor degree and
 #: squarings by the input's norm (none on zeros; nn.utils.parametrizations.orthogonal's
-#: step measured 1.49x an accepted budget, found from outside)
-_VALUE_DEPENDENT = ("linalg_matrix_exp",)
+#: step measured 1.49x an accepted budget), _embedding_bag_backward's max mode gathers
+#: the gradient by its indices (none on zeros; a step 1.16x its budget): found from outside
+_VALUE_DEPENDENT = ("linalg_matrix_exp", "_embedding_bag")
 
 
 def _run(call: Call, device: torch.device) -> int:
     """Step 2: the op's transient bytes on zeros of its inputs' layout (inside
-    real_tensors); on ones in its floating inputs where it refuses zeros, and also
+    real_tensors); on ones where it refuses zeros, and also
     where its workspace follows the values (_VALUE_DEPENDENT): the larger then."""
     name = str(getattr(call.target, "__name__", call.target))
     both = any(op in name for op in _VALUE_DEPENDENT)
@@ -324,13 +324,14 @@ def _run(call: Call, device: torch.device) -> int:
 
 
 def _measure(call: Call, device: torch.device, ones: bool) -> int:
-    """One reading of ``_run``: inputs of zeros, with ``ones`` every floating input's
-    storage filled with ones of its dtype."""
+    """One reading of ``_run``: inputs of zeros, with ``ones`` every input's storage
+    filled with ones of its dtype (indices too: _embedding_bag_backward's max-mode
+    workspace follows its indices, and is none on zeros)."""
     bases: dict[Any, torch.UntypedStorage] = {}
     host_scalars = _reads_host_scalars(call.target)
 
     def filled(t: torch.Tensor) -> torch.Tensor:
-        if ones and t.is_floating_point() and t.element_size():
+        if ones and t.element_size() and not t.is_complex():
             whole = t.untyped_storage().nbytes() // t.element_size()
             t.as_strided((whole,), (1,), 0).fill_(1)
         return t
