@@ -101,7 +101,9 @@ def held_outside(shape: StepShape, *, existing_grads: Mapping[str, int] | None,
       for a graph that runs several times in the forward (a repeated block,
       memopt.blocks), (n, forward, backward) for each of its runs: what the rest holds
       around that run besides its n own earlier runs, each holding what this plan saves
-      (`saved_bytes`); the largest over its runs is held;
+      (`saved_bytes`); the largest over its runs is held; a fifth, what eager code
+      after the graph holds while its backward runs, just before the graph's
+      (`before_backward`), at the first backward step;
     - the output gradients autograd holds at once outside the compiled backward just
       before it starts (`outside_grad_bytes`), at the first backward step.
     """
@@ -110,6 +112,7 @@ def held_outside(shape: StepShape, *, existing_grads: Mapping[str, int] | None,
             for primal, nbytes in (existing_grads or {}).items()]
     after = outside_bytes[2] if len(outside_bytes) > 2 else 0
     own = outside_bytes[3] if len(outside_bytes) > 3 else ()
+    before = outside_bytes[4] if len(outside_bytes) > 4 else 0
     forward = max([outside_bytes[0]] + [f + n * saved_bytes for n, f, _ in own])
     backward = max([outside_bytes[1]] + [b + n * saved_bytes for n, _, b in own])
     for name, nbytes, start, stop in (("outside.forward", forward, 0, nf - 1),
@@ -117,6 +120,8 @@ def held_outside(shape: StepShape, *, existing_grads: Mapping[str, int] | None,
                                       ("outside.after_backward", after, max(nf, end), end)):
         if nbytes and start <= stop:
             held.append(HeldOutside(name, nbytes, start, stop, "outside"))
+    if before and has_backward and nf < shape.num_steps:
+        held.append(HeldOutside("outside.before_backward", before, nf, nf, "outside"))
     if outside_grad_bytes and has_backward and nf < shape.num_steps:
         held.append(HeldOutside("bw.aliased_output_grads", outside_grad_bytes, nf, nf,
                                 "tangent"))

@@ -15,6 +15,7 @@ backward.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import logging
 import warnings
@@ -257,8 +258,7 @@ class MemoptBackend:
         if trace is not None:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
             if alone:  # the whole forward in one graph: nothing is planned after it
-                outside = Outside(outside.forward, outside.forward, outside.after_backward,
-                                  outside.own)
+                outside = dataclasses.replace(outside, backward=outside.forward)
         if trace is None or alone:
             return graph.compile(example_inputs, outside, ReplanPolicy.GREEDY, self.budget)
         # The forward has graph breaks, and what its other graphs hold is not known

@@ -282,9 +282,8 @@ class CompiledGraph:
             baseline = request.step_baseline
         outside = request.outside
         if stepping.all_stepped:  # the user's optimizer.step() then allocates nothing
-            outside = Outside(outside.forward, outside.backward, max(
-                0, outside.after_backward - self.backend.optimizer.step_bytes),
-                outside.own)
+            outside = dataclasses.replace(outside, after_backward=max(
+                0, outside.after_backward - self.backend.optimizer.step_bytes))
         planned = plan_joint(dataclasses.replace(request, grads=stepping.grads,
                                                  outside=outside, step_baseline=baseline))
         if not self.backend.plan_only:

@@ -49,6 +49,12 @@ class EagerReads:
     opaque: set[str] = field(default_factory=set)
 
 
+def made_by_eager_autograd(t: torch.Tensor) -> bool:
+    """Whether eager code (not a compiled graph) made `t` with autograd recording: its
+    gradient is handed to that code's backward."""
+    return t.grad_fn is not None and type(t.grad_fn).__name__ != _COMPILED
+
+
 def eager_reads(values: Any, walked: set[int]) -> EagerReads:
     """What eager code read and saved to make `values` (module docstring). `walked` (node
     ids, one forward's) makes each node walked once."""

@@ -182,13 +182,14 @@ def required(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outsid
     if sum(r is graph for r in runs) < 2:
         return need_of(graph, runs, bases)
     weight = graph.weight if weighted else 0
-    own, after = [], 0
+    own, after, before = [], 0, 0
     for i, run in enumerate(runs):
         if run is graph:
             base = bases[i].plus(sum(r.plan.held_bytes for r in runs[:i] if r is not graph))
             own.append((len(own) * (4 + weight) // 4, base.forward, base.backward))
             after = max(after, base.after_backward)
-    return Outside(0, 0, after, tuple(own))
+            before = max(before, base.before_backward)
+    return Outside(0, 0, after, tuple(own), before)
 
 
 #: How often replan_forward raises a repeated graph's weight (its own earlier runs counted
