@@ -260,6 +260,12 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
             earlier = [g for g in dict.fromkeys(runs[:miss.position])
                        if policies[id(g)] == ReplanPolicy.GREEDY and g is not miss.graph]
             if not earlier:
+                if policies[id(miss.graph)] == ReplanPolicy.GREEDY:
+                    # then it: LEAN, and LOWEST where LEAN misses (CompiledGraph.replan).
+                    # Left GREEDY, a first graph that LOWEST fits was refused here (its
+                    # budget_error found the fit: an AssertionError; HF Jamba at 0.7)
+                    policies[id(miss.graph)] = ReplanPolicy.LEAN
+                    continue
                 return miss.graph.budget_error()
             for g in earlier:
                 if sum(r is g for r in runs) > 1 and g.weight < MAX_WEIGHT:

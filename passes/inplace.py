@@ -165,7 +165,11 @@ def laid_out_as_traced(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     their FakeTensors say contiguous regardless (`native_dropout_backward` of a
     transposed gradient, torch 2.13), so a pointwise op (or one rewritten in place: it
     writes into what it reads) counts only where every tensor it reads does,
-    recursively; any other op is taken at its FakeTensor's word. For the
+    recursively; so does a view, whose strides follow its base's (the FakeTensor of
+    `native_batch_norm_backward` keeps its input's strides where the CPU kernel returns
+    a contiguous gradient, so the transpose of it said contiguous and was not: a softmax
+    gradient written there was wrong at no budget, found from outside); any other op is
+    taken at its FakeTensor's word. For the
     `out=` kernels of _CONTIGUOUS_OUT: the gradients of an attention whose softmax's
     gradient came through dropout and a transpose were wrong with no budget (HF
     Longformer, found from outside)."""
@@ -178,7 +182,8 @@ def laid_out_as_traced(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
         value = tensor_value(n)
         ok = value is not None and value.is_contiguous()
         if not (ok and n.op == "call_function" and isinstance(n.target, OpOverload)
-                and (torch.Tag.pointwise in n.target.tags or inplace_source(n))):
+                and (torch.Tag.pointwise in n.target.tags or n.target.is_view
+                     or inplace_source(n))):
             memo[n] = ok
             stack.pop()
             continue
