@@ -159,6 +159,24 @@ _CONTIGUOUS_OUT = frozenset({
     "aten._softmax_backward_data.default", "aten._log_softmax_backward_data.default"})
 
 
+#: ops that alias their input at run time whose schema does not say so
+_ALIASING = frozenset({_aten._unsafe_view.default})
+
+
+def viewed(node: fx.Node) -> fx.Node | None:
+    """The node whose storage `node`'s value is a view of, by the op (a view op's first
+    argument; an output of a view op that returns several, such as split), or None."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    target = node.target
+    if isinstance(target, OpOverload) and (target.is_view or target in _ALIASING) \
+            and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
 def laid_out_as_traced(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     """Whether `node`'s real output surely has the contiguous strides its FakeTensor
     has. A pointwise op's kernel lays its output out as its inputs are, while some of
@@ -217,12 +235,19 @@ def reinplace(gm: fx.GraphModule, protected: frozenset[str] = frozenset()) -> In
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
 
-    # Step 1: storage groups and each storage's last reader.
+    # Step 1: storage groups and each storage's last reader. A view is its base's
+    # storage by the graph's structure, not by FakeTensor identity: a node recomputed in
+    # backward keeps its forward original's FakeTensor, and a dropout's twin (x * mask *
+    # scale, passes.twins) gets new ones, so a recomputed transpose of a twin's output
+    # looked like another storage, and an add was rewritten in place into that output
+    # while a convolution's backward still read it through the transpose (HF Hubert's
+    # positional convolution: wrong gradients, found from outside)
     key_of: dict[fx.Node, object] = {}
     for node in nodes:
         val = tensor_value(node)
         if val is not None:
-            key_of[node] = storage_key(val)
+            base = viewed(node)
+            key_of[node] = key_of[base] if base in key_of else storage_key(val)
     last_read: dict[object, int] = {}
     pinned: set[object] = set()
     for node in nodes:

@@ -419,3 +419,30 @@ def test_the_layout_check_walks_a_residual_stream_thousands_of_ops_long():
         torch.randn(4, 4), torch.randn(4, 4))
     last = [n for n in transposed.graph.nodes if n.op == "call_function"][-1]
     assert laid_out_as_traced(last, {}) is False
+
+
+def test_an_add_is_never_written_into_a_twin_output_a_transpose_still_views():
+    """HF Hubert-CTC with dropout, no budget: its first step (graph breaks: each graph
+    planned lean) recomputes the positional convolution's input, a dropout twin's output
+    (x * mask * scale, new FakeTensors), and a transpose of it that kept its forward
+    original's FakeTensor. The in-place pass took them for two storages and wrote the
+    residual add into the twin's output while the convolution's backward still read it
+    through the transpose: the convolution's weight gradients 26% off (found from
+    outside). Views are now their base's storage by the graph's structure."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.HubertConfig(
+        vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        mask_time_prob=0.0, ctc_loss_reduction="mean", pad_token_id=0, hidden_dropout=0.1,
+        attention_dropout=0.1, activation_dropout=0.1, feat_proj_dropout=0.1,
+        final_dropout=0.1, layerdrop=0.0)
+    torch.manual_seed(0)
+    eager = transformers.HubertForCTC(config).train()
+    model = copy.deepcopy(eager)
+    kwargs = dict(input_values=torch.randn(2, 1600), labels=torch.randint(1, 32, (2, 10)))
+    for module in (eager, memopt.compile(model)):
+        torch.manual_seed(1)
+        module(**kwargs).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
