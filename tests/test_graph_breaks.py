@@ -573,3 +573,29 @@ def test_a_first_graph_that_fits_only_at_its_lowest_peak_names_a_minimum():
     with pytest.raises(memopt.BudgetError) as info:
         step(0.7)
     step(info.value.minimum_bytes)
+
+
+def test_eager_code_between_graphs_is_counted_in_a_step_into_kept_gradients():
+    """The same model, every step into `.grad` kept from the one before (accumulation):
+    the minimum named for that step is accepted, and the steps run within it."""
+    x = torch.randn(2048, 64)
+
+    def kept() -> nn.Module:
+        torch.manual_seed(0)
+        model = _CumulativeNorm()
+        model(x).backward()  # .grad kept
+        return model
+
+    with pytest.raises(memopt.BudgetError) as info:
+        memopt.compile(kept(), budget=1000)(x)
+    budget = info.value.minimum_bytes
+    model = kept()
+    compiled = memopt.compile(model, budget=budget)
+    compiled(x).backward()
+    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*model.parameters(), *model.buffers(), x)}.values())
+    resident += sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    for _ in range(2):
+        with allocation_peak("cpu") as seen:
+            compiled(x).backward()
+        assert seen.peak + resident <= budget, (seen.peak + resident, budget)
