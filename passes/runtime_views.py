@@ -14,8 +14,11 @@ Requires: a forward or backward GraphModule as memopt runs it op by op, after pl
 Ensures: every ``aten.view.default`` node calls ``aten.reshape.default`` with the same
 arguments. ``reshape`` returns the same view wherever the strides allow one, which is
 wherever the FakeTensors were right, so a step that ran before runs the same kernels and
-aliases. Where they do not allow one it copies: the step runs, holding one tensor the plan
-did not count, instead of failing. The graph is recompiled.
+aliases. Where they do not allow one it copies: the step runs instead of failing. The
+planner measures the layouts kernels return (passes.runtime_layouts) and puts such a copy
+in the graph, where liveness counts it; a reshape copies here only where that could not be
+measured (a profiler recording while planning): one tensor the plan did not count. The
+graph is recompiled.
 """
 
 from __future__ import annotations

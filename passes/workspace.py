@@ -93,12 +93,16 @@ class WorkspaceCache:
 
     max_entries: int = 1 << 16
     bytes_of: dict[tuple, int] = field(default_factory=dict)
+    #: the strides of each tensor the op returned, by key (None where it did not run):
+    #: read by passes.runtime_layouts
+    strides_of: dict[tuple, tuple | None] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
     seconds: float = 0.0
 
     def clear(self) -> None:
         self.bytes_of.clear()
+        self.strides_of.clear()
         self.hits = self.misses = 0
         self.seconds = 0.0
 
@@ -213,10 +217,10 @@ def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int
                         "step outside the profiler)")
             todo = {}
         if len(cache.bytes_of) + len(todo) > cache.max_entries:
-            cache.bytes_of.clear()
+            cache.clear()
         with real_tensors(), rng_kept(device):
             for key, call in todo.items():
-                cache.bytes_of[key] = _run(call, device)
+                cache.bytes_of[key], cache.strides_of[key] = _run(call, device)
     cache.hits += len(calls) - len(todo)
     cache.misses += len(todo)
     cache.seconds += time.perf_counter() - t0
@@ -302,31 +306,34 @@ CUDA_READINGS = 2
 _VALUE_DEPENDENT = ("linalg_matrix_exp", "_embedding_bag")
 
 
-def _run(call: Call, device: torch.device) -> int:
+def _run(call: Call, device: torch.device) -> tuple[int, tuple | None]:
     """Step 2: the op's transient bytes on zeros of its inputs' layout (inside
     real_tensors); on ones where it refuses zeros, and also
-    where its workspace follows the values (_VALUE_DEPENDENT): the larger then."""
+    where its workspace follows the values (_VALUE_DEPENDENT): the larger then. With
+    them the strides of the tensors it returned (None where it ran on neither)."""
     name = str(getattr(call.target, "__name__", call.target))
     both = any(op in name for op in _VALUE_DEPENDENT)
-    readings, failed = [], []
+    readings, failed, strides = [], [], None
     for ones in (False, True):
         try:
-            readings.append(_measure(call, device, ones=ones))
+            nbytes, returned = _measure(call, device, ones=ones)
         except Exception as exc:  # noqa: BLE001 (an op's own check: any type)
             failed.append(f"{type(exc).__name__}: {exc}")
+        else:
+            readings.append(nbytes)
+            strides = returned if strides is None else strides
         if readings and not both:
             break
     if not readings:
         log.debug("memopt workspaces: %s could not run on zeros nor ones (%s); charged 0",
                   call.target, "; ".join(failed))
-        return 0
-    return max(readings)
+        return 0, None
+    return max(readings), strides
 
 
-def _measure(call: Call, device: torch.device, ones: bool) -> int:
-    """One reading of ``_run``: inputs of zeros, with ``ones`` every input's storage
-    filled with ones of its dtype (indices too: _embedding_bag_backward's max-mode
-    workspace follows its indices, and is none on zeros)."""
+def real_arguments(call: Call, ones: bool = False) -> tuple[tuple, dict]:
+    """Real tensors for `call`'s arguments (inside real_tensors): zeros, or with `ones`
+    ones of each dtype, in the FakeTensors' layouts, on storages shared as the graph's are."""
     bases: dict[Any, torch.UntypedStorage] = {}
     host_scalars = _reads_host_scalars(call.target)
 
@@ -362,17 +369,26 @@ def _measure(call: Call, device: torch.device, ones: bool) -> int:
             return {k: real(v) for k, v in value.items()}
         return value
 
-    readings = []
-    args, kwargs = real(call.args), real(call.kwargs)
+    return real(call.args), real(call.kwargs)
+
+
+def _measure(call: Call, device: torch.device, ones: bool) -> tuple[int, tuple]:
+    """One reading of ``_run``: inputs of zeros, with ``ones`` every input's storage
+    filled with ones of its dtype (indices too: _embedding_bag_backward's max-mode
+    workspace follows its indices, and is none on zeros); and the strides of each
+    tensor returned."""
+    readings, strides = [], ()
+    args, kwargs = real_arguments(call, ones)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         if device.type == "cuda":
             call.target(*args, **kwargs)
         for _ in range(CUDA_READINGS if device.type == "cuda" else 1):
             with allocation_peak(device, collect=False, own_only=True) as seen:
                 out = call.target(*args, **kwargs)
+            strides = tuple(tuple(t.stride()) for t in value_tensors(out))
             del out
             readings.append(max(0, seen.peak - seen.end))
-    return min(readings)
+    return min(readings), strides
 
 
 def workspace_summary(graphs: Iterable[fx.GraphModule]) -> dict[str, int]:

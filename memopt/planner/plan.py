@@ -27,6 +27,7 @@ from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops, user_checkpointed
 from memopt.passes.simulate import Simulated, StepModel
+from memopt.passes.runtime_layouts import restore_runtime_layouts
 from memopt.passes.storage_sizes import restore_storage_sizes
 
 from ..budget import default_headroom, format_bytes
@@ -65,8 +66,9 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
     """Run memopt's passes on `request.joint`; return the forward, the backward and the
     plan (PlanRequest says what each field asks).
 
-    Step 1: the storage a few ops' kernels allocate beyond their FakeTensor's
-        (passes.storage_sizes, op by op only), a tied embedding's gradient added into
+    Step 1: the layouts a few ops' kernels return where their FakeTensors say others
+        (passes.runtime_layouts) and the storage a few allocate beyond their FakeTensor's
+        (passes.storage_sizes), both op by op only; a tied embedding's gradient added into
         the weight's other gradient (passes.embedding_grads), and minimum dependencies declared
         (passes.partition.read_concat_views).
     Step 2: memopt's op families found, each site run as one chunk (planner.families).
@@ -149,6 +151,8 @@ class _Planning:
     # Step 1
     def prepare(self) -> None:
         if not self.step.fused:  # inductor's kernels allocate what the FakeTensors say
+            with stage("runtime layouts", self.done):
+                restore_runtime_layouts(self.joint, self.request.workspaces)
             with stage("storage sizes", self.done):
                 restore_storage_sizes(self.joint)
         with stage("tied embedding gradients", self.done):

@@ -1,0 +1,116 @@
+"""Values laid out as their kernels lay them out (passes/runtime_layouts.py).
+
+On CPU, BatchNorm's forward and backward kernels return contiguous outputs for a
+transposed input where their FakeTensors keep the input's strides. A view traced after
+them then copies at runtime (passes.runtime_views runs views as reshapes), and the copy
+was in no plan: random models with a BatchNorm over a transposed input measured up to
+1.045x the budgets memopt accepted, HF PatchTST 24,116 bytes over its prediction at every
+budget (found from outside). These tests check the pass on a traced graph and the budget
+of a step through such a BatchNorm.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from memopt.passes.runtime_layouts import restore_runtime_layouts
+from memopt.passes.workspace import WorkspaceCache
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import memopt
+from memopt.measure import allocation_peak
+
+
+def _norm_then_reshape(x, w, b):
+    h = F.batch_norm(x.transpose(1, 2), None, None, w, b, training=True).transpose(1, 2)
+    return h.reshape(-1, 8) * 2
+
+
+def _views(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default]
+
+
+def test_a_view_after_a_kernel_laid_out_otherwise_reads_a_counted_copy():
+    """The BatchNorm's value takes the kernel's contiguous strides, the view after its
+    transpose reads a clone (a value liveness counts), and the graph computes what the
+    function does."""
+    x, w, b = torch.randn(2, 25, 8), torch.randn(8), torch.randn(8)
+    gm = make_fx(_norm_then_reshape, tracing_mode="fake")(x, w, b)
+    norm = next(n for n in gm.graph.nodes if "batch_norm" in str(n.target))
+    assert not norm.meta["val"][0].is_contiguous()  # as traced: the input's strides
+    result = restore_runtime_layouts(gm, WorkspaceCache())
+    assert (result.relaid, result.copies) == (1, 1)
+    assert norm.meta["val"][0].is_contiguous()
+    (view,) = _views(gm)
+    assert view.args[0].target is torch.ops.aten.clone.default
+    torch.testing.assert_close(gm(x, w, b), _norm_then_reshape(x, w, b))
+    again = restore_runtime_layouts(gm, WorkspaceCache())
+    assert (again.relaid, again.copies) == (0, 0)  # the graph now says what runs
+
+
+def test_a_graph_laid_out_as_traced_is_left_as_it_is():
+    def f(x, w):
+        return (x.transpose(1, 2) @ w).reshape(-1, 8)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 8, 25), torch.randn(8, 8))
+    code = gm.code
+    assert restore_runtime_layouts(gm, WorkspaceCache()).relaid == 0
+    assert gm.code == code
+
+
+class _NormOverTime(nn.Module):
+    """A BatchNorm over a transposed sequence, then a reshape into a convolution (the
+    random model that measured 1.045x its budget)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.conv = nn.Conv2d(8, 8, 1)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x, y):
+        h = self.bn(torch.tanh(self.inp(x)).transpose(1, 2)).transpose(1, 2)
+        h = self.conv(h.transpose(1, 2).reshape(2, 8, 5, 5)).flatten(2).transpose(1, 2)
+        return F.cross_entropy(self.head(h[:, -1]), y)
+
+
+def _captured(model: nn.Module, x: torch.Tensor, y: torch.Tensor, budget: object) -> nn.Module:
+    """`model` compiled under `budget`, its first step (capture and plan) taken."""
+    compiled = memopt.compile(model, budget=budget)
+    torch.manual_seed(1)
+    compiled(x, y).backward()
+    return compiled
+
+
+def test_a_step_through_a_norm_over_a_transposed_input_keeps_its_budget():
+    """Measured 9,808 bytes against an accepted 9,382 (1.045x) and 17% over the
+    prediction before the pass; now within 1% of the prediction, under the budget, with
+    eager's gradients (at 0.95, or at the minimum memopt names where 0.95 is below it)."""
+    torch.manual_seed(31)
+    eager = _NormOverTime()
+    model = copy.deepcopy(eager)
+    torch.manual_seed(1234)
+    x, y = torch.randn(2, 25, 8), torch.randint(0, 10, (2,))
+    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*model.parameters(), *model.buffers(), x, y)}.values())
+    try:
+        compiled = _captured(model, x, y, 0.95)
+    except memopt.BudgetError as err:  # per-thread buffers: the minimum follows threads
+        model = copy.deepcopy(eager)
+        compiled = _captured(model, x, y, err.minimum_bytes)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with allocation_peak("cpu") as seen:
+        compiled(x, y).backward()
+    plan = compiled.memopt_plan
+    measured = seen.peak + resident
+    assert measured <= plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+    torch.manual_seed(1)
+    eager(x, y).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
