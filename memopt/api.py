@@ -65,6 +65,13 @@ _DYNAMO_LIMITS = {"recompile_limit": 1 << 20, "accumulated_recompile_limit": 1 <
 #: all-reduces the gradients its backward returns (memopt.ddp).
 _DYNAMO_DDP = {"optimize_ddp": False}
 
+#: Dynamo guards each module's hook dictionaries: a forward hook or pre-hook registered
+#: after the first step is then traced into a new graph, as eager runs it. With dynamo's
+#: default (skip_nnmodule_hook_guards=True) such a hook never ran and the step's loss and
+#: gradients were silently eager's without it (found from outside; torch.compile does the
+#: same by default).
+_DYNAMO_HOOKS = {"skip_nnmodule_hook_guards": False}
+
 
 def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
                   model: nn.Module, blocks: bool = False, loops: tuple[Any, ...] = ()) -> Any:
@@ -114,7 +121,7 @@ def _dynamo_patch() -> Any:
     logging_changes = ignored_logging_config()
     if not _PATCH or _PATCH[0][0] is not logging_changes:
         _PATCH[:] = [(logging_changes, dynamo_config_patch(
-            fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS, **_DYNAMO_DDP,
+            fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS, **_DYNAMO_DDP, **_DYNAMO_HOOKS,
             **logging_changes))]
     return _PATCH[0][1]
 
