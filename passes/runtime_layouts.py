@@ -1,4 +1,4 @@
-"""Outputs whose kernel lays them out otherwise than their FakeTensor says.
+"""Outputs whose kernel lays them out, or allocates them, otherwise than their FakeTensor says.
 
 AOTAutograd traces the step on FakeTensors, and where a reshape's input is laid out so
 that a view can express it, it records ``aten.view``; otherwise it records a copy
@@ -16,30 +16,38 @@ a transposed input 1.009-1.045x their budgets (found from outside). The same mis
 let passes.inplace write a softmax gradient into a buffer laid out otherwise
 (passes.inplace.laid_out_as_traced guards that since).
 
+Some kernels also allocate a larger storage than their FakeTensor's: CPU's ``col2im``
+(nn.Unfold's backward) allocates its output ``empty_like`` its input and resizes it
+smaller, a (4, 16, 16, 1) result on 20,480 bytes where the FakeTensor says 4,096; HF
+ConvBERT measured 1.036x the minimum memopt named. passes.storage_sizes gives five
+ops whose kernels clone ``self``'s storage theirs by rule; this pass measures.
+
 Requires: a joint graph run op by op (not inductor's kernels, whose generated code
 allocates the layouts its own lowering chooses), with FakeTensors in
 ``node.meta['val']``, before the passes that read sizes and aliasing
 (passes.storage_sizes first of them); a passes.workspace.WorkspaceCache, whose
-measurement of an op also records the strides the kernel returned (one run per op and
-layout per process, which passes.workspace then finds in the cache).
+measurement of an op also records what the kernel returned (one run per op and layout
+per process, which passes.workspace then finds in the cache: the joint graph's ops are
+the partitioned graphs' ops).
 
-Ensures: every node whose value's layout is measured to differ from the kernel's carries
-a FakeTensor of the kernel's strides (its storage's size as the kernel allocates it);
-the nodes after it that read it are traced again on the corrected values; where a view
-no longer fits, a ``clone`` (contiguous) is inserted before it, the copy the runtime
-reshape made, now a value liveness counts. Other nodes are left as they are, and a graph
-with nothing measured to differ is not changed. Nothing runs where nothing can be
-measured (a meta device, a profiler recording: passes.workspace).
+Ensures: every node whose value's layout or storage size is measured to differ from the
+kernel's carries a FakeTensor of the kernel's strides on a storage of the kernel's size
+(never smaller than traced); the nodes after it that read it are traced again on the
+corrected values; where a view no longer fits, a ``clone`` (contiguous) is inserted
+before it, the copy the runtime reshape made, now a value liveness counts. Other nodes
+are left as they are, and a graph with nothing measured to differ is not changed.
+Outputs a kernel returns as an alias (of an input or another output) are left as traced.
+Nothing runs where nothing can be measured (a meta device, a profiler recording:
+passes.workspace).
 
 Algorithm, over the nodes in graph order:
     Step 1: a node reading a corrected value is traced again on the corrected values
         (``operator.getitem`` takes its element; an op of the ``memopt`` namespace or a
         node that is not an aten op keeps its value). A view that now fails reads a
         contiguous clone of its input instead.
-    Step 2: an aten op that is not a view, reading or returning a tensor that is not
-        contiguous (all-contiguous inputs give contiguous outputs in both the fake and
-        the real kernels), is measured (passes.workspace's run, cached); where the
-        strides it returned differ from its FakeTensors', its value takes them.
+    Step 2: an aten op that is not a view is measured (passes.workspace's run, cached);
+        where the strides it returned differ from its FakeTensors', or its storage is
+        larger, its value takes them.
 """
 
 from __future__ import annotations
@@ -109,9 +117,7 @@ def _measurable(node: fx.Node) -> bool:
         return False
     returned = value_tensors(fake_value(node))
     read = [t for arg in node.all_input_nodes for t in value_tensors(fake_value(arg))]
-    if not returned or not _plain(returned) or not _plain(read):
-        return False
-    return not all(t.is_contiguous() for t in (*read, *returned))
+    return bool(returned) and _plain(returned) and _plain(read)
 
 
 def _relay(node: fx.Node, cache: WorkspaceCache) -> bool:
@@ -120,21 +126,31 @@ def _relay(node: fx.Node, cache: WorkspaceCache) -> bool:
     if call is None:
         return False
     workspace_bytes_of([call], cache)
-    strides = cache.strides_of.get(call.key)
+    measured = cache.returned_of.get(call.key)
     value = fake_value(node)
     fakes = value_tensors(value)
-    if strides is None or len(strides) != len(fakes) \
-            or all(tuple(t.stride()) == s for t, s in zip(fakes, strides)):
+    if measured is None or len(measured) != len(fakes):
         return False
-    new = [t if tuple(t.stride()) == s else _laid_out(t, s) for t, s in zip(fakes, strides)]
+    new = [_as_returned(t, got) for t, got in zip(fakes, measured)]
+    if all(a is b for a, b in zip(new, fakes)):
+        return False
     node.meta["val"] = _rebuild(value, iter(new))
     return True
 
 
-def _laid_out(fake: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """A FakeTensor like `fake` on a fresh storage with `stride`."""
+def _as_returned(fake: torch.Tensor, got: tuple | None) -> torch.Tensor:
+    """`fake`, or a FakeTensor of its shape on a fresh storage with the strides the
+    kernel returned and its storage's bytes where those differ (`got`: passes.workspace's
+    (strides, storage bytes) of that output; None: an alias, left as traced)."""
+    if got is None:
+        return fake
+    stride, nbytes = got
+    if tuple(fake.stride()) == stride and fake.untyped_storage().nbytes() >= nbytes:
+        return fake
     with fake.fake_mode, torch.no_grad():
-        out = torch.empty_strided(fake.shape, stride, dtype=fake.dtype, device=fake.device)
+        storage = torch.empty(max(nbytes, 0), dtype=torch.uint8, device=fake.device)
+        out = torch.empty(0, dtype=fake.dtype, device=fake.device)
+        out.set_(storage.untyped_storage(), 0, fake.shape, stride)
     return out.requires_grad_(fake.requires_grad) if fake.is_floating_point() else out
 
 

@@ -93,16 +93,17 @@ class WorkspaceCache:
 
     max_entries: int = 1 << 16
     bytes_of: dict[tuple, int] = field(default_factory=dict)
-    #: the strides of each tensor the op returned, by key (None where it did not run):
-    #: read by passes.runtime_layouts
-    strides_of: dict[tuple, tuple | None] = field(default_factory=dict)
+    #: what the op returned, by key: for each tensor (its strides, its storage's bytes),
+    #: or None for one that aliases an input or another output; None where the op did
+    #: not run. Read by passes.runtime_layouts
+    returned_of: dict[tuple, tuple | None] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
     seconds: float = 0.0
 
     def clear(self) -> None:
         self.bytes_of.clear()
-        self.strides_of.clear()
+        self.returned_of.clear()
         self.hits = self.misses = 0
         self.seconds = 0.0
 
@@ -220,7 +221,7 @@ def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int
             cache.clear()
         with real_tensors(), rng_kept(device):
             for key, call in todo.items():
-                cache.bytes_of[key], cache.strides_of[key] = _run(call, device)
+                cache.bytes_of[key], cache.returned_of[key] = _run(call, device)
     cache.hits += len(calls) - len(todo)
     cache.misses += len(todo)
     cache.seconds += time.perf_counter() - t0
@@ -310,25 +311,25 @@ def _run(call: Call, device: torch.device) -> tuple[int, tuple | None]:
     """Step 2: the op's transient bytes on zeros of its inputs' layout (inside
     real_tensors); on ones where it refuses zeros, and also
     where its workspace follows the values (_VALUE_DEPENDENT): the larger then. With
-    them the strides of the tensors it returned (None where it ran on neither)."""
+    them what it returned (_returned_by; None where it ran on neither)."""
     name = str(getattr(call.target, "__name__", call.target))
     both = any(op in name for op in _VALUE_DEPENDENT)
-    readings, failed, strides = [], [], None
+    readings, failed, returned = [], [], None
     for ones in (False, True):
         try:
-            nbytes, returned = _measure(call, device, ones=ones)
+            nbytes, got = _measure(call, device, ones=ones)
         except Exception as exc:  # noqa: BLE001 (an op's own check: any type)
             failed.append(f"{type(exc).__name__}: {exc}")
         else:
             readings.append(nbytes)
-            strides = returned if strides is None else strides
+            returned = got if returned is None else returned
         if readings and not both:
             break
     if not readings:
         log.debug("memopt workspaces: %s could not run on zeros nor ones (%s); charged 0",
                   call.target, "; ".join(failed))
         return 0, None
-    return max(readings), strides
+    return max(readings), returned
 
 
 def real_arguments(call: Call, ones: bool = False) -> tuple[tuple, dict]:
@@ -375,9 +376,9 @@ def real_arguments(call: Call, ones: bool = False) -> tuple[tuple, dict]:
 def _measure(call: Call, device: torch.device, ones: bool) -> tuple[int, tuple]:
     """One reading of ``_run``: inputs of zeros, with ``ones`` every input's storage
     filled with ones of its dtype (indices too: _embedding_bag_backward's max-mode
-    workspace follows its indices, and is none on zeros); and the strides of each
-    tensor returned."""
-    readings, strides = [], ()
+    workspace follows its indices, and is none on zeros); and what it returned
+    (`_returned_by`)."""
+    readings, got = [], ()
     args, kwargs = real_arguments(call, ones)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         if device.type == "cuda":
@@ -385,10 +386,21 @@ def _measure(call: Call, device: torch.device, ones: bool) -> tuple[int, tuple]:
         for _ in range(CUDA_READINGS if device.type == "cuda" else 1):
             with allocation_peak(device, collect=False, own_only=True) as seen:
                 out = call.target(*args, **kwargs)
-            strides = tuple(tuple(t.stride()) for t in value_tensors(out))
+            got = _returned_by(out, (args, tuple(kwargs.values())))
             del out
             readings.append(max(0, seen.peak - seen.end))
-    return min(readings), strides
+    return min(readings), got
+
+
+def _returned_by(out: Any, inputs: Any) -> tuple:
+    """For each tensor of `out`: (its strides, its storage's bytes), or None where its
+    storage is an input's or another output's (the op did not allocate it alone)."""
+    tensors = value_tensors(out)
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    taken = {t.untyped_storage().data_ptr() for t in value_tensors(inputs)}
+    return tuple(None if ptr in taken or ptrs.count(ptr) > 1
+                 else (tuple(t.stride()), t.untyped_storage().nbytes())
+                 for t, ptr in zip(tensors, ptrs))
 
 
 def workspace_summary(graphs: Iterable[fx.GraphModule]) -> dict[str, int]:

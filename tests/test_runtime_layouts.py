@@ -114,3 +114,63 @@ def test_a_step_through_a_norm_over_a_transposed_input_keeps_its_budget():
     eager(x, y).backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_an_output_takes_the_storage_its_kernel_allocates():
+    """CPU's `col2im` (nn.Unfold's backward) allocates its output as `empty_like` of its
+    input, then resizes it smaller: a (4, 16, 16, 1) result on a 20,480-byte storage where
+    the FakeTensor says 4,096. HF ConvBERT's step measured 1.036x the minimum memopt named
+    (found from outside); the value now has the kernel's storage."""
+    grad = torch.zeros(4, 16, 80).transpose(1, 2)
+
+    def f(g):
+        return torch.ops.aten.col2im.default(g, [16, 1], [5, 1], [1, 1], [2, 0], [1, 1]) * 2
+
+    gm = make_fx(f, tracing_mode="fake")(grad)
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.col2im.default)
+    assert node.meta["val"].untyped_storage().nbytes() == 4 * 16 * 16 * 4
+    restore_runtime_layouts(gm, WorkspaceCache())
+    assert node.meta["val"].untyped_storage().nbytes() == 4 * 80 * 16 * 4
+    assert node.meta["val"].shape == (4, 16, 16, 1)
+
+
+class _SpanConv(nn.Module):
+    """ConvBERT's span-based convolution in small: an nn.Unfold over a transposed
+    sequence, whose backward is `col2im` (the model that measured 1.036x its budget)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 16)
+        self.unfold = nn.Unfold(kernel_size=(5, 1), padding=(2, 0))
+        self.mix = nn.Linear(80, 32)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x, y):
+        h = self.inp(x).transpose(1, 2).unsqueeze(-1)         # (B, 16, S, 1)
+        h = self.unfold(h).transpose(1, 2)                    # (B, S, 80)
+        h = torch.tanh(self.mix(h))
+        return F.cross_entropy(self.head(h.mean(1)), y)
+
+
+def test_a_step_through_an_unfold_keeps_its_budget():
+    """Within 1% of the prediction and under the budget (0.9, or the minimum named)."""
+    torch.manual_seed(0)
+    eager = _SpanConv()
+    model = copy.deepcopy(eager)
+    x, y = torch.randn(4, 64, 32), torch.randint(0, 3, (4,))
+    try:
+        compiled = _captured(model, x, y, 0.9)
+    except memopt.BudgetError as err:  # the peak is at the col2im: little to recompute
+        model = copy.deepcopy(eager)
+        compiled = _captured(model, x, y, err.minimum_bytes)
+    model.zero_grad(set_to_none=True)
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), x, y))
+    with allocation_peak("cpu") as seen:
+        compiled(x, y).backward()
+    plan = compiled.memopt_plan
+    measured = seen.peak + resident
+    assert measured <= plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+    eager(x, y).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
