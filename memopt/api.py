@@ -26,18 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.passes._torch_compat import (FailOnRecompileLimitHit, dynamo_config_patch,
-                                         dynamo_error_lines, ignored_logging_config,
-                                         is_dynamo_error, pytree, recompile_limit,
-                                         unwrap_backend_error)
+from memopt.passes._torch_compat import pytree
 from .backend import MemoptBackend
-from .blocks import capturing, find_blocks, loop_codes, mark_blocks
+from .blocks import find_blocks, loop_codes, mark_blocks
+from .capture import run_captured
 from .compiled_graph import PlanOnly
 from .ddp import buckets_of
-from .errors import CaptureError, InputError, MemoptError
+from .errors import InputError
 from .fsdp import fsdp_sharded_params, fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .fsdp_blocks import block_shards, check_sharded_blocks, fsdp_units
-from .input_checks import (check_options, input_mismatch, refuse_meta, refuse_sparse_gradients,
+from .input_checks import (check_options, refuse_meta, refuse_sparse_gradients,
                            refuse_wrappers)
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
@@ -51,94 +49,6 @@ from .settled import ModelTensors
 _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
 
-#: Dynamo's recompile limits while memopt's compiled steps run. Dynamo counts the graphs
-#: of one code object across every module and backend in the process (every compiled
-#: module's frame is the same wrapper code), so its own limit of 8 would stop the ninth
-#: model a process compiles. memopt counts each module's graphs itself instead
-#: (MemoptBackend.graph_limit, the user's `recompile_limit`).
-_DYNAMO_LIMITS = {"recompile_limit": 1 << 20, "accumulated_recompile_limit": 1 << 20}
-
-#: Dynamo's DDPOptimizer off while memopt's compiled steps run: inside DDP's forward it
-#: would split memopt's graph at DDP's bucket boundaries and hand memopt each piece as if
-#: it were the whole step (each planned without what the others hold), and it refuses a
-#: `bucket_cap_mb` under 1 MB outright. memopt plans the one graph; DDP's reducer
-#: all-reduces the gradients its backward returns (memopt.ddp).
-_DYNAMO_DDP = {"optimize_ddp": False}
-
-#: Dynamo guards each module's hook dictionaries: a forward hook or pre-hook registered
-#: after the first step is then traced into a new graph, as eager runs it. With dynamo's
-#: default (skip_nnmodule_hook_guards=True) such a hook never ran and the step's loss and
-#: gradients were silently eager's without it (found from outside; torch.compile does the
-#: same by default).
-_DYNAMO_HOOKS = {"skip_nnmodule_hook_guards": False}
-
-
-def _run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
-                  model: nn.Module, blocks: bool = False, loops: tuple[Any, ...] = ()) -> Any:
-    """Call a torch.compile'd function; surface memopt's own errors and name capture failures
-    (inputs that do not match `model`'s device or dtype as InputError). `blocks`: the
-    repeated blocks' boundaries end graphs (memopt.blocks); otherwise they do nothing, as
-    for a model compiled with blocks=True elsewhere and planned or compiled whole here;
-    `loops`, the forwards that loop over the blocks, run eagerly (blocks.loop_codes)."""
-    backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
-    backend.plan_log.start_clock()  # a plan's capture time counts from here
-    try:
-        with _dynamo_patch(), capturing(blocks, loops):
-            return fn(*args, **kwargs)
-    except (MemoptError, PlanOnly):
-        raise
-    except Exception as err:  # dynamo wraps backend errors; unwrap memopt's own
-        inner = unwrap_backend_error(err)
-        if isinstance(inner, (MemoptError, PlanOnly)):
-            raise inner from None
-        if isinstance(err, FailOnRecompileLimitHit):  # only with a user's own lower limit
-            raise CaptureError(
-                f"dynamo's recompile limit was hit while memopt compiled this module "
-                f"(torch._dynamo.config.recompile_limit = {recompile_limit()})"
-            ) from err
-        if isinstance(inner, RecursionError):
-            raise CaptureError(
-                "PyTorch hit Python's recursion limit while compiling this model's training "
-                f"step ({inner}); very deep models (e.g. ResNets of ~1000 layers) need "
-                "sys.setrecursionlimit(20000) or more before memopt.compile / memopt.plan"
-            ) from err
-        mismatch = input_mismatch(model, args, kwargs, err)
-        if mismatch is not None:  # the message quotes err; its traceback is torch's internals
-            raise mismatch from None
-        if is_dynamo_error(err):
-            raise CaptureError(_capture_message(err)) from err
-        raise
-
-
-#: (the logging changes it was made with, the patch): one patch object, entered at every
-#: step, while ignored_logging_config gives the same changes (the user's own set of
-#: ignored functions unchanged); making a config patch defines a class, at every call.
-_PATCH: list[tuple[dict, Any]] = []
-
-
-def _dynamo_patch() -> Any:
-    """dynamo's settings for memopt's compiled steps, as one reusable config patch."""
-    logging_changes = ignored_logging_config()
-    if not _PATCH or _PATCH[0][0] is not logging_changes:
-        _PATCH[:] = [(logging_changes, dynamo_config_patch(
-            fail_on_recompile_limit_hit=True, **_DYNAMO_LIMITS, **_DYNAMO_DDP, **_DYNAMO_HOOKS,
-            **logging_changes))]
-    return _PATCH[0][1]
-
-
-def _capture_message(err: BaseException) -> str:
-    """The first line of dynamo's error and the innermost user-code line it points at."""
-    first, frame = dynamo_error_lines(err)
-    where = f" at {frame}" if frame else ""
-    return (
-        f"memopt could not capture the model as one training graph: {type(err).__name__}: "
-        f"{first}{where}. One graph is needed by memopt.plan (it never runs the code "
-        "between graphs) and by memopt.compile(..., fullgraph=True); memopt.compile without "
-        "fullgraph plans every graph of a forward that dynamo splits at graph breaks "
-        "(Python branches on tensor values, .item()/.tolist(), print calls)."
-    )
-
-
 class CompiledModule(nn.Module):
     """The module `memopt.compile` returns.
 
@@ -149,7 +59,8 @@ class CompiledModule(nn.Module):
     It keeps the model's interface: `forward` has the model's signature (what
     `inspect.signature` and the HF Trainer's column filter read) and docstring, and any
     attribute or method it does not define itself reaches the model (`config`,
-    `generate`, `save_pretrained`, ...; those methods run the model as it is, eagerly).
+    `generate`, `save_pretrained`, ...; those methods run the model as it is, eagerly), and
+    so do `len`, indexing and iteration of a container model (`compiled[0]`).
     `gradient_checkpointing_enable()` does nothing but warn: memopt plans recomputation.
     """
 
@@ -233,7 +144,7 @@ class CompiledModule(nn.Module):
                                after_backward=unit.after_backward if unit else 0,
                                shards=block_shards(model, self._memopt_blocks))
         try:
-            out = _run_captured(compiled, args, kwargs, backend, model,
+            out = run_captured(compiled, args, kwargs, backend, model,
                                 bool(self._memopt_blocks), self._memopt_loops)
         except BaseException:
             backend.forward_aborted()
@@ -280,6 +191,20 @@ class CompiledModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._memopt_model, name)
+
+    # A container model (nn.Sequential, nn.ModuleList) stays one: indexing, length and
+    # iteration reach its submodules, which run eagerly, as its other methods do.
+    def __bool__(self) -> bool:  # truth is not the length (a model without one is true)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._memopt_model)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._memopt_model[index]
+
+    def __iter__(self) -> Any:
+        return iter(self._memopt_model)
 
     def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
         """A no-op with a warning: memopt chooses what to recompute under the budget
@@ -531,7 +456,7 @@ def plan(model: nn.Module, *example_inputs: Any, budget: object = None,
     kwargs = _without_meta_cache(model, example_inputs, example_kwargs or {})
     compiled = _compile_step(traced, _never_run(backend), fullgraph=True)
     try:
-        _run_captured(compiled, example_inputs, kwargs, backend, model)
+        run_captured(compiled, example_inputs, kwargs, backend, model)
     except PlanOnly as ready:
         if ready.plan is not None:
             return ready.plan

@@ -131,6 +131,20 @@ def test_attributes_methods_and_state_dict_reach_the_model(tmp_path) -> None:
         torch.testing.assert_close(p, q, msg=name)
 
 
+def test_a_container_model_is_indexed_measured_and_iterated_as_the_model() -> None:
+    """compiled[0], len(compiled) and list(compiled) reach an nn.Sequential's submodules
+    (they raised TypeError, found from outside); a model that is no container is still
+    true, and len() of it raises the model's own TypeError."""
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = memopt.compile(seq)
+    assert compiled[0] is seq[0] and len(compiled) == 2 and list(compiled) == list(seq)
+    assert isinstance(compiled[1:], nn.Sequential)
+    single = memopt.compile(nn.Linear(4, 4))
+    assert bool(single)
+    with pytest.raises(TypeError, match="Linear"):
+        len(single)
+
+
 def test_gradient_checkpointing_enable_is_a_no_op_with_a_warning() -> None:
     case, compiled = _llama()
     with pytest.warns(UserWarning):
