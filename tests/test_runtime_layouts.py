@@ -12,6 +12,7 @@ of a step through such a BatchNorm.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,19 +87,17 @@ def _captured(model: nn.Module, x: torch.Tensor, y: torch.Tensor, budget: object
     return compiled
 
 
-def test_a_step_through_a_norm_over_a_transposed_input_keeps_its_budget():
-    """Measured 9,808 bytes against an accepted 9,382 (1.045x) and 17% over the
-    prediction before the pass; now within 1% of the prediction, under the budget, with
-    eager's gradients (at 0.95, or at the minimum memopt names where 0.95 is below it)."""
+def _check_step(make: Any, x: torch.Tensor, y: torch.Tensor, budget: float) -> None:
+    """A step of `make()` compiled at `budget` (or at the minimum memopt names where
+    that is below it) measures within 1% of its prediction and under its budget, with
+    eager's gradients."""
     torch.manual_seed(31)
-    eager = _NormOverTime()
+    eager = make()
     model = copy.deepcopy(eager)
-    torch.manual_seed(1234)
-    x, y = torch.randn(2, 25, 8), torch.randint(0, 10, (2,))
     resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in (*model.parameters(), *model.buffers(), x, y)}.values())
     try:
-        compiled = _captured(model, x, y, 0.95)
+        compiled = _captured(model, x, y, budget)
     except memopt.BudgetError as err:  # per-thread buffers: the minimum follows threads
         model = copy.deepcopy(eager)
         compiled = _captured(model, x, y, err.minimum_bytes)
@@ -114,6 +113,13 @@ def test_a_step_through_a_norm_over_a_transposed_input_keeps_its_budget():
     eager(x, y).backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_step_through_a_norm_over_a_transposed_input_keeps_its_budget():
+    """Measured 9,808 bytes against an accepted 9,382 (1.045x) and 17% over the
+    prediction before the pass (at one thread)."""
+    torch.manual_seed(1234)
+    _check_step(_NormOverTime, torch.randn(2, 25, 8), torch.randint(0, 10, (2,)), 0.95)
 
 
 def test_an_output_takes_the_storage_its_kernel_allocates():
@@ -153,24 +159,5 @@ class _SpanConv(nn.Module):
 
 
 def test_a_step_through_an_unfold_keeps_its_budget():
-    """Within 1% of the prediction and under the budget (0.9, or the minimum named)."""
-    torch.manual_seed(0)
-    eager = _SpanConv()
-    model = copy.deepcopy(eager)
-    x, y = torch.randn(4, 64, 32), torch.randint(0, 3, (4,))
-    try:
-        compiled = _captured(model, x, y, 0.9)
-    except memopt.BudgetError as err:  # the peak is at the col2im: little to recompute
-        model = copy.deepcopy(eager)
-        compiled = _captured(model, x, y, err.minimum_bytes)
-    model.zero_grad(set_to_none=True)
-    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), x, y))
-    with allocation_peak("cpu") as seen:
-        compiled(x, y).backward()
-    plan = compiled.memopt_plan
-    measured = seen.peak + resident
-    assert measured <= plan.budget_bytes
-    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
-    eager(x, y).backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    """Measured 1.26x its budget before (the col2im's storage counted as its result's)."""
+    _check_step(_SpanConv, torch.randn(4, 64, 32), torch.randint(0, 3, (4,)), 0.9)
