@@ -39,7 +39,7 @@ from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
 from .planner.fusible import returns_view
 from .dropped import DroppedOutputs
-from .steps import Outside
+from .steps import Outside, kept_input_positions
 from .stepper import Stepping, stepping_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,6 +92,7 @@ class CompiledGraph:
         self.repeated_grads = 0
         self.outside, self.policy, self.step_baseline = Outside(), ReplanPolicy.GREEDY, None
         self.provisional = False  # planned with a guess for the graphs after it
+        self._kept: tuple[Any, tuple[int, ...]] = (None, ())  # (plan, its kept inputs)
         #: run several times in a forward: its saved bytes counted 2^weight times as often
         #: as its runs hold them, for the graphs after it (memopt.graph_breaks.required)
         self.weight = 0
@@ -419,6 +420,12 @@ class CompiledGraph:
             return err
         raise AssertionError(f"{self.label()}: its lowest-peak plan fits after all")
 
+    def kept_inputs(self) -> tuple[int, ...]:
+        """memopt.steps.kept_input_positions of its plan, found once per plan."""
+        if self._kept[0] is not self.plan:
+            self._kept = (self.plan, kept_input_positions(self.plan))
+        return self._kept[1]
+
     def run(self, *args: Any) -> Any:
         """Run the compiled graph: in the forward's trace (memopt.steps) unless it has
         settled (memopt.settled), its parameters bound for a kept-gradient backward."""
@@ -433,7 +440,8 @@ class CompiledGraph:
             skipped = call.admits(self)
             if not skipped:
                 record = call.trace().start_run(self, flat, self.plan.held_bytes,
-                                                [flat[i] for i in self.view_grads])
+                                                [flat[i] for i in self.view_grads],
+                                                self.kept_inputs())
         if self.sink is not None:
             self.sink.bind(flat)
         elif self.steps_in_backward:

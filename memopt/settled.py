@@ -171,7 +171,8 @@ class StepCall:
                 self.after_backward + self.optimizer_step_bytes, self.optimizer_state_bytes,
                 self.shards)
             for graph, flat, out in self.skipped:
-                self.traced.start_run(graph, flat, graph.plan.held_bytes).record_outputs(out)
+                self.traced.start_run(graph, flat, graph.plan.held_bytes,
+                                     kept=graph.kept_inputs()).record_outputs(out)
             self.skipped = []
         return self.traced
 
