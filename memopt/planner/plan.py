@@ -12,6 +12,8 @@ stage that fails is re-raised as PassError naming it and the stages before it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
@@ -27,6 +29,7 @@ from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops, user_checkpointed
 from memopt.passes.simulate import Simulated, StepModel
+from memopt.passes.grad_layouts import accumulate_copy_bytes
 from memopt.passes.runtime_layouts import restore_runtime_layouts
 from memopt.passes.storage_sizes import restore_storage_sizes
 
@@ -155,10 +158,23 @@ class _Planning:
                 restore_runtime_layouts(self.joint, self.request.workspaces)
             with stage("storage sizes", self.done):
                 restore_storage_sizes(self.joint)
+            self._charge_accumulate_copies()
         with stage("tied embedding gradients", self.done):
             add_embedding_grads_in_place(self.joint)
         with stage("minimum dependencies", self.done):
             read_concat_views(self.joint, self.n, find_cut(self.joint, self.n))
+
+    def _charge_accumulate_copies(self) -> None:
+        """What AccumulateGrad copies into a parameter's layout (passes.grad_layouts),
+        charged as the graph's backward ends."""
+        r = self.request
+        kept = frozenset(r.grads.nbytes) if r.grads is not None else frozenset()
+        extra = accumulate_copy_bytes(self.joint, self.n, r.primal_kinds, kept)
+        if extra:
+            outside = dataclasses.replace(r.outside,
+                                          after_backward=r.outside.after_backward + extra)
+            self.request = dataclasses.replace(r, outside=outside)
+            self.step = self.request.step
 
     # Step 2
     def find_families(self) -> None:
