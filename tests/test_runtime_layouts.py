@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from memopt.passes.runtime_layouts import restore_runtime_layouts
@@ -79,38 +80,54 @@ class _NormOverTime(nn.Module):
         return F.cross_entropy(self.head(h[:, -1]), y)
 
 
-def _captured(model: nn.Module, x: torch.Tensor, y: torch.Tensor, budget: object) -> nn.Module:
-    """`model` compiled under `budget`, its first step (capture and plan) taken."""
-    compiled = memopt.compile(model, budget=budget)
+def _loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The step's loss: the model's output, or a transformers output's `.loss`."""
     torch.manual_seed(1)
-    compiled(x, y).backward()
-    return compiled
+    out = model(**inputs)
+    return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def _check_step(make: Any, x: torch.Tensor, y: torch.Tensor, budget: float) -> None:
+def _measured_step(eager: nn.Module, inputs: dict[str, Any], budget: object,
+                   keep_grads: bool) -> tuple[nn.Module, nn.Module, int]:
+    """A copy of `eager` compiled at `budget`, its first step taken, then its second
+    step's measured peak (with the resident bytes: parameters, buffers, inputs and the
+    gradients kept)."""
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, budget=budget)
+    _loss(compiled, inputs).backward()  # capture and plan
+    if not keep_grads:
+        model.zero_grad(set_to_none=True)
+    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*model.parameters(), *model.buffers(), *inputs.values(),
+                              *(p.grad for p in model.parameters() if p.grad is not None))
+                    }.values())
+    with allocation_peak("cpu") as seen:
+        _loss(compiled, inputs).backward()
+    return model, compiled, seen.peak + resident
+
+
+def _check_step(make: Any, inputs: dict[str, Any], budget: object,
+                keep_grads: bool = False) -> None:
     """A step of `make()` compiled at `budget` (or at the minimum memopt names where
     that is below it) measures within 1% of its prediction and under its budget, with
-    eager's gradients."""
+    eager's gradients; `keep_grads`: the measured step adds into the first step's
+    gradients (memopt's kept-gradient plan) instead of starting from None."""
     torch.manual_seed(31)
     eager = make()
-    model = copy.deepcopy(eager)
-    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in (*model.parameters(), *model.buffers(), x, y)}.values())
-    try:
-        compiled = _captured(model, x, y, budget)
-    except memopt.BudgetError as err:  # per-thread buffers: the minimum follows threads
-        model = copy.deepcopy(eager)
-        compiled = _captured(model, x, y, err.minimum_bytes)
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    with allocation_peak("cpu") as seen:
-        compiled(x, y).backward()
+    for _ in range(3):  # each step's plan may name a higher minimum (kept gradients)
+        try:
+            model, compiled, measured = _measured_step(eager, inputs, budget, keep_grads)
+            break
+        except memopt.BudgetError as err:  # per-thread buffers: it follows threads
+            budget = err.minimum_bytes
+    else:
+        pytest.fail(f"no budget accepted for both steps (last named: {budget} bytes)")
     plan = compiled.memopt_plan
-    measured = seen.peak + resident
-    assert measured <= plan.budget_bytes
+    if budget is not None:
+        assert measured <= plan.budget_bytes
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
-    torch.manual_seed(1)
-    eager(x, y).backward()
+    for _ in range(2 if keep_grads else 1):
+        _loss(eager, inputs).backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
@@ -119,7 +136,8 @@ def test_a_step_through_a_norm_over_a_transposed_input_keeps_its_budget():
     """Measured 9,808 bytes against an accepted 9,382 (1.045x) and 17% over the
     prediction before the pass (at one thread)."""
     torch.manual_seed(1234)
-    _check_step(_NormOverTime, torch.randn(2, 25, 8), torch.randint(0, 10, (2,)), 0.95)
+    _check_step(_NormOverTime, dict(x=torch.randn(2, 25, 8), y=torch.randint(0, 10, (2,))),
+                0.95)
 
 
 def test_an_output_takes_the_storage_its_kernel_allocates():
@@ -160,7 +178,7 @@ class _SpanConv(nn.Module):
 
 def test_a_step_through_an_unfold_keeps_its_budget():
     """Measured 1.26x its budget before (the col2im's storage counted as its result's)."""
-    _check_step(_SpanConv, torch.randn(4, 64, 32), torch.randint(0, 3, (4,)), 0.9)
+    _check_step(_SpanConv, dict(x=torch.randn(4, 64, 32), y=torch.randint(0, 3, (4,))), 0.9)
 
 
 class _ConvOverTokens(nn.Module):
@@ -199,9 +217,44 @@ class _ConvOverTokens(nn.Module):
         return F.cross_entropy(self.head14(h.sum(dim=1)), y)
 
 
-def test_a_weight_gradient_autograd_copies_into_its_layout_is_counted():
+@pytest.mark.parametrize("keep_grads", [False, True], ids=["grads-none", "grads-kept"])
+def test_a_weight_gradient_autograd_copies_into_its_layout_is_counted(keep_grads):
     """The copy is charged as the backward ends: within 1% of the prediction and within
-    the budget (the named minimum: 0.9 is below it)."""
+    the budget (the named minimum: 0.9 is below it). Into kept gradients memopt adds in
+    place (no copy, nothing charged): the second step holds its plan too."""
     torch.manual_seed(1234)
-    x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 5, (2,))
-    _check_step(_ConvOverTokens, x, y, 0.9)
+    inputs = dict(x=torch.randint(0, 300, (2, 16)), y=torch.randint(0, 5, (2,)))
+    _check_step(_ConvOverTokens, inputs, 0.9, keep_grads)
+
+
+def _patchtst() -> nn.Module:
+    """HF PatchTST: its BatchNorm normalizes a transposed sequence (the model that
+    measured 24,116 bytes over its prediction at every budget)."""
+    from transformers import PatchTSTConfig, PatchTSTForPrediction
+    return PatchTSTForPrediction(PatchTSTConfig(
+        num_input_channels=3, context_length=64, patch_length=8, patch_stride=8,
+        prediction_length=16, d_model=32, num_hidden_layers=2, num_attention_heads=2,
+        ffn_dim=64, norm_type="batchnorm", dropout=0.1, loss="mse"))
+
+
+def _convbert() -> nn.Module:
+    """HF ConvBERT: its span convolution is an nn.Unfold (the model that measured 1.036x
+    its named minimum)."""
+    from transformers import ConvBertConfig, ConvBertForSequenceClassification
+    return ConvBertForSequenceClassification(ConvBertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, embedding_size=32, max_position_embeddings=64, num_labels=3,
+        conv_kernel_size=5, head_ratio=2))
+
+
+@pytest.mark.parametrize("budget", [pytest.param(None, marks=pytest.mark.slow), 0.8])
+def test_transformers_models_with_such_kernels_keep_their_plans(budget):
+    """The two third-party models these passes were found on, at no budget and 0.8:
+    within 1% of the prediction, within the budget, eager's gradients."""
+    torch.manual_seed(0)
+    series = dict(past_values=torch.randn(2, 64, 3), future_values=torch.randn(2, 16, 3))
+    _check_step(_patchtst, series, budget)
+    text = dict(input_ids=torch.randint(0, 100, (2, 16)),
+                attention_mask=torch.ones(2, 16, dtype=torch.long),
+                labels=torch.randint(0, 3, (2,)))
+    _check_step(_convbert, text, budget)
