@@ -62,6 +62,7 @@ from torch import fx
 
 from ._torch_compat import OpOverload
 from .meta import fake_value, value_tensors
+from .storage_sizes import with_storage_bytes
 from .workspace import WorkspaceCache, node_call, workspace_bytes_of
 
 log = logging.getLogger("memopt")
@@ -147,11 +148,7 @@ def _as_returned(fake: torch.Tensor, got: tuple | None) -> torch.Tensor:
     stride, nbytes = got
     if tuple(fake.stride()) == stride and fake.untyped_storage().nbytes() >= nbytes:
         return fake
-    with fake.fake_mode, torch.no_grad():
-        storage = torch.empty(max(nbytes, 0), dtype=torch.uint8, device=fake.device)
-        out = torch.empty(0, dtype=fake.dtype, device=fake.device)
-        out.set_(storage.untyped_storage(), 0, fake.shape, stride)
-    return out.requires_grad_(fake.requires_grad) if fake.is_floating_point() else out
+    return with_storage_bytes(fake, max(nbytes, 0), stride=stride, offset=0)
 
 
 def _rebuild(value: Any, tensors: Any) -> Any:

@@ -48,14 +48,18 @@ def kernel_storage_bytes(self_value: torch.Tensor) -> int:
     return self_value.untyped_storage().nbytes()
 
 
-def with_storage_bytes(value: torch.Tensor, nbytes: int) -> torch.Tensor:
+def with_storage_bytes(value: torch.Tensor, nbytes: int, *,
+                       stride: tuple[int, ...] | None = None, offset: int | None = None
+                       ) -> torch.Tensor:
     """A FakeTensor like `value` (shape, strides, offset, dtype, device) on a fresh
-    storage of `nbytes` bytes."""
+    storage of `nbytes` bytes; `stride`, `offset`: other strides or offset than
+    `value`'s."""
+    stride = tuple(value.stride()) if stride is None else stride
+    offset = value.storage_offset() if offset is None else offset
     with value.fake_mode, torch.no_grad():
         storage = torch.empty(nbytes, dtype=torch.uint8, device=value.device)
         out = torch.empty(0, dtype=value.dtype, device=value.device)
-        out.set_(storage.untyped_storage(), value.storage_offset(), value.shape,
-                 value.stride())
+        out.set_(storage.untyped_storage(), offset, value.shape, stride)
     return out.requires_grad_(value.requires_grad) if value.is_floating_point() else out
 
 

@@ -332,7 +332,7 @@ def _run(call: Call, device: torch.device) -> tuple[int, tuple | None]:
     return max(readings), returned
 
 
-def real_arguments(call: Call, ones: bool = False) -> tuple[tuple, dict]:
+def _real_arguments(call: Call, ones: bool = False) -> tuple[tuple, dict]:
     """Real tensors for `call`'s arguments (inside real_tensors): zeros, or with `ones`
     ones of each dtype, in the FakeTensors' layouts, on storages shared as the graph's are."""
     bases: dict[Any, torch.UntypedStorage] = {}
@@ -379,7 +379,7 @@ def _measure(call: Call, device: torch.device, ones: bool) -> tuple[int, tuple]:
     workspace follows its indices, and is none on zeros); and what it returned
     (`_returned_by`)."""
     readings, got = [], ()
-    args, kwargs = real_arguments(call, ones)
+    args, kwargs = _real_arguments(call, ones)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         if device.type == "cuda":
             call.target(*args, **kwargs)

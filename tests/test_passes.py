@@ -199,8 +199,9 @@ def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
     with pytest.raises(memopt.PassError) as info:
         memopt.plan(nn.Linear(4, 4), torch.randn(2, 4))
     assert info.value.stage == "in-place"
-    assert info.value.before == ("runtime layouts", "storage sizes", "tied embedding gradients",
-                                 "minimum dependencies", "step model", "baseline", "partition")
+    assert info.value.before == ("runtime layouts", "storage sizes", "gradient layout copies",
+                                 "tied embedding gradients", "minimum dependencies",
+                                 "step model", "baseline", "partition")
     assert isinstance(info.value.cause, RuntimeError)
 
 

@@ -158,7 +158,8 @@ class _Planning:
                 restore_runtime_layouts(self.joint, self.request.workspaces)
             with stage("storage sizes", self.done):
                 restore_storage_sizes(self.joint)
-            self._charge_accumulate_copies()
+            with stage("gradient layout copies", self.done):
+                self._charge_accumulate_copies()
         with stage("tied embedding gradients", self.done):
             add_embedding_grads_in_place(self.joint)
         with stage("minimum dependencies", self.done):
