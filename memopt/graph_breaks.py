@@ -160,13 +160,23 @@ def replan_jointly(runs: list[CompiledGraph], bases: list[Outside],
                 raise DoesNotFit(graph, last)
 
 
+def _held(runs: list[CompiledGraph], i: int, base: Outside, graph: CompiledGraph | None = None
+          ) -> tuple[int, int]:
+    """Saved bytes of the runs before run `i` (other than `graph`'s own), as planned now,
+    around its forward and around its backward: a run whose autograd node was freed by
+    then (base.dead_forward, base.dead_backward; memopt.steps) holds none."""
+    before = [(j, r) for j, r in enumerate(runs[:i]) if r is not graph]
+    return (sum(r.plan.held_bytes for j, r in before if j not in base.dead_forward),
+            sum(r.plan.held_bytes for j, r in before if j not in base.dead_backward))
+
+
 def need_of(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outside]) -> Outside:
     """What the rest of the step holds around `graph`'s runs at most: each run's base
-    plus the saved bytes of every run before it, as the graphs are planned now."""
+    plus the saved bytes of every run before it still alive, as the graphs are planned now."""
     need = Outside()
     for i, run in enumerate(runs):
         if run is graph:
-            need = need.max(bases[i].plus(sum(r.plan.held_bytes for r in runs[:i])))
+            need = need.max(bases[i].plus(*_held(runs, i, bases[i])))
     return need
 
 
@@ -185,7 +195,7 @@ def required(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outsid
     own, after, before = [], 0, 0
     for i, run in enumerate(runs):
         if run is graph:
-            base = bases[i].plus(sum(r.plan.held_bytes for r in runs[:i] if r is not graph))
+            base = bases[i].plus(*_held(runs, i, bases[i], graph))
             own.append((len(own) * (4 + weight) // 4, base.forward, base.backward))
             after = max(after, base.after_backward)
             before = max(before, base.before_backward)

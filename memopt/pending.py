@@ -40,17 +40,30 @@ SECOND_BACKWARD = (
     "exceed the plan, and the budget. Sum the losses and run one backward instead.")
 
 
-def _compiled_node(out: Any) -> Any:
-    """The autograd node of the last compiled graph among `out`'s tensors (a few nodes
-    below them at most: a view, memopt's attached logits), or None."""
+def compiled_nodes(out: Any, levels: int = 3) -> list[Any]:
+    """The autograd nodes of compiled graphs behind `out`'s tensors, nearest first: those
+    up to `levels` nodes below them (a view, memopt's attached logits), not below another
+    compiled graph's node."""
+    found, seen = [], set()
     nodes = [t.grad_fn for t in pytree.tree_leaves(out)
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    for _ in range(3):
+    for _ in range(levels):
+        below = []
         for node in nodes:
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
             if type(node).__name__ == _COMPILED_NODE:
-                return node
-        nodes = [f for node in nodes for f, _ in node.next_functions if f is not None]
-    return None
+                found.append(node)
+            else:
+                below.extend(f for f, _ in node.next_functions if f is not None)
+        nodes = below
+    return found
+
+
+def _compiled_node(out: Any) -> Any:
+    """The autograd node of the last compiled graph among `out`'s tensors, or None."""
+    return next(iter(compiled_nodes(out)), None)
 
 
 class PendingBackwards:

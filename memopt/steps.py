@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from memopt.passes._torch_compat import pytree, storage_ref
 
 from .eager_reads import eager_reads, made_by_eager_autograd
 from .fsdp import local_tensor
+from .pending import compiled_nodes
 from .storages import StorageId, holds_memory, storage_id
 
 
@@ -101,6 +103,12 @@ class Outside:
     #: the saved bytes of the plan it weighs (`around`)
     own: tuple[tuple[int, int, int], ...] = ()
     before_backward: int = 0
+    #: positions of the runs before it whose autograd node was freed (nothing the loss can
+    #: reach depends on them: HF Encodec's encoder, quantized to integer codes) before its
+    #: forward ran / by the time the forward ended: they hold nothing for it
+    #: (graph_breaks.need_of leaves their saved bytes out)
+    dead_forward: frozenset[int] = field(default=frozenset(), compare=False)
+    dead_backward: frozenset[int] = field(default=frozenset(), compare=False)
 
     @property
     def repeats(self) -> int:
@@ -130,9 +138,12 @@ class Outside:
                        tuple((n, f, b) for n, (f, b) in sorted(own.items())),
                        max(self.before_backward, other.before_backward))
 
-    def plus(self, nbytes: int) -> "Outside":
-        return Outside(self.forward + nbytes, self.backward + nbytes, self.after_backward,
-                       tuple((n, f + nbytes, b + nbytes) for n, f, b in self.own),
+    def plus(self, nbytes: int, backward: int | None = None) -> "Outside":
+        """`nbytes` more held around its forward, and `backward` (default: the same)
+        around its backward."""
+        back = nbytes if backward is None else backward
+        return Outside(self.forward + nbytes, self.backward + back, self.after_backward,
+                       tuple((n, f + nbytes, b + back) for n, f, b in self.own),
                        self.before_backward)
 
     def bytes(self) -> tuple:
@@ -164,6 +175,16 @@ class GraphRun:
     views: set[StorageId] = field(default_factory=set)
     #: storages of the inputs its backward reads (kept_input_positions): held until then
     kept_inputs: dict[StorageId, int] = field(default_factory=dict)
+    #: weak references to its compiled autograd nodes (CompiledFunctionBackward)
+    nodes: list[Any] = field(default_factory=list)
+    #: positions of the earlier runs whose node was freed before it ran
+    dead_before: frozenset[int] = frozenset()
+
+    def alive(self) -> bool:
+        """Its backward can still run: one of its autograd nodes is alive, or none was
+        found (not known: counted alive). Freed, its saved tensors and kept inputs are
+        freed with it."""
+        return not self.nodes or any(ref() is not None for ref in self.nodes)
 
     def alive_outputs(self) -> dict[StorageId, int]:
         """The storages of its outputs that something still holds: a Python reference, a
@@ -175,6 +196,7 @@ class GraphRun:
             if holds_memory(t):
                 storage = t.untyped_storage()
                 self.outputs.append((storage_ref(storage), storage_id(t), storage.nbytes()))
+        self.nodes.extend(weakref.ref(n) for n in compiled_nodes(outputs, levels=5))
 
 
 @dataclass
@@ -258,6 +280,7 @@ class ForwardTrace:
         run.views = set(storages(views))
         run.kept_inputs = storages(inputs[i] for i in kept)
         self.runs.append(run)
+        run.dead_before = self.dead(len(self.runs) - 1)
         run.base = self._base(len(self.runs) - 1, run.inputs)
         return run
 
@@ -271,8 +294,14 @@ class ForwardTrace:
         base = self._base(position, storages(inputs)).plus(self.held_before(position))
         return dataclasses.replace(base, after_backward=self.after_backward)
 
+    def dead(self, position: int) -> frozenset[int]:
+        """Positions of the runs before `position` whose autograd node is freed now."""
+        return frozenset(i for i, run in enumerate(self.runs[:position]) if not run.alive())
+
     def held_before(self, position: int) -> int:
-        return sum(run.held_bytes for run in self.runs[:position])
+        dead = self.dead(position)
+        return sum(run.held_bytes for i, run in enumerate(self.runs[:position])
+                   if i not in dead)
 
     def _base(self, position: int, own: dict[StorageId, int]) -> Outside:
         """What the step holds outside run `position` (inputs `own`), less the saved
@@ -281,9 +310,11 @@ class ForwardTrace:
         ends: what later runs return is not known)."""
         own_grads = {self.kept_grads[s] for s in own if s in self.kept_grads}
         held = {s: n for s, n in self.resident.items() if s not in own and s not in own_grads}
-        for run in self.runs[:position]:
+        dead = self.dead(position)
+        for i, run in enumerate(self.runs[:position]):
             held.update({s: n for s, n in run.alive_outputs().items() if s not in own})
-            held.update({s: n for s, n in run.kept_inputs.items() if s not in own})
+            if i not in dead:  # a freed node no longer keeps its inputs
+                held.update({s: n for s, n in run.kept_inputs.items() if s not in own})
         for run in self.runs[:position + 1]:  # saved by eager code before it ran
             held.update({s: n for s, n in run.eager_saved.items() if s not in own})
         forward = sum(held.values())
@@ -355,7 +386,8 @@ class ForwardTrace:
         reads = eager_reads(returned, self._walked)
         self.opaque |= reads.opaque
         self._eager_after = {s: n for s, n in reads.params.items() if s in self.grads}
-        return [dataclasses.replace(self._base(i, run.inputs), forward=run.base.forward)
+        return [dataclasses.replace(self._base(i, run.inputs), forward=run.base.forward,
+                                    dead_forward=run.dead_before, dead_backward=self.dead(i))
                 for i, run in enumerate(self.runs)]
 
 
