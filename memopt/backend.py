@@ -239,6 +239,8 @@ class MemoptBackend:
             # began the forward, is no new one (it may be captured for each shape of what
             # that code made: a PackedSequence's rows after an RNN's eager call)
             self.plan_log.count_graph(self.existing_grads, frame.code)
+        elif _resumed(frame):
+            self.plan_log.count_resumed(frame.code, key[1:])
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph

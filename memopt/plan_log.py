@@ -8,6 +8,7 @@ methods (the capture clock, the forward's code, a pending BudgetError), never by
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,9 @@ class PlanLog:
     #: (memopt.backend.graph_key), and how many times dynamo handed over one already built
     by_key: dict[tuple, CompiledGraph] = field(default_factory=dict)
     retraced: int = 0
+    #: graphs captured for each code after a graph break (dynamo's resume functions) with
+    #: the same inputs, place and modes (all of memopt.backend.graph_key but the graph)
+    resumed: dict[tuple, int] = field(default_factory=dict)
     #: forwards that ended traced (the others ran a settled graph: memopt.settled)
     traced: int = 0
     step_baselines: dict[tuple[int, ...], int] = field(default_factory=dict)
@@ -112,6 +116,29 @@ class PlanLog:
                 f"raise that limit (torch._dynamo.config.patch(recompile_limit=...)) if every "
                 f"shape really needs its own plan.")
         self.graphs[existing_grads] = count
+
+
+    def count_resumed(self, code: CodeType, same: tuple) -> None:
+        """One more graph captured for `code`, the rest of a frame after a graph break,
+        with inputs, place and modes `same` as others (shapes are captured apart).
+        count_graph's limit counts the step's entries only; a Python number the code
+        after a break reads (an `.item()` value it computes with) is a constant of each
+        graph, so dynamo captures it again whenever the number changes: every step, each
+        graph planned again and kept. Past the limit, say so once (not refused: the
+        step is right, only slow, and its host memory grows)."""
+        count = self.resumed[code, same] = self.resumed.get((code, same), 0) + 1
+        if count != self.graph_limit + 1:
+            return
+        reasons = recompile_reasons(code)
+        why = f" (dynamo's reason: {_first_line(reasons[-1])})" if reasons else ""
+        warnings.warn(
+            f"memopt: dynamo has captured the code after a graph break {count} times"
+            f"{why}, more than torch._dynamo.config.recompile_limit = {self.graph_limit}. "
+            f"A Python number it reads, such as a value read with .item() and then used in "
+            f"arithmetic, is a constant of each graph: when it changes at every step, every "
+            f"step captures and plans a new graph and keeps it (planning time at each step, "
+            f"host memory growing). Keep the computation on tensors (x / (1 + x.std()) "
+            f"instead of x / (1 + x.std().item())).", UserWarning, stacklevel=2)
 
 
 def _first_line(reason: str) -> str:
