@@ -21,7 +21,8 @@ from torch import fx
 
 from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
                                          loss_decompositions, make_boxed, pytree,
-                                         rng_kept, storage_key)
+                                         random_ops_kept, rng_kept, storage_key)
+from memopt.passes.dead_draws import with_dead_draws
 from memopt.passes.lm_heads import Attach
 from memopt.passes.runtime_views import views_as_reshapes
 from memopt.passes.scans import scan_saved_bytes
@@ -212,6 +213,8 @@ class CompiledGraph:
                 raise PlanOnly(plan)
             return fw, bw
 
+        partition_fn = with_dead_draws(partition_fn)  # eager's draws, used or not
+
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
             views_as_reshapes(graph)  # op by op: views that hold at runtime
             return make_boxed(graph)
@@ -233,10 +236,11 @@ class CompiledGraph:
         def aten() -> Callable:
             nonlocal options  # the graph runs op by op: nothing is recomputed for free
             options = dataclasses.replace(options, fusible=False)
-            return aot_module_simplified(
-                self.gm, list(example_inputs), fw_compiler=compile_graph,
-                bw_compiler=compile_backward, inference_compiler=compile_graph,
-                partition_fn=partition_fn, decompositions=loss_decompositions())
+            with random_ops_kept(True):  # unused ones too (passes.dead_draws)
+                return aot_module_simplified(
+                    self.gm, list(example_inputs), fw_compiler=compile_graph,
+                    bw_compiler=compile_backward, inference_compiler=compile_graph,
+                    partition_fn=partition_fn, decompositions=loss_decompositions())
 
         with rng_kept():
             if self.kernels is Kernels.INDUCTOR:

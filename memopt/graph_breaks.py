@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from typing import TYPE_CHECKING, Callable, Collection
 
-from .budget import format_bytes
+from .budget import HEADROOM, format_bytes
 from .errors import BudgetError
 from .steps import Outside
 
@@ -297,7 +298,8 @@ def step_minimum(missed: BudgetError, misses_at: Callable[[int], BudgetError | N
     logits: 3,918,295 bytes named, then 4,438,100 at the next step). So the forward is
     planned again at each minimum named (`misses_at(bytes)`: the forward planned as a
     first forward at that byte budget, its BudgetError or None where every graph fits),
-    up to MINIMUM_TRIES times, and the last minimum tried is the one named, with the
+    up to MINIMUM_TRIES times, and the last minimum tried is the one named (where the
+    tries do not settle, one checked by _settled_at), with the
     whole step's `baseline` (step_baseline: what a fraction is of; the missing graph's
     own made `smallest_fraction` None or too high)."""
     tried, seconds = missed.minimum_bytes, missed.plan_seconds
@@ -307,9 +309,24 @@ def step_minimum(missed: BudgetError, misses_at: Callable[[int], BudgetError | N
             break
         seconds += again.plan_seconds
         tried = max(again.minimum_bytes, tried + 1)
+    else:  # not settled: each try named a higher one (HF Encodec: 2.9 MB ... 11.3 MB)
+        tried = _settled_at(misses_at, tried, baseline)
     error = missed.with_minimum(tried, baseline)
     error.plan_seconds = seconds
     return error
+
+
+def _settled_at(misses_at: Callable[[int], BudgetError | None], last: int,
+                baseline: int) -> int:
+    """After step_minimum's tries: `last` (the minimum the last try named) where the
+    forward is planned within it; else a budget above the whole step's `baseline` (no
+    memopt passes: every graph fits it without recomputing) where that one is; else
+    `last`, as before."""
+    above = math.ceil(baseline / (1 - max(HEADROOM.values())))
+    for nbytes in (last, max(above, last + 1)):
+        if misses_at(nbytes) is None:
+            return nbytes
+    return last
 
 
 def _recompute_flops(runs: list[CompiledGraph]) -> int:

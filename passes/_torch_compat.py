@@ -403,6 +403,15 @@ def dce_impure_random() -> bool:
     return True
 
 
+def random_ops_kept(keep: bool) -> Any:
+    """inductor's `fallback_random`, patched inside a `with` block: with it on,
+    AOTAutograd's capture keeps random ops whose values nothing uses (dce_impure_random;
+    passes.dead_draws makes them eager's draws); memopt partitions with it off."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    return inductor_config.patch(fallback_random=keep)
+
+
 def dynamo_config_patch(**changes: Any) -> Any:
     """torch._dynamo.config.patch: dynamo's settings changed inside a `with` block only."""
     return torch._dynamo.config.patch(**changes)

@@ -1,0 +1,66 @@
+"""Random ops whose values nothing uses (passes/dead_draws.py).
+
+Eager draws for them; AOTAutograd removed them, so every later dropout drew another mask:
+HF CANINE's classifier (its character branch, with four dropouts, unused) had another loss
+and 52 other gradients at every budget, as under torch.compile (found from outside).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+from memopt.measure import allocation_peak
+
+
+class _UnusedDraws(nn.Module):
+    """A dropout, a rand_like, a randn_like and a bernoulli whose results are thrown
+    away, between the layers of a small MLP with dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        F.dropout(h, 0.5, True)               # unused: eager still draws
+        torch.rand_like(h)
+        h = F.dropout(torch.relu(self.b(h)), 0.2, self.training)
+        torch.randn_like(h)
+        torch.bernoulli(torch.sigmoid(h))
+        return F.dropout(self.c(h), 0.3, self.training).square().mean()
+
+
+@pytest.mark.parametrize("budget", [None, 0.8], ids=["no-budget", "0.8"])
+def test_unused_random_ops_draw_as_in_eager(budget):
+    """Eager's loss, gradients and generator state after the step; under a budget that
+    recomputes, the measured peak within it."""
+    torch.manual_seed(0)
+    eager = _UnusedDraws()
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, budget=budget)
+    x = torch.randn(128, 32)
+    torch.manual_seed(5)
+    compiled(x).backward()  # capture and plan
+    model.zero_grad(set_to_none=True)
+    resident = sum(p.untyped_storage().nbytes() for p in model.parameters()) \
+        + x.untyped_storage().nbytes()
+    torch.manual_seed(1)
+    with allocation_peak("cpu") as seen:
+        loss = compiled(x)
+        loss.backward()
+    after = torch.rand(4)
+    torch.manual_seed(1)
+    want = eager(x)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(after, torch.rand(4))
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    if budget is not None:
+        assert seen.peak + resident <= compiled.memopt_plan.budget_bytes
