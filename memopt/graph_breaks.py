@@ -316,17 +316,24 @@ def step_minimum(missed: BudgetError, misses_at: Callable[[int], BudgetError | N
     return error
 
 
+#: _settled_at: each budget it checks this much above the one before
+SETTLE_STEP = 1.25
+
+
 def _settled_at(misses_at: Callable[[int], BudgetError | None], last: int,
                 baseline: int) -> int:
-    """After step_minimum's tries: `last` (the minimum the last try named) where the
-    forward is planned within it; else a budget above the whole step's `baseline` (no
-    memopt passes: every graph fits it without recomputing) where that one is; else
-    `last`, as before."""
+    """After step_minimum's tries: the first of `last` (the minimum the last try named),
+    then budgets SETTLE_STEP apart, that the forward is planned within, up to a budget
+    above the whole step's `baseline` (no memopt passes: every graph fits it without
+    recomputing); `last`, as before, where none is."""
     above = math.ceil(baseline / (1 - max(HEADROOM.values())))
-    for nbytes in (last, max(above, last + 1)):
+    nbytes = last
+    while True:
         if misses_at(nbytes) is None:
             return nbytes
-    return last
+        if nbytes >= above:
+            return last
+        nbytes = min(max(math.ceil(nbytes * SETTLE_STEP), nbytes + 1), max(above, last + 1))
 
 
 def _recompute_flops(runs: list[CompiledGraph]) -> int:
