@@ -417,7 +417,7 @@ class MemoptBackend:
         bases = trace.end(returned)
         if trace.opaque and self.budget is not None:
             self.plan_log.pending = _opaque_backward_error(trace.opaque, self.budget)
-            raise self.plan_log.pending
+            self.plan_log.raise_pending()
         runs = [run.graph for run in trace.runs]
         self.plan_log.last_runs = tuple(runs)
         self._count_repeated_outputs(returned, runs[-1])
@@ -445,7 +445,7 @@ class MemoptBackend:
                 missed, lambda nbytes: self._misses_at(planned, bases, nbytes),
                 baseline if baseline is not None else step_baseline(planned))
             if first:
-                raise self.plan_log.pending
+                self.plan_log.raise_pending()
 
     def _misses_at(self, runs: list[CompiledGraph], bases: list[Outside],
                    nbytes: int) -> BudgetError | None:

@@ -7,6 +7,7 @@ methods (the capture clock, the forward's code, a pending BudgetError), never by
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -84,9 +85,14 @@ class PlanLog:
         self.forward_code = getattr(forward, "__func__", forward).__code__
 
     def raise_pending(self) -> None:
-        """Raise the BudgetError a re-plan after graph breaks left for this call."""
+        """Raise the BudgetError a re-plan after graph breaks left for this call (or the
+        InputError that refused the step): a copy, since the one kept would gather the
+        traceback of the step that raises it, and keep that step's frames (its tensors,
+        their autograd graph, a chain's stashed run) alive as long as this log."""
         if self.pending is not None:
-            raise self.pending
+            err = self.pending
+            raise err.with_minimum(err.minimum_bytes) if isinstance(err, BudgetError) \
+                else copy.copy(err)
 
     def record(self, plan: MemoryPlan) -> None:
         self.plans.append(plan)

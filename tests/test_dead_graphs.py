@@ -12,6 +12,7 @@ compiled node is freed now holds nothing for the graphs after it
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 import memopt
 from memopt.measure import allocation_peak
+from memopt.recurrent import ops
 
 
 class _Codes(nn.Module):
@@ -61,6 +63,11 @@ def test_a_graph_no_gradient_reaches_holds_nothing_for_the_graphs_after_it(budge
         with pytest.raises(memopt.BudgetError) as refused:
             _measured(copy.deepcopy(eager), x, 0.05)
         budget = refused.value.minimum_bytes
+        del refused
+        gc.collect()
+        # the refused step's error, kept to raise again at the next call, once kept its
+        # traceback: that step's frames, and the encoder chain's stashed run, for good
+        assert not ops._STASH
     model = copy.deepcopy(eager)
     compiled, measured = _measured(model, x, budget)
     plan = compiled.memopt_plan
