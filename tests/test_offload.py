@@ -208,10 +208,14 @@ def test_offload_on_cuda_measures_within_the_budget_and_the_prediction():
     compiled(x).sum().backward()
     torch.cuda.synchronize()
     compiled.zero_grad(set_to_none=True)
-    torch.cuda.reset_peak_memory_stats()
-    compiled(x).sum().backward()
-    torch.cuda.synchronize()
-    peak, plan = torch.cuda.max_memory_allocated(), compiled.memopt_plan
+    # the step's rise over what was allocated before it, plus the parameters and input the
+    # plan counts: a worker that ran other tests first still holds their leftovers (one
+    # pytest-xdist worker on an H200 measured 185,641,472 bytes of max_memory_allocated
+    # against this 19,761,868-byte budget)
+    resident = sum(p.nbytes for p in compiled.parameters()) + x.nbytes
+    with allocation_peak("cuda") as seen:
+        compiled(x).sum().backward()
+    peak, plan = seen.peak + resident, compiled.memopt_plan
     assert peak <= plan.budget_bytes
     assert abs(peak - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes
 
