@@ -26,6 +26,7 @@ from torch import fx
 
 from memopt.passes.lm_heads import Attach, chunk_heads
 from memopt.passes.cell_loops import chain_loops
+from memopt.passes.constant_masks import drop_constant_masks
 from memopt.passes.identity_dropouts import remove_identity_dropouts
 from memopt.passes.allocated import can_track
 from memopt.passes.workspace import SHARED, WorkspaceCache
@@ -243,6 +244,7 @@ class MemoptBackend:
         elif _resumed(frame):
             self.plan_log.count_resumed(frame.code, key[1:])
         remove_identity_dropouts(gm)  # as eager: no copy saved beside the input
+        drop_constant_masks(gm)  # as eager: SDPA's fused kernel, no attention matrix
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph

@@ -393,22 +393,21 @@ def test_fp16_autocast_with_grad_scaler(budget: Any) -> None:
 # --------------------------------------------------------------------------
 
 
-#: BERT's gradients differ from eager's on CUDA with dropout by up to 13% of the largest
-#: gradient (word, token-type and position embeddings first), with no budget as with one:
-#: torch.compile's own graph (backend="aot_eager") draws BERT's dropout numbers otherwise
-#: than eager does on CUDA (SDPA with an attention mask), and memopt's gradients equal
-#: aot_eager's to 8e-9 of the largest (H200, torch 2.11; with dropout off they equal
-#: eager's to 5e-7). So BERT is checked against aot_eager: what memopt adds to the
-#: captured graph must not change it.
-REFERENCE = {"gpt2": "eager", "bert": "aot_eager", "llama": "eager"}
+#: BERT's gradients differed from eager's on CUDA with dropout by up to 13% of the largest
+#: gradient, and equalled torch.compile's aot_eager graph's: transformers 5.17 builds a
+#: constant all-True attention mask under tracing where eager passes none, and with it the
+#: traced attention ran decomposed, drawing its dropout otherwise than eager's fused kernel
+#: (H200, 2026-11-29). memopt drops that mask (passes.constant_masks), so every model here
+#: is checked against eager; not yet run on a GPU with the pass.
+ZOO_TRANSFORMERS = ["bert", "gpt2", "llama"]
 
 
 @pytest.mark.parametrize("kernels", ["aten", "inductor"])
-@pytest.mark.parametrize("name", sorted(REFERENCE))
+@pytest.mark.parametrize("name", ZOO_TRANSFORMERS)
 def test_zoo_transformer_on_cuda_within_a_binding_budget(name: str, kernels: str) -> None:
     """benchmarks/zoo.py's models on CUDA, where attention runs SDPA's fused kernels
     (their dropout draws inside the kernel, so they are never recomputed): eager's
-    gradients (BERT: torch.compile's aot_eager graph's, see REFERENCE) at 85% of the
+    gradients (BERT: see ZOO_TRANSFORMERS) at 85% of the
     budget=None plan's peak, measured within the budget and within 10% of the plan; also
     with inductor's Triton kernels running memopt's graphs (gradients then at
     INDUCTOR_TOL: fused reductions sum in another order)."""
@@ -418,10 +417,7 @@ def test_zoo_transformer_on_cuda_within_a_binding_budget(name: str, kernels: str
     eager = build(name, device=DEVICE)
     case = ZooCase(name, copy.deepcopy(eager.model), eager.args, eager.kwargs, eager.loss)
     torch.manual_seed(1)
-    if REFERENCE[name] == "aot_eager":
-        eager.run_step(torch.compile(eager.model, backend="aot_eager"))
-    else:
-        eager.run_step()
+    eager.run_step()
     free = memopt.compile(copy.deepcopy(eager.model), kernels=kernels)
     torch.manual_seed(1)
     ZooCase(name, free.original_module, eager.args, eager.kwargs, eager.loss).run_step(free)
