@@ -281,7 +281,7 @@ class ForwardTrace:
         run.kept_inputs = storages(inputs[i] for i in kept)
         self.runs.append(run)
         run.dead_before = self.dead(len(self.runs) - 1)
-        run.base = self._base(len(self.runs) - 1, run.inputs)
+        run.base = self._base(len(self.runs) - 1, run.inputs, run.dead_before)
         return run
 
     def runs_of(self, graph: Any) -> int:
@@ -291,26 +291,31 @@ class ForwardTrace:
     def outside_of(self, position: int, inputs: Iterable[Any]) -> Outside:
         """What the rest of the step holds around a graph that would run at `position`
         with these inputs, as far as the trace knows now."""
-        base = self._base(position, storages(inputs)).plus(self.held_before(position))
+        dead = self.dead(position)
+        base = self._base(position, storages(inputs), dead).plus(self.held_before(position, dead))
         return dataclasses.replace(base, after_backward=self.after_backward)
 
-    def dead(self, position: int) -> frozenset[int]:
-        """Positions of the runs before `position` whose autograd node is freed now."""
-        return frozenset(i for i, run in enumerate(self.runs[:position]) if not run.alive())
+    def dead(self, position: int, alive: list[bool] | None = None) -> frozenset[int]:
+        """Positions of the runs before `position` whose autograd node is freed now
+        (`alive`: each run's `GraphRun.alive()`, where the caller has them)."""
+        if alive is None:
+            alive = [run.alive() for run in self.runs[:position]]
+        return frozenset(i for i, a in enumerate(alive[:position]) if not a)
 
-    def held_before(self, position: int) -> int:
-        dead = self.dead(position)
+    def held_before(self, position: int, dead: frozenset[int] | None = None) -> int:
+        dead = self.dead(position) if dead is None else dead
         return sum(run.held_bytes for i, run in enumerate(self.runs[:position])
                    if i not in dead)
 
-    def _base(self, position: int, own: dict[StorageId, int]) -> Outside:
+    def _base(self, position: int, own: dict[StorageId, int],
+              dead: frozenset[int] | None = None) -> Outside:
         """What the step holds outside run `position` (inputs `own`), less the saved
         tensors of the runs before it: while its forward runs (now, if the forward has
         not ended), and while its backward runs (a lower estimate until the forward
         ends: what later runs return is not known)."""
         own_grads = {self.kept_grads[s] for s in own if s in self.kept_grads}
         held = {s: n for s, n in self.resident.items() if s not in own and s not in own_grads}
-        dead = self.dead(position)
+        dead = self.dead(position) if dead is None else dead
         for i, run in enumerate(self.runs[:position]):
             held.update({s: n for s, n in run.alive_outputs().items() if s not in own})
             if i not in dead:  # a freed node no longer keeps its inputs
@@ -386,8 +391,10 @@ class ForwardTrace:
         reads = eager_reads(returned, self._walked)
         self.opaque |= reads.opaque
         self._eager_after = {s: n for s, n in reads.params.items() if s in self.grads}
-        return [dataclasses.replace(self._base(i, run.inputs), forward=run.base.forward,
-                                    dead_forward=run.dead_before, dead_backward=self.dead(i))
+        alive = [run.alive() for run in self.runs]  # once: each run's dead set from it
+        dead = [self.dead(i, alive) for i in range(len(self.runs))]
+        return [dataclasses.replace(self._base(i, run.inputs, dead[i]), forward=run.base.forward,
+                                    dead_forward=run.dead_before, dead_backward=dead[i])
                 for i, run in enumerate(self.runs)]
 
 
