@@ -194,10 +194,13 @@ def check_matches_eager(
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     compile_fn: Callable[[nn.Module], nn.Module] | None = None,
     buffer_tol: dict[str, float] | None = None,
+    accumulate: bool = False,
 ) -> Run:
     """Train `steps` steps eagerly and through memopt from identical states; compare
     outputs, gradients (parameters and inputs), buffers and, with an optimizer,
-    parameters after every step (buffers bit for bit, or within `buffer_tol`)."""
+    parameters after every step (buffers bit for bit, or within `buffer_tol`).
+    `accumulate`: gradients are zeroed before the first step only, so every later step
+    adds into kept `.grad` (gradient accumulation: memopt plans that step apart)."""
     tol = FP32 if autocast is None else None
     torch.manual_seed(0)
     eager = make_model()
@@ -211,8 +214,9 @@ def check_matches_eager(
         torch.manual_seed(100 + k)
         inputs = make_inputs()
         in_eager, in_ours = clone_inputs(inputs), clone_inputs(inputs)
-        for m in (eager, model):
-            m.zero_grad(set_to_none=True)
+        if k == 0 or not accumulate:
+            for m in (eager, model):
+                m.zero_grad(set_to_none=True)
         out_eager = step(eager, in_eager, seed=1000 + k, autocast=autocast, loss_fn=loss_fn)
         out_ours = step(compiled, in_ours, seed=1000 + k, autocast=autocast, loss_fn=loss_fn)
 

@@ -13,6 +13,7 @@ from torch import nn
 
 import memopt
 from memopt.passes.constant_masks import drop_constant_masks
+from support import check_matches_eager
 
 B, H, S, D = 2, 4, 16, 8
 
@@ -120,3 +121,12 @@ def test_a_dropped_mask_runs_the_fused_kernel_on_cuda() -> None:
     for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     assert peaks[1] <= peaks[0], peaks
+
+
+@pytest.mark.parametrize("budget", [None, 0.9])
+def test_accumulated_steps_with_a_dropped_mask_match_eager(budget):
+    """Three steps adding into kept `.grad` (the later steps are planned apart): eager's
+    outputs and accumulated gradients at each."""
+    check_matches_eager(lambda: nn.Sequential(Attention("hf"), nn.GELU(), Attention("hf")),
+                        lambda: (torch.randn(B, S, H * D),), budget=budget, steps=3,
+                        accumulate=True)

@@ -16,6 +16,7 @@ from torch import nn
 
 import memopt
 from memopt.measure import allocation_peak
+from support import check_matches_eager
 
 
 class _UnusedDraws(nn.Module):
@@ -64,3 +65,11 @@ def test_unused_random_ops_draw_as_in_eager(budget):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     if budget is not None:
         assert seen.peak + resident <= compiled.memopt_plan.budget_bytes
+
+
+@pytest.mark.parametrize("budget", [None, 0.8], ids=["no-budget", "0.8"])
+def test_accumulated_steps_with_unused_draws_match_eager(budget):
+    """Three steps adding into kept `.grad` (the later steps are planned apart): every
+    dropout's mask, so every loss and accumulated gradient, is eager's."""
+    check_matches_eager(_UnusedDraws, lambda: (torch.randn(128, 32),), budget=budget,
+                        steps=3, accumulate=True)

@@ -17,6 +17,7 @@ from torch import fx, nn
 
 import memopt
 from memopt.measure import allocation_peak
+from support import check_matches_eager
 
 
 def _dynamo_graph(f, x: torch.Tensor) -> fx.GraphModule:
@@ -96,3 +97,11 @@ def test_a_dropout_of_probability_zero_keeps_no_copy(budget):
     eager(x).backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("budget", [None, 0.9])
+def test_accumulated_steps_with_an_identity_dropout_match_eager(budget):
+    """Three steps adding into kept `.grad` (the later steps are planned apart): eager's
+    outputs and accumulated gradients at each."""
+    check_matches_eager(_Attention, lambda: (torch.randn(4, 64, 32),), budget=budget,
+                        steps=3, accumulate=True)
