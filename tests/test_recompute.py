@@ -351,3 +351,43 @@ def test_the_peak_path_recomputes_less_than_alg3_near_the_peak(name: str, budget
     assert path and plan.predicted_peak_bytes <= plan.budget_bytes
     assert 0 < plan.recompute_flops < alg3 / 2
     check_matches_eager(case.make_model, case.make_inputs, budget=budget, steps=2)
+
+
+class _ReturnsEveryLayer(nn.Module):
+    """Four tanh layers whose every output is returned, in a dict, for a loss outside the
+    module: whatever the search recomputes lives beside what the loss still holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        hs = []
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            hs.append(x)
+        return {"a": hs[0].mean(), "b": hs[1].sum(1), "c": (hs[3], hs[2][:, :3]),
+                "d": hs[2].amax()}
+
+
+def _returns_every_layer_loss(out: dict[str, object]) -> torch.Tensor:
+    return (out["a"] + out["b"].pow(2).mean() + out["c"][0].pow(2).mean()
+            + out["c"][1].sum() + out["d"])
+
+
+def test_the_minimum_named_is_never_above_the_plan_that_recomputes_nothing() -> None:
+    """Where the search's lowest mirror set holds more than recomputing nothing (here
+    1,668,037 bytes were named against a 1,511,944-byte plan with no budget, found from
+    outside), the plan keeps everything: the minimum named is that plan's peak with the
+    headroom, it is accepted, and the step gives eager's gradients."""
+    torch.manual_seed(0)
+    model, x = _ReturnsEveryLayer(), torch.randn(256, 128)
+    free = memopt.compile(model)
+    _returns_every_layer_loss(free(x)).backward()
+    none_peak = free.memopt_plan.predicted_peak_bytes
+    with pytest.raises(memopt.BudgetError) as info:
+        memopt.plan(_ReturnsEveryLayer(), x, budget=0.8)
+    minimum = info.value.minimum_bytes
+    assert minimum <= math.ceil(none_peak / (1 - default_headroom("cpu"))), (minimum, none_peak)
+    check_matches_eager(_ReturnsEveryLayer, lambda: (torch.randn(256, 128),), budget=minimum,
+                        steps=2, loss_fn=_returns_every_layer_loss)

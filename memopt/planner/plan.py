@@ -279,6 +279,13 @@ class _Planning:
                 mirror = self.user_checkpoints(free)
             elif self.simulate(free).peak_bytes > target:
                 mirror, search = self.search_with(target, free)
+                if self.simulate(mirror).peak_bytes > self.simulate(free).peak_bytes:
+                    # below its reach the search's lowest set can hold more than keeping
+                    # everything (recomputed values live beside outputs the loss holds):
+                    # keep, so the minimum named is no higher than the plan with no budget
+                    # (a model returning a dict of four layers' values: 1,668,037 bytes
+                    # named, 10% above it, found from outside)
+                    mirror = free
         heads = self.found[HEADS]
         if self.options.mirror is None and target is not None and not r.lowest_peak \
                 and self.options.solver != "milp" and heads.choices \
