@@ -84,7 +84,7 @@ def _evaluate(nodes: list[fx.Node]) -> Any:
 
 
 def _masks_nothing(value: Any, attention: torch.Size | None) -> bool:
-    if not isinstance(value, torch.Tensor) or attention is None:
+    if not isinstance(value, torch.Tensor) or attention is None or value.is_meta:
         return False
     if value.dim() > len(attention) or any(
             m not in (1, a) for m, a in zip(value.shape[::-1], attention[::-1])):
@@ -114,11 +114,10 @@ def drop_constant_masks(gm: fx.GraphModule) -> int:
         nodes = _constant_ancestry(mask) if mask is not None else None
         if not nodes:
             continue
-        try:
-            value = _evaluate(nodes)
-        except Exception:  # noqa: BLE001 - a mask it cannot compute stays as traced
-            continue
-        if not _masks_nothing(value, _attention_shape(node)):
+        try:  # a mask it cannot compute, or read (on the meta device), stays as traced
+            if not _masks_nothing(_evaluate(nodes), _attention_shape(node)):
+                continue
+        except Exception:  # noqa: BLE001
             continue
         if "attn_mask" in node.kwargs:
             node.update_kwarg("attn_mask", None)

@@ -130,3 +130,17 @@ def test_accumulated_steps_with_a_dropped_mask_match_eager(budget):
     check_matches_eager(lambda: nn.Sequential(Attention("hf"), nn.GELU(), Attention("hf")),
                         lambda: (torch.randn(B, S, H * D),), budget=budget, steps=3,
                         accumulate=True)
+
+
+def test_a_mask_on_the_meta_device_is_left_as_traced() -> None:
+    """On the meta device (memopt.plan of a model there) a mask's values cannot be read:
+    it stays as traced, and capture goes on (transformers 4.46's GPT-2 raised from here)."""
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(drop_constant_masks(gm))
+        return gm.forward
+
+    model = Attention("float_zeros").to("meta")
+    torch.compile(model, backend=capture)(torch.randn(B, S, H * D, device="meta"))
+    assert graphs == [0]
