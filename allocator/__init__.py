@@ -5,7 +5,7 @@ the tag-recycling plan of Chen et al. Fig. 2, `offsets` a greedy-by-size arena
 layout. None of them imports torch.
 """
 
-from .liveness import Interval, PeakResult, live_bytes_profile, peak_live_bytes
+from .liveness import Interval, PeakOfSizes, PeakResult, live_bytes_profile, peak_live_bytes
 from .mirror import SegmentPlan, grid_budgets, plan_segments, search_budgets, split_candidates
 from .offsets import OffsetResult, assign_offsets, find_overlap
 from .sharing import SharingResult, no_sharing_bytes, share_by_tags
@@ -13,6 +13,7 @@ from .sharing import SharingResult, no_sharing_bytes, share_by_tags
 __all__ = [
     "Interval",
     "OffsetResult",
+    "PeakOfSizes",
     "PeakResult",
     "SegmentPlan",
     "SharingResult",

@@ -73,3 +73,41 @@ def peak_live_bytes(intervals: Sequence[Interval], num_steps: int) -> PeakResult
     step = profile.index(peak)
     live = tuple(i for i, iv in enumerate(intervals) if max(iv.start, 0) <= step <= iv.end)
     return PeakResult(peak_bytes=peak, peak_step=step, live_at_peak=live)
+
+
+class PeakOfSizes:
+    """The peak of a fixed schedule as a function of a few buffers' sizes.
+
+    A planner pricing many configurations of one op, where only the bytes the op holds
+    and allocates change (a recurrent chain's policies: memopt.planner.chain_family),
+    needs the peak for each set of sizes, not a new liveness analysis each time.
+    `fixed` are the schedule's other buffers; `variable[k]` the intervals whose size is
+    the k-th value passed to `__call__` (each rounded up to `granularity` bytes, one
+    buffer per interval as the allocator rounds them). The steps split into the segments
+    between the variable intervals' ends; each segment's value is its largest fixed live
+    bytes plus the variables covering it, so a call costs O(segments), which is
+    O(len(variable intervals)), whatever the schedule's length.
+    """
+
+    def __init__(self, fixed: Sequence[Interval], variable: Sequence[Sequence[tuple[int, int]]],
+                 num_steps: int, granularity: int = 1) -> None:
+        profile = live_bytes_profile(fixed, num_steps)
+        last = num_steps - 1
+        clipped = [[(max(s, 0), min(e, last)) for s, e in spans] for spans in variable]
+        cuts = sorted({0, num_steps, *(b for spans in clipped for s, e in spans
+                                       if s <= e for b in (s, e + 1))})
+        self.granularity = granularity
+        #: per segment: (its largest fixed live bytes, how many intervals of each variable
+        #: cover it)
+        self.segments = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            if lo >= hi or lo >= num_steps:
+                continue
+            counts = tuple(sum(1 for s, e in spans if s <= lo <= e) for spans in clipped)
+            self.segments.append((max(profile[lo:hi]), counts))
+
+    def __call__(self, *sizes: int) -> int:
+        g = self.granularity
+        rounded = [-(-size // g) * g for size in sizes]
+        return max((base + sum(c * r for c, r in zip(counts, rounded))
+                    for base, counts in self.segments), default=0)

@@ -13,7 +13,6 @@ step counts are non-negative ints, and `from_json` is strict about types ("12" i
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 
 from pydantic import (
@@ -48,26 +47,6 @@ class StorageRecord(BaseModel):
     nodes: tuple[str, ...]     # every node whose value lives in it
     offset: Bytes | None = None  # arena offset from the allocator (None for resident storages)
     tag: int | None = None     # Chen's sharing tag
-
-
-class SavedReason(Enum):
-    """Why a value is saved for backward: `SavedTensor.reason` is `reason.text(...)`.
-
-    The planner decides the reason as one of these (memopt.planner.assemble) and renders
-    it once; nothing reads the text back."""
-
-    #: a view of a parameter, buffer or input: its storage is resident anyway (0 bytes)
-    RESIDENT_VIEW = "a view of graph input {storage}: already resident"
-    #: another saved value holds the same storage (0 bytes)
-    SHARES_STORAGE = "shares storage with saved {other}"
-    #: no recomputation was planned: the budget does not bind
-    NOT_BINDING = "read by backward; no recomputation planned (budget not binding)"
-    #: the budget search recomputes other values; this one is kept (Chen Alg. 3)
-    SEGMENT_BOUNDARY = ("kept: a segment boundary of the Alg. 3 plan, read by backward or "
-                        "by recomputation")
-
-    def text(self, **detail: str) -> str:
-        return self.value.format(**detail)
 
 
 class SavedTensor(BaseModel):

@@ -154,7 +154,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any],
             # `fallback_random` inside a compilation, and with it on it would keep the
             # random ops of a recomputed region whose values the plan replaces (dropout
             # from its kept mask, passes.twins): re-drawn in backward, they move the
-            # user's RNG and hold their outputs (dce_impure_random).
+            # user's RNG and hold their outputs (_torch_compat.extract_fwd_bwd).
             with inductor_config.patch(fallback_random=False):
                 return partition_fn(joint, joint_inputs, **kwargs)
 

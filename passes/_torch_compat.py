@@ -216,11 +216,22 @@ def extract_fwd_bwd(
     """Split `joint` into forward and backward modules that save `saved_values`.
 
     Every node the backward outputs need that is neither saved nor a tangent is
-    copied into the backward graph (recomputed there).
+    copied into the backward graph (recomputed there). A random op whose value nothing
+    reads is removed from both, wherever this runs: torch's extraction keeps one outside
+    a compilation (fx's dead-code elimination reads inductor's `fallback_random` only
+    under a TracingContext), and a plan made again after the first step (outside dynamo)
+    then drew a dead dropout in its backward, moving the user's RNG, so that every later
+    mask differed from eager's (found from outside, 2026-11-30). Eager's draws for unused
+    random ops are in-place draws by then (passes.dead_draws), impure either way.
     """
-    return _extract_fwd_bwd_modules(
+    fw, bw = _extract_fwd_bwd_modules(
         joint, saved_values, saved_sym_nodes, num_fwd_outputs=num_fwd_outputs
     )
+    for gm in (fw, bw):
+        if gm.graph.eliminate_dead_code(
+                is_impure_node=lambda node: node.is_impure(impure_random=False)):
+            gm.recompile()
+    return fw, bw
 
 
 def make_boxed(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
@@ -392,21 +403,11 @@ def last_guard_failure(code: Any) -> str:
         return ""
 
 
-def dce_impure_random() -> bool:
-    """Whether torch.fx's dead-code elimination keeps unused random ops now: inside a
-    compilation (a TracingContext, as in AOTAutograd's partitioning) it follows
-    inductor's `fallback_random`, else it keeps them (Graph.eliminate_dead_code)."""
-    if torch._guards.TracingContext.try_get():
-        import torch._inductor.config as inductor_config  # noqa: PLC0415
-
-        return bool(inductor_config.fallback_random)
-    return True
-
-
 def random_ops_kept(keep: bool) -> Any:
     """inductor's `fallback_random`, patched inside a `with` block: with it on,
-    AOTAutograd's capture keeps random ops whose values nothing uses (dce_impure_random;
-    passes.dead_draws makes them eager's draws); memopt partitions with it off."""
+    AOTAutograd's capture keeps random ops whose values nothing uses (fx's dead-code
+    elimination keeps them under a TracingContext; passes.dead_draws makes them eager's
+    draws); memopt partitions with it off (extract_fwd_bwd)."""
     import torch._inductor.config as inductor_config  # noqa: PLC0415
 
     return inductor_config.patch(fallback_random=keep)

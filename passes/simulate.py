@@ -36,7 +36,8 @@ models, and memopt.planner builds the plan it chooses for real):
         passes.twins), what passes.inplace's static rules allow, and FLOPs.
     Step 2: Chen Alg. 2: the mirror nodes backward needs and the order that runs each
         just before its first use (passes.recompute.add_mirror_nodes).
-    Step 3: the cut, gradients added into kept `.grad` tensors (passes.gradients), and
+    Step 3: the cut, one copy saved of values computed twice (passes.shared_saves),
+        gradients added into kept `.grad` tensors (passes.gradients), and
         the nodes AOTAutograd's extraction keeps in each graph (passes.partition).
     Step 4: in-place rewrites where an input dies (passes.inplace), and the kernel
         workspace of each op variant that runs (passes.workspace's cache).
@@ -67,6 +68,7 @@ from .simulate_steps import Candidate
 from .step_data import Proto, Simulated
 from .workspace import WorkspaceCache
 from .recompute import arithmetic, mirrorable, recompute_sources
+from .shared_saves import duplicates
 from .twins import emit_twin, is_twinned
 
 class StepModel:
@@ -78,7 +80,7 @@ class StepModel:
                  accumulate: Callable[..., Any] | None = None,
                  step_bytes: dict[str, int] | None = None, outside_grad_bytes: int = 0,
                  outside: tuple[int, ...] = (0, 0), granularity: int = 1,
-                 impure_random: bool = False, outputs_dropped: bool = False,
+                 outputs_dropped: bool = False,
                  workspaces: WorkspaceCache | None = None, fused: bool = False) -> None:
         self.num_fwd_outputs = num_fwd_outputs
         #: inductor runs the graphs (kernels="inductor"): liveness counts the buffers its
@@ -98,7 +100,6 @@ class StepModel:
         self.outside_grad_bytes = outside_grad_bytes
         self.outside = outside
         self.granularity = granularity
-        self._impure_random = impure_random
         self._storage_ids: dict[Any, int] = {}
         nodes = list(joint.graph.nodes)
         self.index = {n: i for i, n in enumerate(nodes)}
@@ -144,6 +145,9 @@ class StepModel:
         self.read_by_backward = [(b, a) for b in self.backward for a in self.inputs[b]
                                  if a in self.mirrorable]
         self.by_name = {n.name: i for i, n in enumerate(nodes)}
+        #: Step 3's merge of saved copies (passes.shared_saves): node -> its first equal
+        self.first_equal = {self.by_name[a]: self.by_name[b]
+                            for a, b in duplicates(joint, num_fwd_outputs).items()}
         self._nodes = nodes
         self._twins: dict[tuple[int, str], tuple[list[tuple[Proto, tuple]], dict]] = {}
         self._accumulate: dict[int | None, Proto] = {}
@@ -189,7 +193,7 @@ class StepModel:
             nbytes=tuple(t.untyped_storage().nbytes() for t in tensors),
             single=self._raw(single) if single is not None else None,
             tuple_valued=isinstance(value, (tuple, list)), symbolic=is_sym_node(node),
-            impure=node.is_impure(self._impure_random),
+            impure=node.is_impure(impure_random=False),  # _torch_compat.extract_fwd_bwd
             in_forward=tag == "must_be_in_forward" or (
                 mutable and tag not in ("is_backward", "must_be_in_backward")),
             in_backward=tag == "must_be_in_backward" or (mutable and tag == "is_backward"),

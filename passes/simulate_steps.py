@@ -23,6 +23,7 @@ from .fusion import graph_fusion
 from .inplace import merge_storage
 from .liveness import timeline_kind
 from .meta import OpBytes, held_bytes, preset_workspace_bytes
+from .shared_saves import saved_pairs
 from .step_data import Proto, Simulated
 from .workspace import Call, node_call, workspace_bytes_of
 
@@ -143,9 +144,19 @@ class Candidate:
         def in_region(i: int) -> bool:
             return i < joint and m.region[i]
 
-        read_outside = {a for i in self.order if not in_region(i) for a in self.I[i]}
-        cut = [i for i in m.placeholders + self.order if in_region(i) and i in read_outside]
-        saved = [i for i in cut if not self.P[i].symbolic and not self.P[i].tuple_valued]
+        def find_cut() -> list[int]:
+            read_outside = {a for i in self.order if not in_region(i) for a in self.I[i]}
+            return [i for i in m.placeholders + self.order if in_region(i) and i in read_outside]
+
+        def tensors(cut: list[int]) -> list[int]:
+            return [i for i in cut if not self.P[i].symbolic and not self.P[i].tuple_valued]
+
+        cut = find_cut()
+        pairs = saved_pairs(tensors(cut), m.first_equal)  # passes.shared_saves
+        if pairs:
+            self._read_first_saved(pairs, in_region)
+            cut = find_cut()
+        saved = tensors(cut)
         symbols = [i for i in cut if self.P[i].symbolic]
         order = list(self.order)
         if m.existing_grads is not None:
@@ -163,6 +174,16 @@ class Candidate:
         fw = Graph(list(m.primals), self._extract(graph, set(m.primals), fw_out, forward=True),
                     fw_out)
         return fw, bw, saved
+
+    def _read_first_saved(self, pairs: dict[int, int], in_region: Callable[[int], bool]
+                          ) -> None:
+        """passes.shared_saves.share_saved: backward readers of a saved duplicate read
+        its chosen equal."""
+        for i in self.order:
+            if in_region(i) or not any(a in pairs for a in self.I[i]):
+                continue
+            self.I[i] = tuple(pairs.get(a, a) for a in self.I[i])
+            self.A[i] = tuple(pairs.get(a, a) if a is not None else None for a in self.A[i])
 
     def _accumulate(self, order: list[int], saved: list[int]) -> tuple[list[int], list[int]]:
         """passes.gradients: save the parameters, and add each parameter's gradient into

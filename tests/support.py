@@ -195,12 +195,16 @@ def check_matches_eager(
     compile_fn: Callable[[nn.Module], nn.Module] | None = None,
     buffer_tol: dict[str, float] | None = None,
     accumulate: bool = False,
+    same_draws: bool = True,
 ) -> Run:
     """Train `steps` steps eagerly and through memopt from identical states; compare
     outputs, gradients (parameters and inputs), buffers and, with an optimizer,
     parameters after every step (buffers bit for bit, or within `buffer_tol`).
     `accumulate`: gradients are zeroed before the first step only, so every later step
-    adds into kept `.grad` (gradient accumulation: memopt plans that step apart)."""
+    adds into kept `.grad` (gradient accumulation: memopt plans that step apart).
+    `same_draws`: each step leaves the CPU generator where eager's leaves it (a step
+    that draws more or fewer random numbers changes every later mask of a loop seeded
+    once, though this step's gradients agree)."""
     tol = FP32 if autocast is None else None
     torch.manual_seed(0)
     eager = make_model()
@@ -218,7 +222,11 @@ def check_matches_eager(
             for m in (eager, model):
                 m.zero_grad(set_to_none=True)
         out_eager = step(eager, in_eager, seed=1000 + k, autocast=autocast, loss_fn=loss_fn)
+        drawn_eager = torch.get_rng_state()
         out_ours = step(compiled, in_ours, seed=1000 + k, autocast=autocast, loss_fn=loss_fn)
+        if same_draws:
+            assert torch.equal(torch.get_rng_state(), drawn_eager), (
+                f"step {k + 1} left the CPU generator elsewhere than eager's step did")
 
         assert_outputs_close(out_ours, out_eager, tol)
         assert_grads_close(model, eager, tol)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from memopt.allocator import (
     Interval,
+    PeakOfSizes,
     assign_offsets,
     find_overlap,
     live_bytes_profile,
@@ -129,6 +130,26 @@ def test_peak_of_a_chain_is_the_two_largest_neighbors():
     res = peak_live_bytes(chain(sizes), len(sizes) + 1)
     assert res.peak_bytes == max(a + b for a, b in zip(sizes, sizes[1:])) == 9
     assert (res.peak_step, res.live_at_peak) == (3, (2, 3))
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(-1, 12), st.integers(0, 6)),
+                max_size=12),
+       st.lists(st.lists(st.tuples(st.integers(-1, 12), st.integers(0, 6)), min_size=1,
+                         max_size=3), max_size=3),
+       st.lists(st.integers(0, 100), min_size=3, max_size=3),
+       st.sampled_from([1, 8]))
+@settings(max_examples=200, deadline=None)
+def test_peak_of_sizes_is_the_peak_with_those_sizes(fixed, variable, sizes, granularity):
+    """PeakOfSizes (a chain's policies priced on one schedule) against the peak of the
+    intervals with the sizes put in, each rounded as the planner rounds a storage."""
+    steps = 10
+    fixed = [Interval(size, start, start + length) for size, start, length in fixed]
+    spans = [[(start, start + length) for start, length in v] for v in variable]
+    rounded = [-(-size // granularity) * granularity for size in sizes]
+    everything = [*fixed, *(Interval(size, s, e) for v, size in zip(spans, rounded)
+                            for s, e in v)]
+    expected = peak_live_bytes(everything, steps).peak_bytes
+    assert PeakOfSizes(fixed, spans, steps, granularity)(*sizes[:len(spans)]) == expected
 
 
 def test_peak_of_nothing():

@@ -73,3 +73,40 @@ def test_accumulated_steps_with_unused_draws_match_eager(budget):
     dropout's mask, so every loss and accumulated gradient, is eager's."""
     check_matches_eager(_UnusedDraws, lambda: (torch.randn(128, 32),), budget=budget,
                         steps=3, accumulate=True)
+
+
+class _BrokenWithDropout(nn.Module):
+    """Dropout on both sides of a graph break: two graphs, each planned again after the
+    first step (outside dynamo's compilation), where the backward kept a dead dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 256), nn.Linear(256, 256), nn.Linear(256, 4)
+
+    def forward(self, x):
+        h = F.dropout(F.gelu(self.a(x)), 0.2, self.training)
+        torch._dynamo.graph_break()
+        h = F.dropout(F.gelu(self.b(h)), 0.2, self.training)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("budget", [None, 0.9], ids=["no-budget", "0.9"])
+def test_a_plan_made_again_draws_as_eager(budget):
+    """Each step leaves the generator where eager's leaves it (check_matches_eager), and
+    a loop seeded once gets eager's losses at every step: the second step's plan was made
+    outside dynamo, and its backward drew a dead dropout (found from outside)."""
+    check_matches_eager(_BrokenWithDropout, lambda: (torch.randn(256, 32),), budget=budget,
+                        steps=3)
+    torch.manual_seed(0)
+    eager = _BrokenWithDropout()
+    model = copy.deepcopy(eager)
+    compiled = memopt.compile(model, budget=budget)
+    losses = {}
+    for name, module in (("eager", eager), ("memopt", compiled)):
+        torch.manual_seed(1)  # once: every later mask depends on every earlier draw
+        losses[name] = []
+        for _ in range(4):
+            loss = module(torch.randn(256, 32)).square().mean()
+            loss.backward()
+            losses[name].append(loss.item())
+    assert losses["memopt"] == pytest.approx(losses["eager"], rel=1e-6), losses

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from enum import Enum
 
 from torch import fx
 
@@ -23,7 +24,7 @@ from memopt.passes.meta import accumulates_into, op_name, source_module, steps_i
     user_module
 from memopt.passes.simulate import Simulated
 
-from ..memory_plan import (MemoryPlan, SavedReason, SavedTensor, SearchCandidate,
+from ..memory_plan import (MemoryPlan, SavedTensor, SearchCandidate,
                            SharingGroup, StorageRecord, Timeline)
 from .build import Built, as_simulated, intervals, recomputed_nodes
 from .families import Sites
@@ -106,7 +107,8 @@ def assemble(final: Built, request: PlanRequest, decisions: Decisions, device: s
         num_forward_steps=schedule.num_forward_steps,
         num_backward_steps=n_steps - schedule.num_forward_steps,
         storages=storages,
-        saved=saved_tensors(final.fw, schedule, final.saved_names, bool(recomputed)),
+        saved=saved_tensors(final.fw, schedule, final.saved_names, bool(recomputed),
+                            final.serves),
         inplace=final.rewrites,
         sharing=sharing,
         plan_seconds=elapsed,
@@ -136,11 +138,36 @@ def assemble(final: Built, request: PlanRequest, decisions: Decisions, device: s
     )
 
 
+class SavedReason(Enum):
+    """Why a value is saved for backward: `SavedTensor.reason` is `reason.text(...)`.
+
+    The planner decides the reason as one of these (memopt.planner.assemble) and renders
+    it once; nothing reads the text back."""
+
+    #: a view of a parameter, buffer or input: its storage is resident anyway (0 bytes)
+    RESIDENT_VIEW = "a view of graph input {storage}: already resident"
+    #: another saved value holds the same storage (0 bytes)
+    SHARES_STORAGE = "shares storage with saved {other}"
+    #: no recomputation was planned: the budget does not bind
+    NOT_BINDING = "read by backward; no recomputation planned (budget not binding)"
+    #: the budget search recomputes other values; this one is kept (Chen Alg. 3)
+    SEGMENT_BOUNDARY = ("kept: a segment boundary of the Alg. 3 plan, read by backward or "
+                        "by recomputation")
+    #: the forward computes this value more than once; backward reads this copy for all
+    SERVES_EQUALS = "{kept}; saved once for its equals {others} (the same computation)"
+
+    def text(self, **detail: str) -> str:
+        return self.value.format(**detail)
+
+
 def saved_tensors(fw: fx.GraphModule, schedule: StepSchedule, saved_names: frozenset[str],
-                  recomputing: bool) -> tuple[SavedTensor, ...]:
+                  recomputing: bool, serves: dict[str, tuple[str, ...]] | None = None
+                  ) -> tuple[SavedTensor, ...]:
     """One record per saved value, in forward order. Bytes are counted once per
     storage: a saved view of a graph input or of another saved value costs 0.
-    `recomputing`: the plan recomputes values, so what it keeps is a segment boundary."""
+    `recomputing`: the plan recomputes values, so what it keeps is a segment boundary.
+    `serves`: saved value -> the equal values backward reads it for (build.Built)."""
+    serves = serves or {}
     storage_of = {name: s for s in schedule.storages for name in s.nodes}
     counted: dict[str, str] = {}
     kept = SavedReason.SEGMENT_BOUNDARY if recomputing else SavedReason.NOT_BINDING
@@ -157,6 +184,9 @@ def saved_tensors(fw: fx.GraphModule, schedule: StepSchedule, saved_names: froze
             nbytes, reason = 0, SavedReason.SHARES_STORAGE.text(other=counted[storage.name])
         else:
             nbytes, reason = val.untyped_storage().nbytes(), kept.text()
+            if node.name in serves:
+                reason = SavedReason.SERVES_EQUALS.text(
+                    kept=reason, others=", ".join(serves[node.name]))
             if storage is not None:
                 counted[storage.name] = node.name
         records.append(SavedTensor(

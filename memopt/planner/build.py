@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 
 from torch import fx
@@ -24,7 +25,8 @@ from memopt.passes.inplace import InplaceResult, reinplace
 from memopt.passes.liveness import StepSchedule, timeline_kinds
 from memopt.passes.meta import mirror_level, op_name, recomputed_from, tensor_value, user_module
 from memopt.passes.partition import find_cut, partition
-from memopt.passes.recompute import add_mirror_nodes, node_flops
+from memopt.passes.recompute import add_mirror_nodes, copy_graph_module, node_flops
+from memopt.passes.shared_saves import duplicates, saved_pairs, share_saved
 from memopt.passes.simulate import Simulated
 from memopt.passes.workspace import WorkspaceCache, measure_workspaces
 
@@ -54,6 +56,9 @@ class Built:
     rewrites: tuple[InplaceRecord, ...]
     schedule: StepSchedule
     peak_bytes: int
+    #: saved value -> the values equal to it that backward reads it for
+    #: (passes.shared_saves): each saved once
+    serves: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 @contextmanager
@@ -99,7 +104,8 @@ def build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
     `.grad` tensors, rewrite in place, analyze.
 
     Step 1: Chen Alg. 2: a mirror node for each value of `mirror` (passes.recompute),
-        then the forward/backward cut; with kept `.grad` tensors the backward adds into
+        then the forward/backward cut, one copy saved of values computed twice
+        (passes.shared_saves); with kept `.grad` tensors the backward adds into
         them, with the optimizer stepped in the backward it steps on each gradient
         (passes.gradients). The extraction drops saved values backward never reads.
     Step 2: Chen Sec. 3's in-place rewrites in both graphs (passes.inplace).
@@ -112,6 +118,12 @@ def build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
             joint = add_mirror_nodes(joint, num_fwd_outputs, mirror.names,
                                      step.mutable_inputs, twice=mirror.twice)
         cut = find_cut(joint, num_fwd_outputs)
+        pairs: dict[str, str] = saved_pairs(cut.saved, duplicates(joint, num_fwd_outputs))
+        if pairs:
+            if not mirror.names:  # the planner's joint graph itself: change a copy
+                joint = copy_graph_module(joint)
+            share_saved(joint, num_fwd_outputs, pairs)
+            cut = find_cut(joint, num_fwd_outputs)
         if step.grads is not None:  # the backward adds into each parameter's .grad
             with stage("gradient accumulation", done):
                 cut = save_parameters(cut, frozenset(step.grads.nbytes))
@@ -135,7 +147,11 @@ def build(joint: fx.GraphModule, num_fwd_outputs: int, mirror: Mirror, *,
     with stage("liveness", done):
         schedule = step.liveness(fw, bw, saved_names, num_fwd_outputs)
     peak = peak_bytes(schedule, allocation_granularity(device_of(fw)))
-    return Built(joint, fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak)
+    serves: dict[str, tuple[str, ...]] = {}
+    for duplicate, kept in pairs.items():
+        serves[kept] = serves.get(kept, ()) + (duplicate,)
+    return Built(joint, fw, bw, saved_names, recomputed, tuple(rewrites), schedule, peak,
+                 serves)
 
 
 def recomputed_nodes(built: Built) -> tuple[RecomputedNode, ...]:

@@ -14,12 +14,15 @@ import logging
 from torch import fx
 
 from memopt.passes import chain_policy as chain_pass
-from memopt.passes.meta import OpBytes
+from memopt.passes.meta import OpBytes, held_bytes, workspace_bytes
 
 from ..budget import format_bytes
 from ..memory_plan import ChainRecord
-from .build import Built
+from memopt.allocator import Interval, PeakOfSizes
+
+from .build import Built, allocation_granularity, device_of
 from .families import Choice, ChoiceContext, Sites, unchanged
+from .observe import is_verifying
 
 log = logging.getLogger("memopt")
 
@@ -68,8 +71,9 @@ class ChainFamily:
         Step 2: with no budget, or when that fits, done (`unchanged`).
         Step 3: else, chain by chain, price every (chunk length, strategy, m) of its grid
             (chain_pass.configurations) by the exact liveness of one build (only the
-            chain's held and workspace bytes change between configurations: one run per
-            distinct bytes), other chains fixed, against a goal: the peak less this
+            chain's held and workspace bytes change between configurations: one liveness
+            analysis, those bytes its variables, `_ChainPeak`), other chains fixed,
+            against a goal: the peak less this
             chain's share of the bytes still over the target (the excess over the chains
             left, this one included), so that the first chain of several (a
             bidirectional RNN's, a stack's) is not split to its lowest peak while the
@@ -134,6 +138,69 @@ class ChainFamily:
         return choice.config.recompute_steps * choice.site.step_flops
 
 
+class _Unpriced(Exception):
+    """The schedule does not show a chain's buffers as `_ChainPeak` models them."""
+
+
+class _ChainPeak:
+    """The step's peak as a function of one chain's policy, from one liveness analysis.
+
+    Between a chain's policies only the bytes its ops hold and allocate change (the
+    handle's stored states, the forward op's and each backward op's workspace), not the
+    graphs: the peak is the schedule's with those buffers' sizes as variables
+    (allocator.PeakOfSizes). A buffer's size in the schedule can exceed the op's bytes
+    (under inductor an extern kernel's workspace includes its layout copies): that
+    excess is kept. Under `memopt.planner.verifying()` each price is checked against
+    a full liveness analysis.
+    """
+
+    def __init__(self, ctx: ChoiceContext, built: Built, site: chain_pass.ChainSite) -> None:
+        self.ctx, self.built, self.site = ctx, built, site
+        schedule = ctx.schedule(built)
+        steps = {name: k for k, name in enumerate(schedule.steps)}
+        # the bytes the graphs run now, as the chain's ops record them (passes.meta)
+        ops = {f"fw.{n.name}": n for n in built.fw.graph.nodes if n.name == site.fwd}
+        ops.update({f"bw.{n.name}": n for n in built.bw.graph.nodes if n.name in site.bwds})
+        fwd = f"fw.{site.fwd}"
+        if fwd not in ops or fwd not in steps or not all(k in steps for k in ops):
+            raise _Unpriced(f"chain {site.fwd}: its ops are not all in the schedule")
+        handle = f"{fwd}[{site.handle}]"
+        spaces = {f"{k}.workspace": k for k in ops}
+        held, found, fixed = [], dict.fromkeys(spaces, 0), []
+        g = allocation_granularity(device_of(built.fw))  # as build.intervals rounds
+        for s in schedule.storages:
+            if handle in s.nodes:
+                held.append((s.start, s.end, s.nbytes))
+            elif s.name in spaces:
+                found[s.name] = s.nbytes
+            else:
+                fixed.append(Interval(size=-(-s.nbytes // g) * g, start=s.start, end=s.end))
+        if len(held) != 1:
+            raise _Unpriced(f"chain {site.fwd}: {len(held)} storages hold its handle")
+        (start, end, nbytes), = held
+        self.held_extra = nbytes - held_bytes(ops[fwd]).get(site.handle, 0)
+        # the workspaces the schedule counts (not where it leaves an op's out: inductor's
+        # own kernels), each with what the schedule adds to the op's bytes
+        spaces = {name: op for name, op in spaces.items()
+                  if found[name] or not workspace_bytes(ops[op])}
+        self.spaces = [(name.startswith("fw."), found[name] - workspace_bytes(ops[op]))
+                       for name, op in spaces.items()]
+        spans = [[(start, end)], *([(steps[op], steps[op])] for op in spaces.values())]
+        self.curve = PeakOfSizes(fixed, spans, len(schedule.steps), g)
+
+    def __call__(self, config: chain_pass.ChainConfig) -> int:
+        peak = self.curve(config.held_bytes + self.held_extra,
+                          *((config.forward_workspace_bytes if forward
+                             else config.workspace_bytes) + extra
+                            for forward, extra in self.spaces))
+        if is_verifying():
+            chain_pass.apply([self.built.fw, self.built.bw], self.site, config)
+            exact = self.ctx.peak(self.built)
+            assert peak == exact, (f"chain {self.site.fwd}: priced {peak} bytes, "
+                                   f"liveness says {exact}")
+        return peak
+
+
 class _Pricing:
     """Steps 3-4 of `ChainFamily.choose` for one chain at a time, on one build whose
     other chains run what `current` says."""
@@ -155,12 +222,23 @@ class _Pricing:
         peaks: dict[tuple[int, int, int], int] = {}  # other chains as in ``current``
         tried: set[tuple[int, str, int]] = set()
 
+        curve: list = []  # made at the first price: one liveness analysis per choice
+
+        def exact(config: chain_pass.ChainConfig) -> int:
+            chain_pass.apply([built.fw, built.bw], s, config)
+            return self.ctx.peak(built)
+
         def peak(config: chain_pass.ChainConfig) -> int:
             tried.add((config.chunk, config.policy.strategy, config.m))
             key = self._bytes(config)
             if key not in peaks:
-                chain_pass.apply([built.fw, built.bw], s, config)
-                peaks[key] = self.ctx.peak(built)
+                if not curve:
+                    try:
+                        curve.append(_ChainPeak(self.ctx, built, s))
+                    except _Unpriced as why:
+                        log.debug("memopt: %s; each policy priced by its own liveness", why)
+                        curve.append(exact)
+                peaks[key] = curve[0](config)
             return peaks[key]
 
         grid = chain_pass.configurations(s, costs)

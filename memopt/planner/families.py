@@ -31,6 +31,7 @@ from torch import fx
 
 from memopt.passes import lm_heads as head_pass
 from memopt.passes import reversible_stacks as reversible_pass
+from memopt.passes.liveness import StepSchedule
 from memopt.passes.meta import OpBytes
 
 from ..budget import format_bytes
@@ -64,11 +65,13 @@ class ChoiceContext:
     #: fraction of the target above the lowest peak is taken (0: the lowest peak)
     near_lowest: float = 0.0
 
+    def schedule(self, built: Built) -> StepSchedule:
+        """`built`'s liveness after a configuration was applied to its graphs in place."""
+        return self.step.liveness(built.fw, built.bw, built.saved_names, self.num_fwd_outputs)
+
     def peak(self, built: Built) -> int:
         """`built`'s peak after a configuration was applied to its graphs in place."""
-        schedule = self.step.liveness(built.fw, built.bw, built.saved_names,
-                                      self.num_fwd_outputs)
-        return peak_bytes(schedule, allocation_granularity(device_of(built.fw)))
+        return peak_bytes(self.schedule(built), allocation_granularity(device_of(built.fw)))
 
 
 class OpFamily(Protocol):

@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 from memopt.allocator.caching import reserved_for
 from memopt.allocator.offload import Link
 from memopt.link import measured
-from memopt.passes._torch_compat import dce_impure_random
 from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops, user_checkpointed
@@ -205,7 +204,7 @@ class _Planning:
                 accumulate=r.grads.add if r.grads is not None else None,
                 step_bytes=r.grads.step_bytes if r.grads is not None else None,
                 outside_grad_bytes=r.outside_grad_bytes, outside=r.outside.bytes(),
-                granularity=self.gran, impure_random=dce_impure_random(),
+                granularity=self.gran,
                 outputs_dropped=self.step.outputs_dropped, workspaces=r.workspaces,
                 fused=self.step.fused)
         notify(Observed(model=self.model, joint=self.joint, num_fwd_outputs=self.n,
