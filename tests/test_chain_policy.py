@@ -248,7 +248,7 @@ def _bigru_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 48, 8), torch.randn(4, 4, 24)
 
 
-@pytest.mark.parametrize("budget", [0.8, 0.5, 1])
+@pytest.mark.parametrize("budget", [0.8, 0.5, pytest.param(1, marks=pytest.mark.slow)])
 def test_policies_are_priced_as_liveness_prices_them(budget):
     """planner.chain_family prices each policy on one liveness analysis of the step (the
     chain's bytes as variables, allocator.PeakOfSizes); under verifying() every price is
