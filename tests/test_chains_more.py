@@ -15,6 +15,7 @@ import memopt
 from memopt.measure import allocation_peak
 from memopt.recurrent import ops, solve
 from memopt.recurrent.modules import ChainedRNN
+from support import check_matches_eager
 from memopt.recurrent.packed import capacity, layout, reverse_each
 from support import AutocastRegression, BiRegression, relative_error
 
@@ -526,7 +527,7 @@ def test_an_rnns_forward_hooks_run_as_in_eager(budget):
     """The forward pre-hook and hook of an nn.LSTM run around its chains (the wrapped
     module is not called as a module: they were skipped, another loss and gradients,
     silently; found from outside)."""
-    from support import check_matches_eager  # noqa: PLC0415
+
 
     run = check_matches_eager(_hooked_tagger, lambda: (torch.randn(4, 24, 8),),
                               budget=budget, steps=2)
@@ -701,3 +702,24 @@ def test_fused_bidirectional_dropout_chain():
     for a, b in zip(out[:3], (y, h, c)):
         torch.testing.assert_close(a, b)
     assert not ChainedRNN(nn.LSTM(4, 6, num_layers=2, bidirectional=True)).fused_ids
+
+
+class _BiRNNThenDropout(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        rnn = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[kind]
+        self.rnn = rnn(8, 16, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.rnn(x)[0]
+        return self.head(torch.nn.functional.dropout(out, 0.3, self.training))
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_dropout_after_a_bidirectional_batch_first_rnn_draws_eagers_mask(kind):
+    """The output is laid out as eager's (time-major, seen batch-first): CPU dropout draws
+    its noise in memory order, so a contiguous batch-first output got other masks
+    (found from outside)."""
+    check_matches_eager(lambda: _BiRNNThenDropout(kind), lambda: (torch.randn(4, 12, 8),),
+                        steps=2)

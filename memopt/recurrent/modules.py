@@ -338,6 +338,10 @@ class ChainedRNN(nn.Module):
                     input = nn.functional.dropout(timed, self.dropout, True).transpose(0, 1)
                 else:
                     input = nn.functional.dropout(torch.cat(ys, -1), self.dropout, True)
+            elif self.batch_first:  # eager's layout: time-major, seen batch-first (a
+                # dropout after the RNN draws its noise in memory order: another layout put
+                # the same numbers on other elements; found from outside)
+                input = torch.cat([y.transpose(0, 1) for y in ys], -1).transpose(0, 1)
             else:
                 input = torch.cat(ys, -1)
         return input, [torch.cat([f[i] for f in finals]) for i in range(len(state))]
