@@ -527,8 +527,6 @@ def test_an_rnns_forward_hooks_run_as_in_eager(budget):
     """The forward pre-hook and hook of an nn.LSTM run around its chains (the wrapped
     module is not called as a module: they were skipped, another loss and gradients,
     silently; found from outside)."""
-
-
     run = check_matches_eager(_hooked_tagger, lambda: (torch.randn(4, 24, 8),),
                               budget=budget, steps=2)
     if budget is not None:  # the hooks' call on the module breaks the graph around them
