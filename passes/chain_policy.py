@@ -185,6 +185,11 @@ def _plain(node: fx.Node, spec) -> list[fx.Node]:
     return list(params[:len(params) - len(spec.sliced)])
 
 
+def chain_spec(chain: int):
+    """The registered ChainSpec of chain id ``chain`` (memopt.recurrent.ops)."""
+    return _ops()[0].spec_of(chain)
+
+
 def _fake_mode(node: fx.Node):
 
     return detect_fake_mode([fake_value(node.args[_FWD_XS])])

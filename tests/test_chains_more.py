@@ -721,3 +721,27 @@ def test_a_dropout_after_a_bidirectional_batch_first_rnn_draws_eagers_mask(kind)
     (found from outside)."""
     check_matches_eager(lambda: _BiRNNThenDropout(kind), lambda: (torch.randn(4, 12, 8),),
                         steps=2)
+
+
+@pytest.mark.parametrize("dropout", [0.3, 0.0])
+def test_a_split_stack_with_dropout_between_layers_says_its_masks_differ(dropout):
+    """Split into chunks, nn.LSTM's dropout between layers is drawn chunk by chunk: the
+    plan says so (it was documented only; found from outside)."""
+    import warnings  # noqa: PLC0415
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(8, 32, num_layers=2, dropout=dropout, batch_first=True)
+            self.head = nn.Linear(32, 3)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0]).square().mean()
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = memopt.plan(Stack(), torch.randn(4, 32, 8), budget=0.5)
+    assert plan.chains[0].t > 1
+    said = [w for w in caught if "chunk by chunk" in str(w.message)]
+    assert len(said) == (1 if dropout else 0), [str(w.message) for w in caught]

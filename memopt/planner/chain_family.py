@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 from torch import fx
 
@@ -25,6 +26,10 @@ from .families import Choice, ChoiceContext, Sites, unchanged
 from .observe import is_verifying
 
 log = logging.getLogger("memopt")
+
+#: the module types of nn.LSTM / nn.GRU / nn.RNN stacks, whose dropout between layers a
+#: split chain draws chunk by chunk
+_STACKS = ("LSTM", "GRU", "RNN")
 
 
 class ChainFamily:
@@ -120,6 +125,14 @@ class ChainFamily:
         return sorted(grid, key=lambda g: (g.seconds, g.recompute_steps, g.held_bytes))
 
     def record(self, c: Choice) -> ChainRecord:
+        if c.config.t > 1 and c.site.module_type in _STACKS \
+                and chain_pass.chain_spec(c.site.chain).preserve_rng:
+            warnings.warn(
+                f"memopt: {c.site.name} ({c.site.module_type} with dropout between layers) "
+                f"runs as {c.config.t} chunks under this budget: its dropout masks are drawn "
+                f"chunk by chunk, of eager's distribution but not eager's numbers for the "
+                f"same seed (with no budget it is one chunk, which draws eager's; "
+                f"docs/recurrent.md)", UserWarning, stacklevel=2)
         return ChainRecord(
             module=c.site.name, module_type=c.site.module_type, steps=c.site.steps,
             chunk=c.config.chunk, t=c.config.t, m=c.config.m,
