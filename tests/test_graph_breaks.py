@@ -599,3 +599,46 @@ def test_eager_code_between_graphs_is_counted_in_a_step_into_kept_gradients():
         with allocation_peak("cpu") as seen:
             compiled(x).backward()
         assert seen.peak + resident <= budget, (seen.peak + resident, budget)
+
+
+class _Box:
+    """Not a pytree node: a returned cache object, as transformers' EncoderDecoderCache."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _ReturnsABox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
+        self.head = nn.Linear(256, 8)
+
+    def forward(self, x: torch.Tensor):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        torch._dynamo.graph_break()
+        y = self.head(x)
+        return y.square().mean(), _Box(y.repeat(1, 128))  # the last graph's, kept
+
+
+def test_tensors_an_output_object_holds_are_counted_as_returned():
+    """The caller keeps the output, and with it the object's tensor, which the last graph
+    made: while the first graph's backward runs it is alive. Uncounted (only pytree leaves
+    were), the step measured 1.7% over the minimum memopt named; HF SpeechT5 1.39%,
+    its returned cache's keys and values (found from outside)."""
+    torch.manual_seed(0)
+    model, x = _ReturnsABox(), torch.randn(512, 256)
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.compile(model, budget=1)(x)[0].backward()
+    model.zero_grad(set_to_none=True)
+    compiled = memopt.compile(model, budget=err.value.minimum_bytes)
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), x))
+    for _ in range(2):  # the first step plans
+        model.zero_grad(set_to_none=True)
+        with allocation_peak("cpu") as seen:
+            out = compiled(x)
+            out[0].backward()
+        del out
+    assert seen.peak + resident <= err.value.minimum_bytes, (seen.peak + resident,
+                                                             err.value.minimum_bytes)
