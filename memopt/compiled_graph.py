@@ -257,7 +257,10 @@ class CompiledGraph:
         if not planned:
             return compiled  # an inference graph (no gradients needed): nothing to plan
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside
-        self.fills_unused = fills[0]
+        # with no budget only: the plan counts every tangent whole, and under a budget an
+        # unused output's (HF logits, when the loss is computed inside) would leave it
+        # planning around bytes the step never holds (the zoo Mamba: 14% above)
+        self.fills_unused = fills[0] and budget is None
         self.policy, self.step_baseline = policy, step_baseline
         return self.run
 
