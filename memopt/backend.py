@@ -82,7 +82,7 @@ def _chunk_heads(gm: fx.GraphModule, skip_logits: bool = False,
     graphs that record gradients, under autocast too (its casts made explicit); with
     `returned_only` only those whose wide logits the graph returns. Returns where the
     graph now returns logits without a gradient, or (`skip_logits`) without computing them
-    (memopt.compiled_graph.attach_logits)."""
+    (memopt.lm_head.with_attached_logits)."""
     if not torch.is_grad_enabled():
         log.debug("memopt heads: an inference graph: heads left as they are")
         return []

@@ -33,7 +33,6 @@ from .errors import BudgetError, InputError
 from .grads import GradSink, parameter_slots
 from .kernels import (Kernels, compile_with_inductor, inductor_peak, op_by_op_or_refuse,
                       refused_note)
-from .markers import SkippedLogits
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
 from .optimizer import OptimizerBytes
@@ -253,7 +252,8 @@ class CompiledGraph:
             else:
                 compiled = aten()
         if self.attaches:
-            compiled = attach_logits(compiled, self.attaches)
+            from .lm_head import with_attached_logits  # noqa: PLC0415
+            compiled = with_attached_logits(compiled, self.attaches)
         if not planned:
             return compiled  # an inference graph (no gradients needed): nothing to plan
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside
@@ -524,29 +524,6 @@ def _warn_parallel_scan(fw: fx.GraphModule, plan: MemoryPlan) -> bool:
         f"switch) to train the sequential scan; memopt plans it like eager. memopt does not "
         f"recompute the tree's levels yet (docs/limits.md).", UserWarning, stacklevel=2)
     return True
-
-
-def attach_logits(compiled: Callable, attaches: list[Attach]) -> Callable:
-    """`compiled` returning what dynamo expects: the graph's extra outputs (each head's
-    projection input, memopt.passes.lm_heads) stripped, and each head's logits given their
-    gradient through the projection (memopt.lm_head.attach_logits), or, where they were
-    not computed (skip_logits), a memoryless placeholder in their place."""
-    from .lm_head import attach_logits as attach  # noqa: PLC0415
-
-    extra = sum(a.h is not None for a in attaches)
-
-    def run(*args: Any) -> Any:
-        out = list(compiled(*args))
-        own = out[:len(out) - extra]
-        for a in attaches:
-            if a.skipped is not None:  # skip_logits: not computed (memopt.markers)
-                own[a.logits] = SkippedLogits(*a.skipped)
-                continue
-            bias = args[a.bias] if a.bias is not None else None
-            own[a.logits] = attach(own[a.logits], out[a.h], args[a.weight], bias)
-        return own
-
-    return run
 
 
 def _ddp_fields(ddp: DDPBuckets | None) -> dict[str, int]:

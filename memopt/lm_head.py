@@ -32,6 +32,8 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,11 @@ from torch import Tensor
 
 from memopt.passes._torch_compat import library_for_op
 from memopt.passes.runtime import RUNTIMES
+
+from .markers import SkippedLogits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memopt.passes.lm_heads import Attach
 
 _STASH: dict[int, tuple[Tensor, Tensor]] = {}  # handle -> (log-probabilities, count)
 _HANDLES = itertools.count(1)
@@ -309,3 +316,24 @@ def attach_logits(logits: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None
 
 # passes.lm_heads reaches this runtime through the registry (imports run one way)
 RUNTIMES.heads = sys.modules[__name__]
+
+
+def with_attached_logits(compiled: Callable, attaches: list[Attach]) -> Callable:
+    """`compiled` returning what dynamo expects: the graph's extra outputs (each head's
+    projection input, memopt.passes.lm_heads) stripped, and each head's logits given their
+    gradient through the projection (attach_logits), or, where they were
+    not computed (skip_logits), a memoryless placeholder in their place."""
+    extra = sum(a.h is not None for a in attaches)
+
+    def run(*args: Any) -> Any:
+        out = list(compiled(*args))
+        own = out[:len(out) - extra]
+        for a in attaches:
+            if a.skipped is not None:  # skip_logits: not computed (memopt.markers)
+                own[a.logits] = SkippedLogits(*a.skipped)
+                continue
+            bias = args[a.bias] if a.bias is not None else None
+            own[a.logits] = attach_logits(own[a.logits], out[a.h], args[a.weight], bias)
+        return own
+
+    return run
