@@ -39,7 +39,6 @@ from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
 from .planner.fusible import returns_view
 from .dropped import DroppedOutputs
-from .unused_grads import fill_unused, skip_zero_grads
 from .steps import Outside, kept_input_positions
 from .stepper import Stepping, stepping_for
 
@@ -109,7 +108,6 @@ class CompiledGraph:
         self.view_grads: frozenset[int] = frozenset()
         self.plan: MemoryPlan | None = None
         self.compiled: Callable | None = None
-        self.fills_unused = False  # op by op: None for an unused output's gradient
         #: what its last traced step counted, for steps without the trace (memopt.settled)
         self.settled: Settled | None = None
         self.attaches: list[Attach] = []  # logits returned without a gradient (_chunk_heads)
@@ -221,7 +219,7 @@ class CompiledGraph:
             return make_boxed(graph)
 
         def compile_backward(graph: fx.GraphModule, inputs: Any) -> Callable:
-            run = fill_unused(graph, compile_graph(graph, inputs))  # memopt.unused_grads
+            run = compile_graph(graph, inputs)
             if self.dropped is None:
                 return run
 
@@ -237,14 +235,12 @@ class CompiledGraph:
         def aten() -> Callable:
             nonlocal options  # the graph runs op by op: nothing is recomputed for free
             options = dataclasses.replace(options, fusible=False)
-            fills[0] = True  # its backward takes None for an unused output's gradient
             with random_ops_kept(True):  # unused ones too (passes.dead_draws)
                 return aot_module_simplified(
                     self.gm, list(example_inputs), fw_compiler=compile_graph,
                     bw_compiler=compile_backward, inference_compiler=compile_graph,
                     partition_fn=partition_fn, decompositions=loss_decompositions())
 
-        fills = [False]
         with rng_kept():
             if self.kernels is Kernels.INDUCTOR:
                 compiled = self._inductor_or_aten(example_inputs, partition_fn, planned, aten,
@@ -257,10 +253,6 @@ class CompiledGraph:
         if not planned:
             return compiled  # an inference graph (no gradients needed): nothing to plan
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside
-        # with no budget only: the plan counts every tangent whole, and under a budget an
-        # unused output's (HF logits, when the loss is computed inside) would leave it
-        # planning around bytes the step never holds (the zoo Mamba: 14% above)
-        self.fills_unused = fills[0] and budget is None
         self.policy, self.step_baseline = policy, step_baseline
         return self.run
 
@@ -459,8 +451,6 @@ class CompiledGraph:
         elif self.steps_in_backward:
             self.stepping.stepper.bind(flat)
         out = self.compiled(*args)
-        if self.fills_unused:
-            skip_zero_grads(out)
         if self.dropped is not None:
             self.dropped.watch(out)
         if self.steps_in_backward:
