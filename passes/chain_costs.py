@@ -127,10 +127,6 @@ class ChunkCosts:
     #: split chain's steps read copies of their chunks (memopt.recurrent.executor._Sliced),
     #: which its kept chunks hold
     sliced_saved: Linear = Linear(0, 0)
-    #: what a chunk's backward leaves live beyond what was live when it started, its
-    #: gradients held (the chunk's saved tensors freed): where a split chain's backward op
-    #: adds each parameter gradient to its running sum (executor.ChainRun._backward)
-    backward_end: Linear = Linear(0, 0)
 
     def rng_bytes(self, t: int) -> int:
         """The RNG states a chain of ``t`` chunks holds from its forward to its backward
@@ -188,10 +184,8 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
                       if s is not None and s.device.type == device.type) if replays else 0
     lines = [Linear.through((lengths[0], a), (lengths[1], b)) for a, b in zip(short, long)]
     if one is not None:  # bytes: the lines raised to lie above the 1-step chunk's
-        lines[:4] = [line.above(1, v) for line, v in zip(lines, one)]
-    saved, forward, backward, backward_end, forward_ns, backward_ns = lines
-    return ChunkCosts(saved, forward, backward, forward_ns, backward_ns,
-                      backward_end=backward_end,
+        lines[:3] = [line.above(1, v) for line, v in zip(lines, one)]
+    return ChunkCosts(*lines,
                       rng_state_bytes=state_bytes, random=replays and random,
                       unsaved=sliced[-1][0], xs_unsaved=xs_unsaved,
                       sliced_saved=Linear.through((lengths[0], sliced[0][1]),
@@ -236,13 +230,13 @@ class _ChunkRun:
     def output_grads(y: torch.Tensor, out) -> list[torch.Tensor]:
         return [torch.zeros_like(t) for t in (y, *out) if t.requires_grad]
 
-    def backward(self, y: torch.Tensor, out, grads: list[torch.Tensor]) -> tuple:
+    def backward(self, y: torch.Tensor, out, grads: list[torch.Tensor]) -> None:
         outputs = [t for t in (y, *out) if t.requires_grad]
         xs = self.x if isinstance(self.x, tuple) else (self.x,)
         inputs = [t for t in (*self.state, *xs, *self.params)
                   if t.requires_grad and (t is not xs[0] or self.x_grad)]
         with autograd_inside_op():
-            return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+            torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
 
 def _fwd_node(joint: fx.GraphModule, site: ChainSite) -> fx.Node:
@@ -265,8 +259,7 @@ def _chunk_run(joint: fx.GraphModule, site: ChainSite, chunk: int) -> _ChunkRun:
 
 
 def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[int]:
-    """[saved, forward transient, backward transient, backward end] bytes (see
-    ChunkCosts; the end with the gradients backward returns still held); the
+    """[saved, forward transient, backward transient] bytes (see ChunkCosts); the
     parameters, the inputs and the output sequence are the graph's own and not counted
     in ``saved``."""
     with maybe_allocation_peak(device, tracked) as fwd:
@@ -285,9 +278,8 @@ def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[in
             seen[storage_key(t)] = t.untyped_storage().nbytes()
     grads = run.output_grads(y, out)  # the backward op's inputs, not its allocations
     with maybe_allocation_peak(device, tracked) as bwd:
-        got = run.backward(y, out, grads)
-    del got
-    return [sum(seen.values()), fwd.peak - fwd.end, bwd.peak, bwd.end]
+        run.backward(y, out, grads)
+    return [sum(seen.values()), fwd.peak - fwd.end, bwd.peak]
 
 
 def _saved_sliced(run: _ChunkRun, n_params: int) -> tuple[tuple[int, ...], int]:

@@ -50,10 +50,7 @@ internal state); an internal state backpropagated as soon as it is stored is the
                    the op's input for the core and, for the others, the size of its
                    output state gradient (made only by the first chunk's backward); the
                    running sum of the parameter gradients (P) is the size of its output
-                   parameter gradients (the last sum is them); split, each chunk's
-                   ``sum + g`` makes a new sum (the largest parameter's bytes) while the
-                   old one and the chunk's gradients are live: B_end(L), what a chunk's
-                   backward leaves live, + that, when larger. One chunk graph is live
+                   parameter gradients (the last sum is them). One chunk graph is live
                    in the core at a time: a recomputed chunk's I(L) + Y(L) takes the
                    place of the core's, freed after its backward, which ``held`` counts
                    until the op ends
@@ -112,10 +109,6 @@ class ChainSite:
     #: bytes of the floating per-step inputs the chain slices from its params
     #: (ChainSpec.sliced): one chunk's backward returns their gradients as it makes them
     sliced_bytes: int = 0
-    #: bytes of the largest parameter gradient the backward op sums over chunks (the plain
-    #: floating params): a split chain's running sum ``acc + g`` is a new tensor made
-    #: while the old sum and the chunk's gradient are live (executor.ChainRun._backward)
-    largest_param_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,16 +166,8 @@ def find_chains(joint: fx.GraphModule) -> list[ChainSite]:
                             for p in node.args[_FWD_PARAMS]),
             sliced_bytes=sum(fake_value(p).nbytes for p in _sliced(node, spec)
                              if fake_value(p).is_floating_point()),
-            largest_param_bytes=max((fake_value(p).nbytes for p in _plain(node, spec)
-                                     if fake_value(p).is_floating_point()), default=0),
         ))
     return sites
-
-
-def _plain(node: fx.Node, spec) -> list[fx.Node]:
-    """The chain's params that are not sliced per-step inputs (ChainSpec.sliced)."""
-    params = node.args[_FWD_PARAMS]
-    return list(params[:len(params) - len(spec.sliced)])
 
 
 def chain_spec(chain: int):
@@ -317,12 +302,9 @@ def configure(site: ChainSite, costs: ChunkCosts, chunk: int, m: int,
         # a split chain's step copies its chunk of each sliced input (executor._Sliced)
         forward_workspace_bytes=costs.forward(chunk) + out
         + (site.sliced_bytes * chunk // site.steps if split else 0),
-        # one chunk's sliced-input gradients are the op's outputs, which liveness counts;
-        # split, each chunk's parameter gradients are added to the running sum out of
-        # place, a new sum beside the old one and the chunk's gradients
+        # one chunk's sliced-input gradients are the op's outputs, which liveness counts
         workspace_bytes=stored.peak - stored.at_backward + costs.rng_state_bytes
         + max(costs.backward(chunk) - (0 if split else site.sliced_bytes),
-              costs.backward_end(chunk) + site.largest_param_bytes if split else 0,
               costs.forward(chunk) if split else 0),
     )
 
