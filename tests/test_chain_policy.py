@@ -235,11 +235,10 @@ class _BiGRU(torch.nn.Module):
     """Four chains (two layers, two directions), with the initial state passed and h_n
     in the loss."""
 
-    def __init__(self, features: int = 8, hidden: int = 24) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.rnn = torch.nn.GRU(features, hidden, num_layers=2, bidirectional=True,
-                                batch_first=True)
-        self.head = torch.nn.Linear(2 * hidden, 3)
+        self.rnn = torch.nn.GRU(8, 24, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = torch.nn.Linear(48, 3)
 
     def forward(self, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
         out, h = self.rnn(x, h0)
