@@ -278,3 +278,59 @@ def test_pricing_a_chain_takes_one_liveness_analysis_per_choice(monkeypatch):
     plan = memopt.plan(_BiGRU(), *_bigru_inputs(), budget=0.5)
     choices = len(plan.chains) * 2  # Step 3, then Step 5 where they fit together
     assert any(c.t > 1 for c in plan.chains) and 0 < len(calls) <= choices, len(calls)
+
+
+class _BiGRUHead(torch.nn.Module):
+    """A 2-layer bidirectional GRU with its initial state passed and h_n in the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.GRU(16, 48, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = torch.nn.Linear(96, 3)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+        out, h = self.rnn(x, h0)
+        return self.head(out).square().mean() + h.square().mean()
+
+
+def test_a_split_chains_gradient_sums_hold_its_named_minimum():
+    """Each chunk's backward adds its parameter gradients into the running sums in place
+    (memopt.recurrent.executor._add_param_grads): out of place, a new sum beside the old
+    one and the chunk's gradients, which the plan does not count, this GRU measured 1.49%
+    over the minimum memopt named (found from outside); now 2.1% under it."""
+    torch.manual_seed(0)
+    model = _BiGRUHead()
+    inputs = (torch.randn(8, 64, 16), torch.randn(4, 8, 48))
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.plan(model, *inputs, budget=1)
+    compiled = memopt.compile(model, budget=err.value.minimum_bytes)
+    compiled(*inputs).backward()  # plans
+    model.zero_grad(set_to_none=True)
+    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*model.parameters(), *inputs)}.values())
+    with allocation_peak("cpu") as seen:
+        compiled(*inputs).backward()
+    plan = compiled.memopt_plan
+    assert any(c.t > 1 for c in plan.chains)
+    assert seen.peak + resident <= plan.budget_bytes, (seen.peak + resident, plan.budget_bytes,
+                                                        plan.predicted_peak_bytes)
+
+
+def test_chunk_gradients_shared_or_expanded_are_never_summed_into():
+    """A chunk's parameter gradient becomes the running sum in place only when it is its
+    own dense storage: autograd can hand one incoming gradient to two inputs (an add), or
+    an expanded one (a sum's backward); adding into those would change another
+    gradient or fail."""
+    from memopt.recurrent.executor import _add_param_grads
+
+    passed = torch.ones(3)  # also another input's gradient in the same backward
+    expanded = torch.ones(1).expand(3)
+    own = torch.ones(3)
+    total = [None, None, None]
+    _add_param_grads(total, [passed, expanded, own], (passed, passed, expanded, own))
+    _add_param_grads(total, [torch.ones(3)] * 3, ())
+    _add_param_grads(total, [torch.ones(3)] * 3, ())
+    assert torch.equal(passed, torch.ones(3)) and torch.equal(expanded, torch.ones(3))
+    assert total[2][0] is own  # summed in place
+    for s, _ in total:
+        assert torch.equal(s, torch.full((3,), 3.0))

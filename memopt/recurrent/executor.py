@@ -193,7 +193,7 @@ class ChainRun:
                 else:
                     self._act(op, i, j, None)
                 self.cursor += 1
-        return tuple(grad_h), grad_xs, grad_params
+        return tuple(grad_h), grad_xs, [None if s is None else s[0] for s in grad_params]
 
     def _emit(self, ys: list, i: int, y: torch.Tensor) -> None:
         if self.on_output is not None:
@@ -262,14 +262,44 @@ class ChainRun:
             self.on_grad_x(i, grad_x)
         else:
             grad_xs[i] = grad_x
-        for k, g in enumerate(result[n_state + n_x:]):
-            if g is not None:
-                grad_params[k] = g if grad_params[k] is None else grad_params[k] + g
+        boxed = [box[0] for box in node.boxes or () if box is not None]
+        _add_param_grads(grad_params, result[n_state + n_x:], (*got, *grads, *boxed))
         if stored:
             self._account(-self.policy.internal_units.get(i, 1), -_graph_bytes(node))
         elif self.policy.strategy == "ism":
             self._account(-1, 0)
         return result[:n_state]
+
+
+def _add_param_grads(total: list, chunk: Sequence[torch.Tensor | None],
+                     others: Sequence[torch.Tensor]) -> None:
+    """Adds one chunk's parameter gradients into the running sums ``total``, in place where
+    a sum is this op's own: out of place, each ``sum + g`` made a new sum beside the old one
+    and the chunk's gradient, one parameter gradient more than the plan counts (a
+    bidirectional GRU measured 1.49% over its named minimum). A chunk's gradient becomes a
+    sum as it is when it shares no storage with the other tensors of its backward (autograd
+    hands an incoming gradient through unchanged, e.g. to both inputs of an add) and has
+    no overlapping elements; otherwise the first addition makes a new sum. ``total`` holds,
+    per parameter, ``(sum, owned)`` until the op ends."""
+    for k, g in enumerate(chunk):
+        if g is None:
+            continue
+        if total[k] is None:
+            total[k] = (g, _exclusive(g, others))
+        elif total[k][1]:
+            total[k][0].add_(g)
+        else:
+            total[k] = (total[k][0] + g, True)
+
+
+def _exclusive(g: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    """Whether ``g`` may be written in place: dense, and no other tensor in ``others``
+    shares its storage."""
+    by_stride = sorted(range(g.dim()), key=lambda d: -g.stride(d))
+    if not g.permute(by_stride).is_contiguous():  # overlapping (expanded) or with gaps
+        return False
+    key = g.untyped_storage().data_ptr()
+    return sum(o is not None and o.untyped_storage().data_ptr() == key for o in others) == 1
 
 
 class _Sliced(torch.autograd.Function):
