@@ -152,6 +152,7 @@ class CompiledModule(nn.Module):
         backend.forward_ends(out)
         if grads is not None:
             self._memopt_pending.watch(out)
+            backend.forward_returned()
         return out
 
     def __deepcopy__(self, memo: dict) -> "CompiledModule":

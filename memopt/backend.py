@@ -42,6 +42,7 @@ from memopt.passes._torch_compat import (CompilingFrame, compiling_frame, last_g
 from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
+from . import eager_tail
 from .errors import BudgetError, CaptureError, InputError, PassError
 from .graph_breaks import (ReplanPolicy, replan_forward, required, step_baseline,
                            step_minimum)
@@ -316,10 +317,11 @@ class MemoptBackend:
         for the whole step (FSDP2's shards and all-gather output, memopt.fsdp);
         `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter);
         `shards`: FSDP2 on the repeated blocks and the root (memopt.fsdp_blocks)."""
-        self.plan_log.ddp = ddp
+        self.plan_log.ddp, self.plan_log.tail_run = ddp, None
         if grads is None:
             self.plan_log.call = None
             return
+        eager_tail.charge(self)  # the eager backward the last step measured
         for graph in self.plan_log.last_runs:  # consumed gradients left: accumulation
             if graph.steps_in_backward:
                 graph.stepping.stepper.check_forward()
@@ -330,6 +332,13 @@ class MemoptBackend:
         if not any(graph.settled is not None for graph in self.plan_log.last_runs):
             call.trace()  # no graph of the last forward may skip it: traced from the start
         self.plan_log.call = call
+
+    def forward_returned(self) -> None:
+        """The forward returned to the caller, nothing refused: measure the backward of
+        the eager code before its first graph there (memopt.eager_tail)."""
+        run, self.plan_log.tail_run = self.plan_log.tail_run, None
+        if run is not None:
+            eager_tail.arm(run, run.graph, self.budget)
 
     def forward_aborted(self) -> None:
         self.plan_log.call = None
@@ -416,7 +425,8 @@ class MemoptBackend:
                 self._nothing_compiled()
             return
         self.plan_log.traced += 1
-        bases = trace.end(returned)
+        bases = eager_tail.with_tails([run.graph for run in trace.runs], trace.end(returned))
+        self.plan_log.tail_run = trace.runs[0]  # armed once the forward returns
         if trace.opaque and self.budget is not None:
             self.plan_log.pending = _opaque_backward_error(trace.opaque, self.budget)
             self.plan_log.raise_pending()

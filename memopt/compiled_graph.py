@@ -110,6 +110,12 @@ class CompiledGraph:
         self.compiled: Callable | None = None
         #: what its last traced step counted, for steps without the trace (memopt.settled)
         self.settled: Settled | None = None
+        #: the backward of eager code before its first run, measured (memopt.eager_tail;
+        #: None: not measured), and the part of it its plan holds as its backward ends
+        self.eager_tail: int | None = None
+        self.tail_charged = 0
+        self._tail_watch: Any = None
+        self._tail_armed = False
         self.attaches: list[Attach] = []  # logits returned without a gradient (_chunk_heads)
         #: drop_outputs=True, the step one graph: the outputs the plan frees as it ends
         self.dropped = DroppedOutputs() if backend.options.drop_outputs and alone else None
@@ -125,7 +131,7 @@ class CompiledGraph:
         on in each forward with a plan of its own (memopt.run_plans), to be planned: this
         graph's plan until then."""
         twin = copy.copy(self)
-        twin.settled = None
+        twin.settled = twin._tail_watch = None
         twin.outside, twin.policy, twin.weight = Outside(), ReplanPolicy.GREEDY, 0
         twin.provisional = twin.pinned = False
         twin.later, twin.first_run = None, first_run
@@ -252,6 +258,8 @@ class CompiledGraph:
             compiled = with_attached_logits(compiled, self.attaches)
         if not planned:
             return compiled  # an inference graph (no gradients needed): nothing to plan
+        if self.tail_charged:  # memopt.eager_tail
+            self._amend(planned, eager_tail_bytes=self.tail_charged)
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside
         self.policy, self.step_baseline = policy, step_baseline
         return self.run

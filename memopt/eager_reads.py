@@ -29,10 +29,9 @@ import torch
 from memopt.passes._torch_compat import pytree
 
 from .fsdp import local_tensor
+from .pending import COMPILED_NODE  # AOTAutograd's node for a compiled graph: walks stop there
 from .storages import StorageId, holds_memory, storage_id
 
-#: AOTAutograd's autograd.Function for a compiled graph: the walk stops there
-_COMPILED = "CompiledFunctionBackward"
 #: memopt's own Functions applied outside a graph, whose saved tensors that graph's plan
 #: counts (a head's input and weight: memopt.lm_head.attach_logits)
 _PLANNED = frozenset({"_AttachLogitsBackward"})
@@ -52,7 +51,7 @@ class EagerReads:
 def made_by_eager_autograd(t: torch.Tensor) -> bool:
     """Whether eager code (not a compiled graph) made `t` with autograd recording: its
     gradient is handed to that code's backward."""
-    return t.grad_fn is not None and type(t.grad_fn).__name__ != _COMPILED
+    return t.grad_fn is not None and type(t.grad_fn).__name__ != COMPILED_NODE
 
 
 def eager_reads(values: Any, walked: set[int]) -> EagerReads:
@@ -73,13 +72,13 @@ def eager_reads(values: Any, walked: set[int]) -> EagerReads:
             continue
         walked.add(id(node))
         kind = type(node).__name__
-        if kind == _COMPILED:
+        if kind == COMPILED_NODE:
             continue
         if kind == "AccumulateGrad":
             add(found.params, node.variable)
             continue
         if kind not in _PLANNED:
-            for t in _saved(node):
+            for t in saved_tensors(node):
                 add(found.saved, t)
             opaque = opaque_function(node)
             if opaque is not None:
@@ -108,7 +107,7 @@ def opaque_function(node: Any) -> str | None:
     return None if name.startswith(_KNOWN_FUNCTIONS) else name
 
 
-def _saved(node: Any) -> list[torch.Tensor]:
+def saved_tensors(node: Any) -> list[torch.Tensor]:
     """The tensors an autograd node saved for its backward (none once it ran)."""
     values = []
     for name in dir(node):

@@ -26,7 +26,7 @@ import torch
 from memopt.passes._torch_compat import pytree
 
 #: the name of AOTAutograd's autograd node for a compiled graph
-_COMPILED_NODE = "CompiledFunctionBackward"
+COMPILED_NODE = "CompiledFunctionBackward"
 
 TWO_CALLS = (
     "memopt: a training call of this module started before the backward of an earlier "
@@ -53,7 +53,7 @@ def compiled_nodes(out: Any, levels: int = 3) -> list[Any]:
             if id(node) in seen:
                 continue
             seen.add(id(node))
-            if type(node).__name__ == _COMPILED_NODE:
+            if type(node).__name__ == COMPILED_NODE:
                 found.append(node)
             else:
                 below.extend(f for f, _ in node.next_functions if f is not None)

@@ -43,6 +43,9 @@ class PlanLog:
     last_runs: tuple[CompiledGraph, ...] = ()
     forward_code: CodeType | None = None
     pending: BudgetError | InputError | None = None  # raised at the next call
+    #: the first graph run of the forward that just ended, whose eager backward
+    #: memopt.eager_tail may measure once the forward returns
+    tail_run: Any = None
     warned_eager: bool = False
     #: a plan saved levels of a parallel scan (passes.scans): said once
     warned_scan: bool = False

@@ -83,7 +83,9 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
             f"{', optimizer state' if plan.optimizer_state_bytes else ''})")
     if plan.outside_after_backward_bytes:
         what = [w for w, on in (("FSDP2's reduce-scatter", plan.fsdp is not None),
-                                ("the optimizer's step", plan.optimizer_step_bytes > 0))
+                                ("the optimizer's step", plan.optimizer_step_bytes > 0),
+                                ("the backward of the eager code before the graph, "
+                                 "measured at an earlier step", plan.eager_tail_bytes > 0))
                 if on] or ["FSDP2's reduce-scatter"]
         lines.append(
             f"  after backward   {b(plan.outside_after_backward_bytes):>12}   allocated as "

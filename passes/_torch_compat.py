@@ -367,6 +367,17 @@ def cpu_allocation_events(prof: Any) -> list[tuple[int, int, int]]:
     return sorted(events, key=lambda ev: ev[0])
 
 
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the autograd engine finishes the backward now running (call
+    from inside it: a node's hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def inside_backward() -> bool:
+    """Whether this thread is running an autograd engine's backward now."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def profiler_active() -> bool:
     """Whether a torch.profiler / autograd profiler is recording (they do not nest)."""
     return bool(torch.autograd.profiler._is_profiler_enabled)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -94,6 +94,7 @@ class AllocationTracker:
         self._start = 0
         self._prof = None
         self._paused_gc = False
+        self._marker: torch.Tensor | None = None
 
     def start(self) -> None:
         device = self.device
@@ -121,7 +122,20 @@ class AllocationTracker:
             gc.disable()
             self._paused_gc = True
 
-    def stop(self) -> AllocationPeak:
+    def mark(self) -> None:
+        """On CPU, from here on: `stop()` then gives the peak and the end over what is live
+        at the mark, not at the start. A profiler started inside a backward records nothing
+        (the autograd engine runs with the thread-local state of the `backward()` call), so
+        a window inside one starts before it and is marked where it begins
+        (memopt.eager_tail). The mark is a 1-byte tensor held until `stop()`: the last
+        allocation of its address and size among the events."""
+        self._marker = torch.empty(1, dtype=torch.uint8, device="cpu")
+
+    def stop(self, released: Mapping[int, int] | None = None) -> AllocationPeak:
+        """End the window. ``released`` (CPU, after a `mark`): bytes freed inside it with
+        no event, by the address of a 1-byte marker tensor allocated, and held until now,
+        where they were freed: blocks allocated before the profiler started, whose frees
+        it does not report."""
         if self._paused_gc:
             gc.enable()
             self._paused_gc = False
@@ -136,7 +150,16 @@ class AllocationTracker:
             prof.stop()
         own_only = self.own_only  # (the module docstring)
         live, mine = 0, {}
-        for _, nbytes, address in cpu_allocation_events(prof):
+        events = cpu_allocation_events(prof)
+        marker, self._marker = self._marker, None
+        if marker is not None:  # from the mark on
+            at = marker.data_ptr()
+            events = events[max(i for i, (_, n, a) in enumerate(events) if a == at and n > 0):]
+            own_only = False
+        last = {a: i for i, (_, n, a) in enumerate(events) if n == 1 and a in (released or {})}
+        for i, (_, nbytes, address) in enumerate(events):
+            if last.get(address) == i:
+                live -= released[address]
             if nbytes > 0:
                 mine[address] = nbytes
                 live += nbytes
