@@ -139,10 +139,12 @@ class CompiledModule(nn.Module):
         if grads is not None and backend.optimizer_source is not None \
                 and backend.optimizer is None:
             _count_optimizer(backend, model)
+        shards = block_shards(model, self._memopt_blocks)
+        # FSDP2 swaps its shards in and out itself (counted in unit.held and shards)
+        held = unit.held if unit else () if shards is not None else tensors.displaced()
         backend.forward_begins(tensors, grads, args, kwargs, ddp=buckets_of(self, model),
-                               held=unit.held if unit else (),
-                               after_backward=unit.after_backward if unit else 0,
-                               shards=block_shards(model, self._memopt_blocks))
+                               held=held, after_backward=unit.after_backward if unit else 0,
+                               shards=shards)
         try:
             out = run_captured(compiled, args, kwargs, backend, model,
                                 bool(self._memopt_blocks), self._memopt_loops)

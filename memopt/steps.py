@@ -34,6 +34,7 @@ identified by its StorageImpl, as all have data pointer 0.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 import weakref
 from collections.abc import Iterable
@@ -42,7 +43,7 @@ from typing import Any
 
 import torch
 
-from memopt.passes._torch_compat import pytree, storage_ref
+from memopt.passes._torch_compat import dynamo_frames_converted, pytree, storage_ref
 
 from .eager_reads import eager_reads, made_by_eager_autograd
 from .fsdp import local_tensor
@@ -55,6 +56,27 @@ from .storages import StorageId, holds_memory, storage_id
 DDP_BUCKETS: StorageId = ("ddp buckets", 0)
 #: the optimizer's state (memopt.optimizer), held for the whole step like DDP's buckets
 OPTIMIZER_STATE: StorageId = ("optimizer state", 0)
+
+
+#: dynamo's frame count when compile_garbage_collected last collected
+_collected_at: list[int] = [-2]
+
+
+def compile_garbage_collected() -> None:
+    """Collect Python's cyclic garbage where dynamo has compiled since the last look. Its
+    compile (a backend failure it recovers from, a graph break it restarts at) leaves
+    reference cycles through the frames it converted, and those frames' locals keep the
+    tensors they held, an earlier graph's outputs among them, until a collection happens
+    to run: a trace that read them alive counted them, one after a collection did not.
+    HF Longformer (global attention, six graphs): a (2, 128, 2, 16) output of its third
+    graph held by a dead `_compute_attn_output_with_global_indices` frame at the fourth's
+    start in one process and not in another, so the first forward named 1,484,333 bytes
+    in one and 1,517,600 in the other, and 1,484,333 was refused when passed back. Steps
+    that compile nothing never collect here."""
+    frames = dynamo_frames_converted()
+    if frames != _collected_at[0]:
+        gc.collect()
+        _collected_at[0] = frames
 
 
 def repeated_output_grad_bytes(returned: Any) -> int:
@@ -278,6 +300,7 @@ class ForwardTrace:
         """A graph is about to run: record it, with what the rest holds now. `views`: the
         inputs whose gradient it returns as a view of another tensor (CompiledGraph);
         `kept`: the positions of the inputs its backward reads (kept_input_positions)."""
+        compile_garbage_collected()
         if self.shards is not None and not self._root_counted:  # gathered by now
             self.resident.update(storages(self.shards.gathered_root()))
             self._root_counted = True
@@ -403,6 +426,7 @@ class ForwardTrace:
         (forward: as when it ran; backward: the outputs alive now, the return value, the
         gradients of the graphs after it). Add `saved_before(i)` (or the saved bytes of
         new plans of the graphs before run i) for what the run's plan must count."""
+        compile_garbage_collected()
         self.returned = storages(reachable_tensors(returned))
         reads = eager_reads(returned, self._walked)
         self.opaque |= reads.opaque

@@ -414,6 +414,17 @@ def last_guard_failure(code: Any) -> str:
         return ""
 
 
+def dynamo_frames_converted() -> int:
+    """How many frames dynamo has started to convert in this process (its `frames`
+    counter): it moves while dynamo compiles, and not while compiled code only runs."""
+    try:
+        from torch._dynamo.utils import counters  # noqa: PLC0415
+
+        return int(counters["frames"]["total"])
+    except Exception:  # noqa: BLE001 - its internals moved
+        return -1
+
+
 def random_ops_kept(keep: bool) -> Any:
     """inductor's `fallback_random`, patched inside a `with` block: with it on,
     AOTAutograd's capture keeps random ops whose values nothing uses (fx's dead-code

@@ -403,3 +403,42 @@ def test_module_hooks_registered_after_the_first_step_run(budget: object) -> Non
     assert called == ["bw", "bw"]
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_functional_call_counts_the_modules_own_parameters_kept_aside() -> None:
+    """`torch.func.functional_call(compiled, {name: p * 0.5}, x)`: while it runs, the
+    module's parameters are the tensors passed and its own are kept aside, alive; memopt
+    counted only the passed ones and the step measured 1.34x the budget it accepted (found
+    from outside). Counted (settled.ModelTensors.displaced), the budget it accepts holds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 1))
+    x = torch.randn(64, 128)
+    params = list(model.named_parameters())
+
+    def step(module: nn.Module) -> None:
+        out = torch.func.functional_call(module, {n: p * 0.5 for n, p in params}, (x,))
+        out.square().mean().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    budget: object = 0.01
+    for _ in range(6):  # each refusal names what the step it saw needs
+        compiled = memopt.compile(model, budget=budget)
+        try:
+            step(compiled)
+            step(compiled)
+            break
+        except memopt.BudgetError as err:
+            budget = err.minimum_bytes
+    resident = sum(p.untyped_storage().nbytes() for p in model.parameters()) \
+        + x.untyped_storage().nbytes()
+    peaks = []
+    for _ in range(3):
+        with allocation_peak("cpu") as seen:
+            step(compiled)
+        peaks.append(seen.peak + resident)
+    # the first steps of a compiled module under functional_call measured up to 1.6x the
+    # steady one (the step that compiles: not diagnosed, docs/limits.md); the rest held
+    plan = compiled.memopt_plan
+    assert max(peaks[1:]) <= plan.budget_bytes, (peaks, plan.budget_bytes)
