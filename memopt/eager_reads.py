@@ -21,6 +21,7 @@ them to the graphs that run while they are held.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +65,26 @@ def eager_reads(values: Any, walked: set[int]) -> EagerReads:
         if holds_memory(t):
             into[storage_id(t)] = t.untyped_storage().nbytes()
 
-    stack = [t.grad_fn for t in pytree.tree_leaves(values)
+    roots = [t.grad_fn for t in pytree.tree_leaves(values)
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for node in eager_nodes(roots, walked):
+        kind = type(node).__name__
+        if kind == "AccumulateGrad":
+            add(found.params, node.variable)
+        elif kind not in _PLANNED:
+            for t in saved_tensors(node):
+                add(found.saved, t)
+            opaque = opaque_function(node)
+            if opaque is not None:
+                found.opaque.add(opaque)
+    return found
+
+
+def eager_nodes(roots: Iterable[Any], walked: set[int]) -> Iterator[Any]:
+    """The autograd nodes of eager code from `roots` down, each once (`walked`: node ids
+    already seen): not the compiled graphs' nodes, nor below them; a parameter's
+    AccumulateGrad is the end of its path."""
+    stack = list(roots)
     while stack:
         node = stack.pop()
         if id(node) in walked:
@@ -74,17 +93,9 @@ def eager_reads(values: Any, walked: set[int]) -> EagerReads:
         kind = type(node).__name__
         if kind == COMPILED_NODE:
             continue
-        if kind == "AccumulateGrad":
-            add(found.params, node.variable)
-            continue
-        if kind not in _PLANNED:
-            for t in saved_tensors(node):
-                add(found.saved, t)
-            opaque = opaque_function(node)
-            if opaque is not None:
-                found.opaque.add(opaque)
-        stack.extend(f for f, _ in node.next_functions if f is not None)
-    return found
+        yield node
+        if kind != "AccumulateGrad":
+            stack.extend(f for f, _ in node.next_functions if f is not None)
 
 
 #: the modules whose autograd.Functions run between graphs with a backward memopt counts:

@@ -36,8 +36,7 @@ import torch
 from memopt.passes._torch_compat import inside_backward, queue_backward_callback, storage_ref
 from memopt.passes.allocated import AllocationTracker, can_track
 
-from .eager_reads import saved_tensors
-from .pending import COMPILED_NODE
+from .eager_reads import eager_nodes, saved_tensors
 from .storages import StorageId, holds_memory, storage_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -145,19 +144,13 @@ class _Watch:
 def _eager_nodes(compiled: list[Any]) -> tuple[list[Any], list[torch.Tensor]]:
     """The autograd nodes of eager code below the compiled graphs' nodes ``compiled``
     (down to other compiled graphs), and the parameters whose gradient they make."""
-    found, params, seen = [], [], {id(n) for n in compiled}
-    stack = [f for n in compiled for f, _ in n.next_functions if f is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        kind = type(node).__name__
-        if kind == "AccumulateGrad":
+    found, params = [], []
+    roots = [f for n in compiled for f, _ in n.next_functions if f is not None]
+    for node in eager_nodes(roots, {id(n) for n in compiled}):
+        if type(node).__name__ == "AccumulateGrad":
             params.append(node.variable)
-        elif kind != COMPILED_NODE:
+        else:
             found.append(node)
-            stack.extend(f for f, _ in node.next_functions if f is not None)
     return found, params
 
 
