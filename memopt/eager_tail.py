@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from types import FunctionType, MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,7 +57,8 @@ class _Watch:
     caller its own back when it ends. So it starts as the forward ends, is marked at the
     hook (AllocationTracker.mark), and stops at the first Python event on that thread
     after the backward returned (``sys.setprofile``, set by the end-of-backward
-    callback, removed at once; not armed where a profile function is set). The profiler
+    callback, removed at once; not armed where a profile function is set as the forward
+    ends). The profiler
     does not report the frees of blocks allocated before it started: the tensors the
     eager nodes saved in the forward. Each eager node drops a marker as its backward
     ends, and a saved storage whose last eager holder has run, and that nothing holds
@@ -68,6 +70,7 @@ class _Watch:
         self.cpu = device.type == "cpu"
         self.tracker: AllocationTracker | None = AllocationTracker(device, collect=False)
         self.marked = False
+        self.previous: Any = None  # the profile function set as the backward ended
         self.handles = [node.register_hook(self._begins) for node in nodes]
         #: CPU: per eager node, the storages it saved; per storage, (weak reference,
         #: bytes, eager nodes holding it); markers (node, 1-byte tensor) as nodes end
@@ -101,15 +104,25 @@ class _Watch:
         self.marked = True
         if self.cpu:
             self.tracker.mark()
-            queue_backward_callback(lambda: sys.setprofile(self._after_backward))
+            queue_backward_callback(self._backward_ends)
         else:
             self.tracker.start()
             queue_backward_callback(self.stop)
 
-    def _after_backward(self, *_: Any) -> None:
+    def _backward_ends(self) -> None:
+        # a profile function set since the forward: chained where it is Python's (and put
+        # back); a C profiler's (cProfile) is left alone, and the window to `charge`,
+        # unmeasured
+        self.previous = sys.getprofile()
+        if self.previous is None or isinstance(self.previous, (FunctionType, MethodType)):
+            sys.setprofile(self._after_backward)
+
+    def _after_backward(self, frame: Any, event: str, arg: Any) -> None:
         if not inside_backward():
-            sys.setprofile(None)
+            sys.setprofile(self.previous)
             self.stop()
+        if self.previous is not None:
+            self.previous(frame, event, arg)
 
     def _released(self) -> dict[int, int]:
         """{marker address: bytes of saved storages freed as its node ended}."""
@@ -187,6 +200,7 @@ def charge(backend: MemoptBackend) -> None:
     log = backend.plan_log
     for graph in dict.fromkeys(log.last_runs):
         if graph._tail_watch is not None:  # its backward never ended: not measured
+            graph._tail_watch.marked = False
             graph._tail_watch.stop()
             graph._tail_watch = graph.eager_tail = None
         extra = (graph.eager_tail or 0) - graph.tail_charged

@@ -99,3 +99,27 @@ def test_a_forward_without_its_backward_leaves_no_profiler_running():
         out.backward()
     with allocation_peak("cpu"):
         compiled(*inputs).backward()
+
+
+def test_a_profile_function_set_before_the_backward_is_left_alone():
+    """A Python profile function set between the first forward and its backward keeps
+    being called, and is in place after it; the window closes as the backward returns."""
+    import sys
+
+    inputs = _inputs()
+    compiled = memopt.compile(_cnn(), budget=10**9)
+    loss = compiled(*inputs)
+    calls = []
+
+    def profile(*_):
+        calls.append(1)
+
+    sys.setprofile(profile)
+    try:
+        loss.backward()
+        assert sys.getprofile() is profile
+    finally:
+        sys.setprofile(None)
+    assert calls
+    with allocation_peak("cpu"):
+        compiled(*inputs).backward()
