@@ -217,6 +217,9 @@ class GraphRun:
     nodes: list[Any] = field(default_factory=list)
     #: positions of the earlier runs whose node was freed before it ran
     dead_before: frozenset[int] = frozenset()
+    #: weak references to its inputs' storages: dynamo's resume frames hold a graph's
+    #: inputs until the whole forward returns, so the graphs after it see them alive
+    input_refs: list[tuple[Any, StorageId, int]] = field(default_factory=list)
 
     def alive(self) -> bool:
         """Its backward can still run: one of its autograd nodes is alive, or none was
@@ -308,6 +311,9 @@ class ForwardTrace:
         self._runs_of[key] = self._runs_of.get(key, 0) + 1
         inputs = list(inputs)
         run = GraphRun(graph, storages(inputs), held_bytes)
+        run.input_refs = [(storage_ref(t.untyped_storage()), storage_id(t),
+                           t.untyped_storage().nbytes())
+                          for t in inputs if holds_memory(t) and storage_id(t) not in self.resident]
         reads = eager_reads(inputs, self._walked)
         self.opaque |= reads.opaque
         run.eager = {s: n for s, n in reads.params.items()
@@ -357,6 +363,8 @@ class ForwardTrace:
         dead = self.dead(position) if dead is None else dead
         for i, run in enumerate(self.runs[:position]):
             held.update({s: n for s, n in run.alive_outputs().items() if s not in own})
+            held.update({s: n for ref, s, n in run.input_refs
+                         if s not in own and not ref.expired()})
             if i not in dead:  # a freed node no longer keeps its inputs
                 held.update({s: n for s, n in run.kept_inputs.items() if s not in own})
         for run in self.runs[:position + 1]:  # saved by eager code before it ran
