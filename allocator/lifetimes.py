@@ -121,7 +121,13 @@ def held_outside(shape: StepShape, *, existing_grads: Mapping[str, int] | None,
         if nbytes and start <= stop:
             held.append(HeldOutside(name, nbytes, start, stop, "outside"))
     if before and has_backward and nf < shape.num_steps:
-        held.append(HeldOutside("outside.before_backward", before, nf, nf, "outside"))
+        # it runs before the graph's first backward op, whose allocations it does not
+        # stack on: charged at the forward's last step, with what the rest of the step
+        # holds over the backward there
+        at = max(nf - 1, 0)
+        held.append(HeldOutside("outside.before_backward",
+                                before + (max(0, backward - forward) if at < nf else 0),
+                                at, at, "outside"))
     if outside_grad_bytes and has_backward and nf < shape.num_steps:
         held.append(HeldOutside("bw.aliased_output_grads", outside_grad_bytes, nf, nf,
                                 "tangent"))
