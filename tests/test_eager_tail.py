@@ -75,8 +75,16 @@ def test_the_eager_backward_before_the_first_graph_is_measured_and_held():
     assert second.value.minimum_bytes > first.value.minimum_bytes
     assert second.value.minimum_bytes <= 1.05 * eager_peak, (second.value.minimum_bytes,
                                                              eager_peak)
-    held = memopt.compile(model, budget=second.value.minimum_bytes)
-    measured = _train(held, list(model.parameters()), inputs, 3)
+    budget = second.value.minimum_bytes
+    for _ in range(3):  # each compile measures the eager backward again: it can move by
+        try:            # ~1% from one to the next (CI's one-process stage, 39,700 bytes)
+            held = memopt.compile(copy.deepcopy(model), budget=budget)
+            measured = _train(held, list(held.original_module.parameters()), inputs, 3)
+            break
+        except memopt.BudgetError as err:
+            assert err.minimum_bytes <= 1.05 * budget, (err.minimum_bytes, budget)
+            budget = err.minimum_bytes
+    model = held.original_module
     plan = held.memopt_plan
     assert plan.eager_tail_bytes > 0 and "eager code before the graph" in plan.summary()
     assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
