@@ -425,7 +425,8 @@ class MemoptBackend:
                 self._nothing_compiled()
             return
         self.plan_log.traced += 1
-        bases = eager_tail.with_tails([run.graph for run in trace.runs], trace.end(returned))
+        bases = eager_tail.with_tails([run.graph for run in trace.runs], trace.end(returned),
+                                      trace.eager_tail())
         self.plan_log.tail_run = trace.runs[0]  # armed once the forward returns
         if trace.opaque and self.budget is not None:
             self.plan_log.pending = _opaque_backward_error(trace.opaque, self.budget)

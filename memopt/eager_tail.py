@@ -183,14 +183,19 @@ def arm(run: GraphRun, graph: CompiledGraph, budget: Any) -> None:
         graph._tail_watch, graph._tail_armed = _Watch(graph, device, nodes), True
 
 
-def with_tails(runs: list[CompiledGraph], bases: list[Outside]) -> list[Outside]:
-    """The forward's bases (steps.ForwardTrace.end) with the first run's measured eager
-    backward held as its backward ends, as ``charge`` planned it."""
-    if not runs or not runs[0].tail_charged:
+def with_tails(runs: list[CompiledGraph], bases: list[Outside], estimate: int) -> list[Outside]:
+    """The forward's bases (steps.ForwardTrace.end) with the backward of the eager code
+    before the first run held as its backward ends: the `estimate` the trace made
+    (steps.ForwardTrace.eager_tail) or, where more, what was measured, as ``charge``
+    planned it (`CompiledGraph.tail_charged`)."""
+    if not runs:
         return bases
-    first = bases[0]
-    return [dataclasses.replace(first, after_backward=first.after_backward
-                                + runs[0].tail_charged), *bases[1:]]
+    first = runs[0]
+    first.tail_charged = max(first.tail_charged, estimate)
+    if not first.tail_charged:
+        return bases
+    return [dataclasses.replace(bases[0], after_backward=bases[0].after_backward
+                                + first.tail_charged), *bases[1:]]
 
 
 def charge(backend: MemoptBackend) -> None:

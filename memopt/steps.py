@@ -441,9 +441,49 @@ class ForwardTrace:
         self._eager_after = {s: n for s, n in reads.params.items() if s in self.grads}
         alive = [run.alive() for run in self.runs]  # once: each run's dead set from it
         dead = [self.dead(i, alive) for i in range(len(self.runs))]
-        return [dataclasses.replace(self._base(i, run.inputs, dead[i]), forward=run.base.forward,
-                                    dead_forward=run.dead_before, dead_backward=dead[i])
-                for i, run in enumerate(self.runs)]
+        bases = [dataclasses.replace(self._base(i, run.inputs, dead[i]), forward=run.base.forward,
+                                     dead_forward=run.dead_before, dead_backward=dead[i])
+                 for i, run in enumerate(self.runs)]
+        if bases:
+            head = self.eager_head(reads.saved, returned)
+            bases[-1] = dataclasses.replace(
+                bases[-1], before_backward=bases[-1].before_backward + head)
+        return bases
+
+    def eager_tail(self) -> int:
+        """Bytes the eager code before the first run (the *tail*: the start of an
+        ``nn.Sequential`` before a graph break inside it) allocates as its backward, the
+        step's last, runs on top of what the first run's backward leaves: the gradients
+        that backward returns into it and twice its largest saved tensor (its saved
+        tensors themselves are in every run's base). An estimate made as the forward ends,
+        so that the first step's plan holds it; memopt.eager_tail measures the backward at
+        that step and holds more from the next where it finds more (a CNN of three
+        BatchNorm2d(momentum=None): estimated 1,048,896 bytes, measured 1,036,295)."""
+        first = self.runs[0] if self.runs else None
+        if first is None or not (first.eager_saved or first.eager_grads):
+            return 0
+        return first.eager_grads + 2 * max(first.eager_saved.values(), default=first.eager_grads)
+
+    def eager_head(self, saved: dict[StorageId, int], returned: Any) -> int:
+        """Bytes held, on top of what the last run's backward holds around it, while the
+        eager code after the last run (the forward's *head*: the rest of an
+        ``nn.Sequential`` after a graph break inside it, which dynamo runs eagerly) runs
+        its backward, the first of the step: what that code `saved` that no plan counts
+        (not the model's tensors, a run's inputs or outputs, or what eager code before a
+        run saved), the gradients of the values it returned, and twice its largest saved
+        tensor: a node's incoming and outgoing gradients, each at most that large, or its
+        kernel's work buffer (the estimate ``eager_backward`` makes between two runs).
+        A Sequential MLP with its break first measured 23.6 MB against a 9.1 MB budget
+        memopt had accepted without it (found from outside)."""
+        counted = set(self.resident)
+        for run in self.runs:
+            counted.update(run.inputs, run.eager_saved, (sid for _, sid, _ in run.outputs))
+        held = {s: n for s, n in saved.items() if s not in counted}
+        if not held:
+            return 0
+        grads = storages(t for t in pytree.tree_leaves(returned) if isinstance(t, torch.Tensor)
+                         and t.requires_grad and made_by_eager_autograd(t))
+        return sum(held.values()) + sum(grads.values()) + 2 * max(held.values())
 
 
 _PRIMAL = re.compile(r"^fw\.primals_(\d+)$")
