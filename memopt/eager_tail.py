@@ -8,9 +8,12 @@ backward, outside every plan: a CNN of three ``BatchNorm2d(momentum=None)`` bloc
 Sequential (momentum=None reads ``float(num_batches_tracked)``, a graph break) measured
 17.1 MB against a 13.1 MB budget memopt had named (found from outside).
 
-memopt does not plan eager code; it measures it (Chen et al. 2016 plan the graph they
-see, and the rest of the step is what the plan holds beside it). At the first traced
-step under a budget whose first graph reads tensors eager autograd made
+memopt does not plan eager code; it holds it beside the graphs (Chen et al. 2016 plan
+the graph they see, and the rest of the step is what the plan holds beside it). As the
+first forward ends, the trace estimates that backward (steps.ForwardTrace.eager_tail:
+the gradients the first graph returns into the code and twice its largest saved tensor),
+held from the first step (``with_tails``). It then measures it, at the first traced step
+under a budget whose first graph reads tensors eager autograd made
 (steps.GraphRun.eager_saved, eager_grads):
 
 1. a post-hook on the graph's autograd node (AOTAutograd's CompiledFunctionBackward)
@@ -18,11 +21,14 @@ step under a budget whose first graph reads tensors eager autograd made
    done;
 2. it closes when the backward ends (``_Watch``): the peak over what was live when the
    window opened is the eager code's backward (``CompiledGraph.eager_tail``);
-3. at the next call (``charge``) the graph is planned again with those bytes held as its
-   backward ends, on top of what is live then (steps.Outside.after_backward), and a
-   budget it no longer fits is refused there, naming the smallest that does.
+3. at the next call (``charge``), where it measured more than the estimate, the graph
+   is planned again with those bytes held as its backward ends, on top of what is live
+   then (steps.Outside.after_backward), and a budget it no longer fits is refused there,
+   naming the smallest that does.
 
-The first step runs the plan made without it (it was not known yet).
+The same CNN: estimated 1,048,896 bytes, measured 1,036,295; the first minimum named
+holds from the first step. The code after the last graph, whose backward runs first, is
+estimated the same way (steps.ForwardTrace.eager_head) and not measured.
 """
 
 from __future__ import annotations
