@@ -344,9 +344,12 @@ class MemoryPlan(BaseModel):
     #: allocated outside the graph as its backward ends, on top of what is live then
     #: (FSDP2's reduce-scatter of the gradients, memopt.fsdp)
     outside_after_backward_bytes: Bytes = 0
-    #: of those, the backward of the eager code that ran before this graph, measured at an
-    #: earlier step (memopt.eager_tail)
+    #: of those, the backward of the eager code that ran before this graph, estimated as
+    #: the forward ended or measured at an earlier step (memopt.eager_tail)
     eager_tail_bytes: Bytes = 0
+    #: held, on top of the rest, while eager code after this graph runs its backward, just
+    #: before this graph's (steps.ForwardTrace.eager_backward, eager_head)
+    outside_before_backward_bytes: Bytes = 0
     #: this graph's own runs before its last one in the forward (a repeated block,
     #: memopt.blocks), each holding `held_bytes`, which its predicted peak counts as held
     #: outside it (beside the outside bytes above)

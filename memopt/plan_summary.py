@@ -84,12 +84,16 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
     if plan.outside_after_backward_bytes:
         what = [w for w, on in (("FSDP2's reduce-scatter", plan.fsdp is not None),
                                 ("the optimizer's step", plan.optimizer_step_bytes > 0),
-                                ("the backward of the eager code before the graph, "
-                                 "measured at an earlier step", plan.eager_tail_bytes > 0))
+                                ("the backward of the eager code before the graph",
+                                 plan.eager_tail_bytes > 0))
                 if on] or ["FSDP2's reduce-scatter"]
         lines.append(
             f"  after backward   {b(plan.outside_after_backward_bytes):>12}   allocated as "
             f"the backward ends, outside the graph ({' and '.join(what)})")
+    if plan.outside_before_backward_bytes:
+        lines.append(
+            f"  before backward  {b(plan.outside_before_backward_bytes):>12}   held as the "
+            f"eager code after the graph runs its backward, before the graph's (estimated)")
     if plan.optimizer:
         step = (f"{plan.steps_in_backward} parameters stepped inside the backward as each "
                 f"gradient completes, which is then freed" if plan.steps_in_backward else

@@ -69,6 +69,7 @@ def test_a_named_minimum_holds_from_the_first_step_with_an_eager_head(at):
     peaks = [_step(compiled, params, x, y) for _ in range(3)]
     assert max(peaks) <= budget, (peaks, budget)
     predicted = compiled.memopt_plan.predicted_peak_bytes
+    assert "eager code after the graph runs its backward" in compiled.memopt_plan.summary()
     assert predicted <= 1.2 * max(peaks), (predicted, peaks)  # not far above either
     _step(compiled, params, x, y)  # the same batch as eager's one step, from no .grad
     for p, q in zip(params, eager.parameters()):

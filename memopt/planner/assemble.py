@@ -126,6 +126,7 @@ def assemble(final: Built, request: PlanRequest, decisions: Decisions, device: s
         outside_forward_bytes=outside.forward,
         outside_backward_bytes=outside.backward,
         outside_after_backward_bytes=outside.after_backward,
+        outside_before_backward_bytes=outside.before_backward,
         own_runs_before=outside.repeats,
         baseline_saved_bytes=decisions.baseline.saved_bytes,
         timeline=timeline(as_simulated(final), {"fw": final.fw, "bw": final.bw}, gran),
