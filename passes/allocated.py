@@ -44,7 +44,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -70,6 +71,32 @@ UNMEASURED = [0]
 def note_unmeasured() -> None:
     """Planning used an estimate where it measures (see UNMEASURED)."""
     UNMEASURED[0] += 1
+
+
+#: bound methods (held weakly) to call once the profiler that kept planning from measuring
+#: has stopped: run as the user's `memopt.measure.allocation_peak` closes
+_WHEN_TRACKABLE: list[weakref.WeakMethod] = []
+
+
+def when_trackable(method: Callable[[], None]) -> None:
+    """Call the bound `method` once, as the next `memopt.measure.allocation_peak` closes
+    (`run_when_trackable`): a plan made while the user measured a step could not measure
+    its kernel workspaces, and a user who measures every step never gives memopt another
+    call outside the profiler (memopt.backend plans again measured there)."""
+    if not any(ref() == method for ref in _WHEN_TRACKABLE):
+        _WHEN_TRACKABLE.append(weakref.WeakMethod(method))
+
+
+def run_when_trackable() -> None:
+    """Call what `when_trackable` registered (each once), where no profiler records."""
+    if not _WHEN_TRACKABLE or not can_track("cpu"):
+        return
+    pending = list(_WHEN_TRACKABLE)
+    _WHEN_TRACKABLE.clear()
+    for ref in pending:
+        method = ref()
+        if method is not None:
+            method()
 
 
 def can_track(device: torch.device | str) -> bool:

@@ -108,6 +108,7 @@ handed out while a block runs) are memopt.passes.allocated's, loaded on first us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -132,7 +133,9 @@ from .records import (
 )
 
 if TYPE_CHECKING:
-    from ..passes.allocated import AllocationPeak, AllocationTracker, allocation_peak, can_track
+    from collections.abc import Iterator
+
+    from ..passes.allocated import AllocationPeak, AllocationTracker, can_track
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +146,7 @@ __all__ = ["GRADS", "MALLOC_MMAP_THRESHOLD", "AllocationPeak", "AllocationTracke
 _MODES = ("eager", "memopt")
 
 #: Names of memopt.passes.allocated, loaded on first use (module ``__getattr__``).
-_ALLOCATED = ("AllocationPeak", "AllocationTracker", "allocation_peak", "can_track")
+_ALLOCATED = ("AllocationPeak", "AllocationTracker", "can_track")
 
 
 def __getattr__(name: str) -> Any:
@@ -152,6 +155,23 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@contextlib.contextmanager
+def allocation_peak(device: Any, collect: bool = True, own_only: bool = False
+                    ) -> Iterator[AllocationPeak]:
+    """Track the block's allocations on ``device`` (memopt.passes.allocated.allocation_peak:
+    ``.peak`` and ``.end``, bytes over what was live as it began). As it closes, a memopt
+    module that planned inside it, where kernel workspaces cannot be measured (profilers
+    do not nest on CPU), plans again measured, for its next step
+    (passes.allocated.when_trackable): a loop that measures every step stays within the
+    budget from its second step on."""
+    from ..passes.allocated import allocation_peak as track  # noqa: PLC0415
+    from ..passes.allocated import run_when_trackable  # noqa: PLC0415
+
+    with track(device, collect, own_only) as seen:
+        yield seen
+    run_when_trackable()
 
 
 def _check_mode(mode: str) -> None:
