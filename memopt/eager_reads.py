@@ -55,6 +55,12 @@ def made_by_eager_autograd(t: torch.Tensor) -> bool:
     return t.grad_fn is not None and type(t.grad_fn).__name__ != COMPILED_NODE
 
 
+def made_by_planned_function(t: torch.Tensor) -> bool:
+    """Whether one of memopt's own Functions whose tensors a plan counts made `t`
+    (`_PLANNED`: logits attached to a head's graph)."""
+    return t.grad_fn is not None and type(t.grad_fn).__name__ in _PLANNED
+
+
 def eager_reads(values: Any, walked: set[int]) -> EagerReads:
     """What eager code read and saved to make `values` (module docstring). `walked` (node
     ids, one forward's) makes each node walked once."""
@@ -128,3 +134,42 @@ def saved_tensors(node: Any) -> list[torch.Tensor]:
             except RuntimeError:  # freed (its backward ran), or not a tensor to unpack
                 continue
     return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+def _metadata_bytes(metadata: Any) -> int:
+    """Bytes of the gradient an autograd input metadata describes (0 where unknown)."""
+    try:
+        if metadata.is_nested_tensor:
+            return 0
+        numel = 1
+        for size in metadata.shape:
+            numel *= int(size)
+        return numel * metadata.dtype.itemsize
+    except (AttributeError, RuntimeError, TypeError):
+        return 0
+
+
+#: autograd nodes of views, whose backward hands its gradient on as a view: AOTAutograd
+#: makes an output that aliases another outside the graph, so such a node ends many
+#: steps that have no eager code at all
+_VIEWS = ("View", "AsStrided", "Alias", "Squeeze", "Unsqueeze", "Permute", "Transpose",
+          "Expand", "Slice", "Select", "Unbind", "Split", "TBackward", "Unfold", "Diagonal")
+
+
+def gradient_bytes(node: Any) -> int:
+    """Bytes of the gradients live at once as eager autograd node `node` runs its
+    backward: those it is handed (one per output of its forward, autograd's input
+    metadata) and those it returns, but for parameters (an AccumulateGrad's: counted
+    as the parameters' gradients are); 0 for a view's (`_VIEWS`)."""
+    kind = type(node).__name__
+    if kind == "AccumulateGrad" or any(view in kind for view in _VIEWS):
+        return 0
+    try:
+        handed = sum(_metadata_bytes(m) for m in node._input_metadata)
+        returned = 0
+        for nxt, index in node.next_functions:
+            if nxt is not None and type(nxt).__name__ != "AccumulateGrad":
+                returned += _metadata_bytes(nxt._input_metadata[index])
+    except (AttributeError, IndexError, RuntimeError):
+        return 0
+    return handed + returned

@@ -45,7 +45,8 @@ import torch
 
 from memopt.passes._torch_compat import dynamo_frames_converted, pytree, storage_ref
 
-from .eager_reads import eager_reads, made_by_eager_autograd
+from .eager_reads import (eager_nodes, eager_reads, gradient_bytes, made_by_eager_autograd,
+                          made_by_planned_function)
 from .fsdp import local_tensor
 from .pending import compiled_nodes
 from .storages import StorageId, holds_memory, storage_id
@@ -454,36 +455,47 @@ class ForwardTrace:
         """Bytes the eager code before the first run (the *tail*: the start of an
         ``nn.Sequential`` before a graph break inside it) allocates as its backward, the
         step's last, runs on top of what the first run's backward leaves: the gradients
-        that backward returns into it and twice its largest saved tensor (its saved
-        tensors themselves are in every run's base). An estimate made as the forward ends,
+        that backward returns into it, and the most gradients one of its nodes holds at
+        once (eager_reads.gradient_bytes; its saved tensors themselves are in every run's
+        base; without the first, a Sequential with dropout before the break measured 2%
+        over the minimum named at its first step). An estimate made as the forward ends,
         so that the first step's plan holds it; memopt.eager_tail measures the backward at
         that step and holds more from the next where it finds more (a CNN of three
-        BatchNorm2d(momentum=None): estimated 1,048,896 bytes, measured 1,036,295)."""
+        BatchNorm2d(momentum=None): estimated 1,048,896 bytes, measured 1,036,295; twice
+        the largest saved tensor instead, a Sequential with wide dropout layers before
+        the break was named 1.8x eager's peak, found from outside)."""
         first = self.runs[0] if self.runs else None
         if first is None or not (first.eager_saved or first.eager_grads):
             return 0
-        return first.eager_grads + 2 * max(first.eager_saved.values(), default=first.eager_grads)
+        compiled = [node for node in (ref() for ref in first.nodes) if node is not None]
+        roots = [f for node in compiled for f, _ in node.next_functions if f is not None]
+        return first.eager_grads + max(
+            map(gradient_bytes, eager_nodes(roots, {id(n) for n in compiled})), default=0)
 
     def eager_head(self, saved: dict[StorageId, int], returned: Any) -> int:
         """Bytes held, on top of what the last run's backward holds around it, while the
         eager code after the last run (the forward's *head*: the rest of an
         ``nn.Sequential`` after a graph break inside it, which dynamo runs eagerly) runs
-        its backward, the first of the step: what that code `saved` that no plan counts
-        (not the model's tensors, a run's inputs or outputs, or what eager code before a
-        run saved), the gradients of the values it returned, and twice its largest saved
-        tensor: a node's incoming and outgoing gradients, each at most that large, or its
-        kernel's work buffer (the estimate ``eager_backward`` makes between two runs).
-        A Sequential MLP with its break first measured 23.6 MB against a 9.1 MB budget
-        memopt had accepted without it (found from outside)."""
+        its backward, the first of the step, from the forward's end: what that code
+        `saved` and what the forward `returned` that no plan counts (not the model's
+        tensors, nor a run's inputs or outputs, nor what eager code before a run saved),
+        and the most gradients one of its nodes holds at once, handed and returned
+        (eager_reads.gradient_bytes; the output's gradient is the first node's). A
+        Sequential MLP with its break first measured 23.6 MB against a 9.1 MB budget
+        memopt had accepted without any of it; a head that saved nothing of its own
+        (an Upsample after the break) 2.5x its budget with only the saved tensors counted
+        (both found from outside)."""
         counted = set(self.resident)
         for run in self.runs:
             counted.update(run.inputs, run.eager_saved, (sid for _, sid, _ in run.outputs))
+        leaves = [t for t in pytree.tree_leaves(returned) if isinstance(t, torch.Tensor)]
+        counted.update(storages(t for t in leaves if made_by_planned_function(t)))
         held = {s: n for s, n in saved.items() if s not in counted}
-        if not held:
-            return 0
-        grads = storages(t for t in pytree.tree_leaves(returned) if isinstance(t, torch.Tensor)
-                         and t.requires_grad and made_by_eager_autograd(t))
-        return sum(held.values()) + sum(grads.values()) + 2 * max(held.values())
+        held.update({s: n for s, n in (self.returned or {}).items() if s not in counted})
+        roots = [t.grad_fn for t in leaves if t.requires_grad and made_by_eager_autograd(t)
+                 and not made_by_planned_function(t)]
+        flowing = max(map(gradient_bytes, eager_nodes(roots, set())), default=0)
+        return sum(held.values()) + flowing if flowing else 0
 
 
 _PRIMAL = re.compile(r"^fw\.primals_(\d+)$")
