@@ -487,7 +487,7 @@ class ForwardTrace:
         (both found from outside)."""
         counted = set(self.resident)
         for run in self.runs:
-            counted.update(run.inputs, run.eager_saved, (sid for _, sid, _ in run.outputs))
+            counted.update(run.inputs, run.eager_saved, run.alive_outputs())
         leaves = [t for t in pytree.tree_leaves(returned) if isinstance(t, torch.Tensor)]
         counted.update(storages(t for t in leaves if made_by_planned_function(t)))
         held = {s: n for s, n in saved.items() if s not in counted}
