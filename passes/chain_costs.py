@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import autograd_inside_op, real_tensors, storage_key
-from .allocated import can_track, maybe_allocation_peak
+from .allocated import can_track, maybe_allocation_peak, note_unmeasured
 from .meta import fake_value
 from .runtime import runtime
 
@@ -166,7 +166,8 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
         31,232 bytes where the line through 2 and 16 steps said 23,040 (its plans
         measured 6-9% over their budgets; found from outside). Where
         allocations cannot be tracked (another profiler is recording on CPU) the
-        transients are taken as zero, and a warning says the plan may undercount.
+        transients are taken as zero, a warning says the plan may undercount, and the
+        step is planned again once they can be (passes.allocated.note_unmeasured).
     Step 3: time: both chunks run TIMED_RUNS more times, interleaved; the fastest
         forward and backward of each count (the first runs were the warm-up).
     Step 4: RNG states: where the chain replays random ops, the bytes of one state on
@@ -175,7 +176,8 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
     lengths = (min(2, long - 1) if long > 1 else 1, long)
     device = fake_value(_fwd_node(joint, site).args[_FWD_XS]).device
     tracked = can_track(device)
-    if not tracked:
+    if not tracked:  # planned again, measured, once the profiler stops (memopt.backend)
+        note_unmeasured()
         log.warning("memopt: cannot track allocations while planning chain %s (a profiler "
                     "is recording); its kernels' temporaries are not counted", site.name)
     with real_tensors():

@@ -222,6 +222,31 @@ def test_measured_allocations_stay_within_the_budget(fraction):
         plan.predicted_peak_bytes, measured)
 
 
+def test_a_chain_planned_inside_a_profiler_is_planned_again_measured():
+    """A chain planned while the user measures a step cannot measure its kernels'
+    temporaries: the step is planned again, measured, as that measurement closes (before,
+    nothing marked the plan unmeasured, and an eager-headed LSTM's steps measured 10%
+    over the minimum memopt named, found from outside): the plan is then the one made
+    outside the profiler, its temporaries counted. (A first compile outside the
+    profiler measures the graphs' kernel workspaces, so that only the chain is left
+    unmeasured inside it.)"""
+    model, xs, resident, budget = regression_at(0.6)
+    plain = memopt.compile(model, budget=budget)
+    for p in model.parameters():
+        p.grad = None
+    plain(xs).backward()
+    profiled = memopt.compile(model, budget=budget)
+    for p in model.parameters():
+        p.grad = None
+    with allocation_peak("cpu"):
+        profiled(xs).backward()
+    assert not profiled._memopt_backend.plan_log.untracked
+    (chain,) = profiled.memopt_plan.chains
+    assert chain.workspace_bytes > 0 and chain.forward_workspace_bytes > 0, chain
+    measured = allocated_step(profiled, xs, resident)
+    assert measured <= budget, (measured, budget)
+
+
 def test_allocation_peak_counts_bytes_handed_out():
     with allocation_peak("cpu") as seen:
         a = torch.empty(1 << 20)           # 4 MiB, never written
