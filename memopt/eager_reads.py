@@ -104,6 +104,13 @@ def eager_nodes(roots: Iterable[Any], walked: set[int]) -> Iterator[Any]:
             stack.extend(f for f, _ in node.next_functions if f is not None)
 
 
+def nodes_below(compiled: list[Any]) -> Iterator[Any]:
+    """The autograd nodes of eager code below the compiled graphs' nodes `compiled`
+    (their inputs' makers, down to other compiled graphs): `eager_nodes` from there."""
+    roots = [f for node in compiled for f, _ in node.next_functions if f is not None]
+    return eager_nodes(roots, {id(node) for node in compiled})
+
+
 #: the modules whose autograd.Functions run between graphs with a backward memopt counts:
 #: its own (heads, chains), DDP's and FSDP's (their buckets and gathers: memopt.ddp,
 #: memopt.fsdp)

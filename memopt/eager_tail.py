@@ -11,8 +11,8 @@ Sequential (momentum=None reads ``float(num_batches_tracked)``, a graph break) m
 memopt does not plan eager code; it holds it beside the graphs (Chen et al. 2016 plan
 the graph they see, and the rest of the step is what the plan holds beside it). As the
 first forward ends, the trace estimates that backward (steps.ForwardTrace.eager_tail:
-the gradients the first graph returns into the code and twice its largest saved tensor),
-held from the first step (``with_tails``). It then measures it, at the first traced step
+the gradients the first graph returns into the code and the most gradients one of its
+autograd nodes holds at once), held from the first step (``with_tails``). It then measures it, at the first traced step
 under a budget whose first graph reads tensors eager autograd made
 (steps.GraphRun.eager_saved, eager_grads):
 
@@ -43,7 +43,7 @@ import torch
 from memopt.passes._torch_compat import inside_backward, queue_backward_callback, storage_ref
 from memopt.passes.allocated import AllocationTracker, can_track
 
-from .eager_reads import eager_nodes, saved_tensors
+from .eager_reads import nodes_below, saved_tensors
 from .storages import StorageId, holds_memory, storage_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -164,8 +164,7 @@ def _eager_nodes(compiled: list[Any]) -> tuple[list[Any], list[torch.Tensor]]:
     """The autograd nodes of eager code below the compiled graphs' nodes ``compiled``
     (down to other compiled graphs), and the parameters whose gradient they make."""
     found, params = [], []
-    roots = [f for n in compiled for f, _ in n.next_functions if f is not None]
-    for node in eager_nodes(roots, {id(n) for n in compiled}):
+    for node in nodes_below(compiled):
         if type(node).__name__ == "AccumulateGrad":
             params.append(node.variable)
         else:

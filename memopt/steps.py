@@ -46,7 +46,7 @@ import torch
 from memopt.passes._torch_compat import dynamo_frames_converted, pytree, storage_ref
 
 from .eager_reads import (eager_nodes, eager_reads, gradient_bytes, made_by_eager_autograd,
-                          made_by_planned_function)
+                          made_by_planned_function, nodes_below)
 from .fsdp import local_tensor
 from .pending import compiled_nodes
 from .storages import StorageId, holds_memory, storage_id
@@ -468,9 +468,7 @@ class ForwardTrace:
         if first is None or not (first.eager_saved or first.eager_grads):
             return 0
         compiled = [node for node in (ref() for ref in first.nodes) if node is not None]
-        roots = [f for node in compiled for f, _ in node.next_functions if f is not None]
-        return first.eager_grads + max(
-            map(gradient_bytes, eager_nodes(roots, {id(n) for n in compiled})), default=0)
+        return first.eager_grads + max(map(gradient_bytes, nodes_below(compiled)), default=0)
 
     def eager_head(self, saved: dict[StorageId, int], returned: Any) -> int:
         """Bytes held, on top of what the last run's backward holds around it, while the
