@@ -11,10 +11,11 @@ loop still holds an output the plan freed (memopt.dropped).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -71,6 +72,10 @@ class CompiledGraph:
         self.kinds = _primal_kinds(gm, example_inputs)
         self.attributes = [*gm.parameters(), *gm.buffers()]  # AOTAutograd's first primals
         self.fakes = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        #: {device type: dtype} of the autocast regions it was captured in: a re-plan traces
+        #: it in them again, wherever it runs (`replan`)
+        self.autocast = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda")
+                         if torch.is_autocast_enabled(d)}
         self.sink, self.grads = None, None
         if backend.existing_grads:
             self.sink, self.grads = _grad_sink(self.kinds, [*self.attributes, *example_inputs])
@@ -116,6 +121,14 @@ class CompiledGraph:
         self.tail_charged = 0
         self._tail_watch: Any = None
         self._tail_armed = False
+        #: the caller's loss after its last run, measured (memopt.caller_loss: the most
+        #: any step measured), and the part of it its plan holds before its backward
+        self.caller_loss = self.loss_charged = 0
+        self.loss_windows = 0  # backward windows memopt.caller_loss watched
+        self.head_flowing = 0  # steps.ForwardTrace.eager_head's gradient term, last seen
+        #: what memopt.caller_loss remembers its measurement by (set by the backend)
+        self.loss_key: tuple | None = None
+        self.loss_identity: tuple = ()
         self.attaches: list[Attach] = []  # logits returned without a gradient (_chunk_heads)
         #: drop_outputs=True, the step one graph: the outputs the plan frees as it ends
         self.dropped = DroppedOutputs() if backend.options.drop_outputs and alone else None
@@ -260,6 +273,8 @@ class CompiledGraph:
             return compiled  # an inference graph (no gradients needed): nothing to plan
         if self.tail_charged:  # memopt.eager_tail
             self._amend(planned, eager_tail_bytes=self.tail_charged)
+        if self.loss_charged:  # memopt.caller_loss
+            self._amend(planned, caller_loss_bytes=self.loss_charged)
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside
         self.policy, self.step_baseline = policy, step_baseline
         return self.run
@@ -399,14 +414,30 @@ class CompiledGraph:
         falls back to LOWEST where it misses."""
         budget = self.backend.budget
         self.backend.plan_log.start_clock()  # capture: AOTAutograd's tracing only
-        self.compile(self.fakes, outside, policy, budget, step_baseline, must_fit=False)
-        if not self.plan.fits and (policy == ReplanPolicy.LEAN
-                                   or self.kernels is Kernels.INDUCTOR):
-            # under inductor GREEDY too: the graph after a break missed without the op-by-op
-            # fallback, and budget_error then found a plan that fits
-            self.compile_lowest(self.fakes, outside, budget, step_baseline)
-            self.policy = policy  # what was asked: LOWEST is how it fits here
+        with self._modes_captured():
+            self.compile(self.fakes, outside, policy, budget, step_baseline, must_fit=False)
+            if not self.plan.fits and (policy == ReplanPolicy.LEAN
+                                       or self.kernels is Kernels.INDUCTOR):
+                # under inductor GREEDY too: the graph after a break missed without the
+                # op-by-op fallback, and budget_error then found a plan that fits
+                self.compile_lowest(self.fakes, outside, budget, step_baseline)
+                self.policy = policy  # what was asked: LOWEST is how it fits here
         self.provisional = False
+
+    @contextlib.contextmanager
+    def _modes_captured(self) -> Iterator[None]:
+        """Grad mode on and the autocast regions it was captured in, whatever runs now: a
+        re-plan after the user's step (memopt.measure.allocation_peak closing, outside
+        their `torch.autocast`) traced a bf16 graph in float32 and its backward raised
+        (`mm` of BFloat16 and float, found from outside)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            for device in ("cpu", "cuda"):
+                if device in self.autocast:
+                    stack.enter_context(torch.autocast(device, dtype=self.autocast[device]))
+                elif torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            yield
 
     def compile_lowest(self, example_inputs: Sequence[Any], outside: Outside,
                        budget: Budget | None, step_baseline: int | None = None) -> Callable:

@@ -287,3 +287,30 @@ def test_estimated_workspaces_follow_the_largest_argument() -> None:
     call = workspace.Call(aten.add.out, (nodes["g"], nodes["g"]), {"out": nodes["g"]}, ())
     assert workspace.estimated_workspace(call) == 2 * big.nbytes + margin
     del mode
+
+
+def test_a_plan_made_again_as_the_measurement_closes_keeps_the_autocast_it_was_captured_in():
+    """A step planned inside memopt.measure.allocation_peak is planned again as it closes,
+    after the user's `torch.autocast` region has ended: traced there in float32, the bf16
+    graph's next backward raised (`mm` of BFloat16 and float, found from outside).
+    CompiledGraph.replan enters the regions the graph was captured in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 100))
+    eager = copy.deepcopy(model)
+    compiled = memopt.compile(model, budget=0.9)
+    x, y = torch.randn(256, 64), torch.randint(0, 100, (256,))
+
+    def step(module: nn.Module) -> None:
+        for p in module.parameters():
+            p.grad = None
+        with allocation_peak("cpu"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(module(x).float(), y)
+            loss.backward()
+
+    for _ in range(3):
+        step(compiled)
+    step(eager)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-3)
