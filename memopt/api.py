@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from memopt.passes._torch_compat import pytree
+from . import caller_loss
 from .backend import MemoptBackend
 from .blocks import find_blocks, loop_codes, mark_blocks
 from .capture import run_captured
@@ -116,6 +117,7 @@ class CompiledModule(nn.Module):
         return self._memopt_model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        caller_loss.stop()  # the caller's code since the last forward is over
         self._memopt_rnns.sync()  # train()/eval(), replaced modules: the user's model
         backend, model = self._memopt_backend, self._memopt_model
         backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit
@@ -366,7 +368,12 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             `offload` copies saved values to host memory between their forward and
             backward reads where that is faster than recomputing them (None, the
             default: on CUDA with kernels="aten", off elsewhere; True; False; or a
-            memopt.Link to plan with; memopt.offload and docs/offload.md).
+            memopt.Link to plan with; memopt.offload and docs/offload.md);
+            `watch_loss` (default True) has memopt see, under a budget, what a loss the
+            caller computes from the outputs saves, through saved-tensor hooks pushed
+            as the forward returns and popped at the next call, and hold it before the
+            backward from the next step (memopt.caller_loss); `False` turns it off
+            (`torch.func.grad`, `vjp` and `jacrev` refuse to run under such hooks).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or

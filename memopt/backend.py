@@ -18,42 +18,47 @@ import copy
 import dataclasses
 import importlib.util
 import logging
+import re
 import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
 
-from memopt.passes.lm_heads import Attach, chunk_heads
+from memopt.passes._torch_compat import (
+    CompilingFrame,
+    compiling_frame,
+    last_guard_failure,
+    pytree,
+    storage_key,
+)
+from memopt.passes.allocated import can_track, when_trackable
 from memopt.passes.cell_loops import chain_loops
 from memopt.passes.constant_masks import drop_constant_masks
 from memopt.passes.identity_dropouts import remove_identity_dropouts
-from memopt.passes.allocated import can_track, when_trackable
+from memopt.passes.lm_heads import Attach, chunk_heads
 from memopt.passes.workspace import SHARED, WorkspaceCache
+
+from . import caller_loss, eager_tail
 
 # The runtimes of memopt's own operators, which the passes reach through
 # memopt.passes.runtime: loaded before any graph is planned.
 from . import lm_head as _head_runtime  # noqa: F401
 from . import nn as _reversible_runtime  # noqa: F401
-from .recurrent import modules as _chain_runtime  # noqa: F401
-
-from memopt.passes._torch_compat import (CompilingFrame, compiling_frame, last_guard_failure,
-                                         pytree, storage_key)
+from .allocator.offload import Link
 from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
-from . import eager_tail
 from .errors import BudgetError, CaptureError, InputError, PassError
-from .graph_breaks import (ReplanPolicy, replan_forward, required, step_baseline,
-                           step_minimum)
-from .run_plans import split_later_runs
+from .graph_breaks import ReplanPolicy, replan_forward, required, step_baseline, step_minimum
 from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import OptimizerBytes
 from .optimizer_step import ChunkedStep
 from .plan_log import PlanLog
-from .allocator.offload import Link
 from .planner import Options
+from .recurrent import modules as _chain_runtime  # noqa: F401
+from .run_plans import split_later_runs
 from .settled import ModelTensors, StepCall, settle
 from .steps import Outside, repeated_output_grad_bytes
 
@@ -112,7 +117,7 @@ class MemoptBackend:
                  drop_outputs: bool = False, workspaces: WorkspaceCache | None = None,
                  kernels: str = "aten", step_in_backward: bool | None = None,
                  skip_logits: bool = False, reserved: bool = False,
-                 offload: object = None) -> None:
+                 offload: object = None, watch_loss: bool = True) -> None:
         # one cell, shared with the twin with_existing_grads makes: a budget set on one
         # (graph_breaks' search for a step's minimum) is the other's too
         self._budget: list[Budget | None] = [parse_budget(budget)]
@@ -125,10 +130,13 @@ class MemoptBackend:
         for name, flag in (("loops", loops), ("existing_grads", existing_grads),
                            ("inplace", inplace), ("progress", progress),
                            ("drop_outputs", drop_outputs), ("skip_logits", skip_logits),
-                           ("reserved", reserved)):
+                           ("reserved", reserved), ("watch_loss", watch_loss)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.loops = loops
+        #: watch what the caller's loss saves between forward and backward
+        #: (memopt.caller_loss)
+        self.watch_loss = watch_loss
         #: training calls do not compute the logits their language-model heads only
         #: return (memopt.markers.SkippedLogits)
         self.skip_logits = skip_logits
@@ -247,6 +255,11 @@ class MemoptBackend:
         remove_identity_dropouts(gm)  # as eager: no copy saved beside the input
         drop_constant_masks(gm)  # as eager: SDPA's fused kernel, no attention matrix
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
+        graph.loss_key = (_MEMOPT_OP_IDS.sub(r"\1", key[0]),) + key[1:6] + key[7:]  # .grad or not
+        graph.loss_identity = caller_loss.identity(
+            v for v in [*gm.parameters(), *example_inputs] if isinstance(v, torch.nn.Parameter))
+        graph.caller_loss = graph.loss_charged = caller_loss.known(graph.loss_key,
+                                                                   graph.loss_identity)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph
         if self.loops:
@@ -266,6 +279,7 @@ class MemoptBackend:
             outside = trace.outside_of(position, [*graph.attributes, *example_inputs])
             if alone:  # the whole forward in one graph: nothing is planned after it
                 outside = dataclasses.replace(outside, backward=outside.forward)
+                outside = caller_loss.with_loss(graph, outside, 0)  # known: memopt.caller_loss
         if trace is None or alone:
             return graph.compile(example_inputs, outside, ReplanPolicy.GREEDY, self.budget)
         # The forward has graph breaks, and what its other graphs hold is not known
@@ -317,11 +331,12 @@ class MemoptBackend:
         for the whole step (FSDP2's shards and all-gather output, memopt.fsdp);
         `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter);
         `shards`: FSDP2 on the repeated blocks and the root (memopt.fsdp_blocks)."""
-        self.plan_log.ddp, self.plan_log.tail_run = ddp, None
+        self.plan_log.ddp, self.plan_log.tail_run, self.plan_log.loss_run = ddp, None, None
         if grads is None:
             self.plan_log.call = None
             return
         eager_tail.charge(self)  # the eager backward the last step measured
+        caller_loss.charge(self)  # the caller's loss the last step measured
         for graph in self.plan_log.last_runs:  # consumed gradients left: accumulation
             if graph.steps_in_backward:
                 graph.stepping.stepper.check_forward()
@@ -339,9 +354,14 @@ class MemoptBackend:
         run, self.plan_log.tail_run = self.plan_log.tail_run, None
         if run is not None:
             eager_tail.arm(run, run.graph, self.budget)
+        watched, self.plan_log.loss_run = self.plan_log.loss_run, None
+        if watched is not None and self.budget is not None and self.watch_loss:
+            last, counted, walked = watched
+            caller_loss.watch(last.graph, counted, walked,
+                              (node for node in (ref() for ref in last.nodes) if node is not None))
 
     def forward_aborted(self) -> None:
-        self.plan_log.call = None
+        self.plan_log.call = self.plan_log.loss_run = None
 
     def _nothing_compiled(self) -> None:
         """A training forward ran without any compiled graph: dynamo skipped its frame
@@ -404,7 +424,8 @@ class MemoptBackend:
         self.plan_log.untracked = False
         for graph in graphs:
             graph.settled, before = None, graph.plan
-            graph.replan(graph.outside, graph.policy, graph.step_baseline)
+            outside, _ = caller_loss.taken(graph)  # measured since: memopt.caller_loss
+            graph.replan(outside, graph.policy, graph.step_baseline)
             if self.plan_log.last is before:  # the plan the next step runs
                 self.plan_log.last = graph.plan
             if not graph.plan.fits and self.plan_log.pending is None:
@@ -434,7 +455,9 @@ class MemoptBackend:
         self.plan_log.traced += 1
         bases = eager_tail.with_tails([run.graph for run in trace.runs], trace.end(returned),
                                       trace.eager_tail())
+        bases[-1] = caller_loss.with_loss(trace.runs[-1].graph, bases[-1], trace.head_flowing)
         self.plan_log.tail_run = trace.runs[0]  # armed once the forward returns
+        self.plan_log.loss_run = (trace.runs[-1], trace.counted(), trace.head_nodes)
         if trace.opaque and self.budget is not None:
             self.plan_log.pending = _opaque_backward_error(trace.opaque, self.budget)
             self.plan_log.raise_pending()
@@ -512,6 +535,11 @@ def _resumed(frame: CompilingFrame) -> bool:
     that code ``torch_dynamo_resume_in_<function>_at_<line>``)."""
     name = getattr(frame.code, "co_name", "") or ""
     return name.startswith("torch_dynamo_resume_in_")
+
+
+#: the first argument of memopt's own ops in a graph's code: a chain's or head's id, new at
+#: each compile (memopt.caller_loss keys a graph by its code without them)
+_MEMOPT_OP_IDS = re.compile(r"(torch\.ops\.memopt\.\w+\()\d+")
 
 
 def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], frame: CompilingFrame,

@@ -350,6 +350,9 @@ class MemoryPlan(BaseModel):
     #: held, on top of the rest, while eager code after this graph runs its backward, just
     #: before this graph's (steps.ForwardTrace.eager_backward, eager_head)
     outside_before_backward_bytes: Bytes = 0
+    #: of those, what the caller's loss held (its saved tensors and its gradients),
+    #: measured at an earlier step (memopt.caller_loss)
+    caller_loss_bytes: Bytes = 0
     #: this graph's own runs before its last one in the forward (a repeated block,
     #: memopt.blocks), each holding `held_bytes`, which its predicted peak counts as held
     #: outside it (beside the outside bytes above)

@@ -93,7 +93,10 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
     if plan.outside_before_backward_bytes:
         lines.append(
             f"  before backward  {b(plan.outside_before_backward_bytes):>12}   held as the "
-            f"eager code after the graph runs its backward, before the graph's (estimated)")
+            + (f"caller's loss (measured: {b(plan.caller_loss_bytes)}) and, where there is "
+               f"any, the eager code after the graph runs its backward, before the graph's"
+               if plan.caller_loss_bytes else "eager code after the graph runs its "
+               "backward, before the graph's (estimated)"))
     if plan.optimizer:
         step = (f"{plan.steps_in_backward} parameters stepped inside the backward as each "
                 f"gradient completes, which is then freed" if plan.steps_in_backward else

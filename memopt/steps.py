@@ -268,6 +268,11 @@ class ForwardTrace:
     #: parameters eager code read after the last graph run (`end`); what it saved is
     #: freed by its backward, which runs before every graph's
     _eager_after: dict[StorageId, int] = field(default_factory=dict)
+    #: what the eager code after the last run saved that no plan counts, and the ids of
+    #: its autograd nodes (eager_head): the caller's loss is on top (memopt.caller_loss)
+    head_saved: set[StorageId] = field(default_factory=set)
+    head_nodes: set[int] = field(default_factory=set)
+    head_flowing: int = 0
     #: Python autograd.Functions eager code ran, whose backward no plan counts
     #: (memopt.eager_reads.opaque_function)
     opaque: set[str] = field(default_factory=set)
@@ -470,6 +475,18 @@ class ForwardTrace:
         compiled = [node for node in (ref() for ref in first.nodes) if node is not None]
         return first.eager_grads + max(map(gradient_bytes, nodes_below(compiled)), default=0)
 
+    def counted(self) -> set[StorageId]:
+        """The storages the plans count as the forward ends: the resident tensors, the
+        runs' inputs and outputs still alive, what eager code between them saved, and
+        what the code after the last run saved and returned (eager_head, once `end`)."""
+        return self._counted_by_runs() | self.head_saved | set(self.returned or ())
+
+    def _counted_by_runs(self) -> set[StorageId]:
+        counted = set(self.resident)
+        for run in self.runs:
+            counted.update(run.inputs, run.eager_saved, run.alive_outputs())
+        return counted
+
     def eager_head(self, saved: dict[StorageId, int], returned: Any) -> int:
         """Bytes held, on top of what the last run's backward holds around it, while the
         eager code after the last run (the forward's *head*: the rest of an
@@ -483,16 +500,16 @@ class ForwardTrace:
         memopt had accepted without any of it; a head that saved nothing of its own
         (an Upsample after the break) 2.5x its budget with only the saved tensors counted
         (both found from outside)."""
-        counted = set(self.resident)
-        for run in self.runs:
-            counted.update(run.inputs, run.eager_saved, run.alive_outputs())
+        counted = self._counted_by_runs()
         leaves = [t for t in pytree.tree_leaves(returned) if isinstance(t, torch.Tensor)]
         counted.update(storages(t for t in leaves if made_by_planned_function(t)))
         held = {s: n for s, n in saved.items() if s not in counted}
         held.update({s: n for s, n in (self.returned or {}).items() if s not in counted})
         roots = [t.grad_fn for t in leaves if t.requires_grad and made_by_eager_autograd(t)
                  and not made_by_planned_function(t)]
-        flowing = max(map(gradient_bytes, eager_nodes(roots, set())), default=0)
+        flowing = max(map(gradient_bytes, eager_nodes(roots, self.head_nodes)), default=0)
+        self.head_saved = set(held) if flowing else set()
+        self.head_flowing = flowing
         return sum(held.values()) + flowing if flowing else 0
 
 

@@ -511,3 +511,28 @@ def library_for_op(namespace: str, name: str) -> Any:
 def graph_break() -> None:
     """End dynamo's graph here (a no-op outside dynamo): memopt.blocks' boundaries."""
     torch._dynamo.graph_break()
+
+
+def saved_tensor_hooks_free() -> bool:
+    """No saved-tensor default hooks on this thread's stack, and none disabled (inside a
+    ``torch.func`` transform): a pair pushed now applies, and raises nothing."""
+    autograd = torch._C._autograd
+    return autograd._saved_tensors_hooks_get_disabled_error_message() is None \
+        and autograd._top_saved_tensors_default_hooks(True) is None
+
+
+def push_saved_tensor_hooks(pack: Callable[[torch.Tensor], Any],
+                            unpack: Callable[[Any], torch.Tensor]) -> None:
+    """Push a pair of saved-tensor default hooks, kept until ``pop_saved_tensor_hooks``
+    (``torch.autograd.graph.saved_tensors_hooks`` without the ``with``)."""
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def saved_tensor_pack_hook_on_top() -> Any:
+    """The pack hook on top of this thread's stack of saved-tensor hooks (None: empty)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if top is None else top[0]
+
+
+def pop_saved_tensor_hooks() -> None:
+    torch._C._autograd._pop_saved_tensors_default_hooks()

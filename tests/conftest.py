@@ -37,6 +37,9 @@ from typing import Any
 import pytest
 import torch
 
+from memopt import caller_loss
+from memopt.passes._torch_compat import saved_tensor_pack_hook_on_top
+
 #: The repository root, so that tests import the benchmarks' workloads
 #: (``benchmarks.zoo``, ``benchmarks.recurrent_workloads``) however pytest is started.
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +81,7 @@ def global_state() -> dict[str, Any]:
             torch.are_deterministic_algorithms_enabled(),
         "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
         "torch.is_autocast_enabled('cpu')": torch.is_autocast_enabled("cpu"),
+        "saved-tensor hooks on the stack": saved_tensor_pack_hook_on_top() is not None,
     }
     for name, values in _configs().items():
         for key, value in values.items():
@@ -121,6 +125,7 @@ def _fresh_dynamo_seed_and_global_state_guard(request):
         torch.manual_seed(0)
         yield
     torch._dynamo.reset()
+    caller_loss.stop()  # a loop's last step leaves its watch until the next call
     gc.collect()  # this test's garbage, while it is young
     gc.freeze()   # what outlives the test is never walked again
     changes = changed_state(before, global_state())

@@ -1,0 +1,297 @@
+"""The caller's loss: what autograd saves between a forward's return and its backward.
+
+memopt plans what runs inside the compiled module. A loss the caller computes from the
+outputs (``F.cross_entropy(model(x), y)``) runs after the forward, and its backward runs
+first, before any graph's, while everything the forward saved is still held: what that
+loss saved, and the gradients its backward makes, are on top of the whole plan at the
+backward's start. ``F.cross_entropy`` over (2,048, 1,000) logits keeps its
+``log_softmax`` output, the logits' size, and its backward makes two more of that size: a
+5-layer MLP with the loss outside measured 1.69x the minimum memopt named (35.5 MB
+against 21.0 MB, found from outside).
+
+memopt sees it the way ``torch.autograd.graph.saved_tensors_hooks`` lets any library see
+what autograd saves:
+
+1. As a traced forward under a budget returns (``watch``), a pair of default hooks is
+   pushed on this thread's stack, where it is empty (a caller's own hooks, such as
+   ``save_on_cpu``, are left alone, and nothing is measured) and not disabled (inside
+   ``torch.func`` transforms). The pack hook records each tensor the caller's code saves
+   (its storage and bytes, unless the plan counts it already: the model's tensors, the
+   graphs' inputs and outputs) and, from its ``grad_fn`` down to the compiled graphs'
+   nodes, the most gradients one of those autograd nodes holds at once
+   (eager_reads.gradient_bytes: handed and returned). It returns ``t.detach()``, an
+   alias (the version counter shared, so in-place checks stay eager's).
+2. A pre-hook on the forward's last graph's autograd node (AOTAutograd's
+   CompiledFunctionBackward) closes the window as that graph's backward starts: the
+   caller's loss is then the saved bytes plus that gradient term
+   (``CompiledGraph.caller_loss``; the most any window measured). Each graph is
+   watched for its first ``WINDOWS`` windows.
+3. The hooks are popped at the next call of any memopt module on this thread (``stop``),
+   or later where a caller's hooks opened since are still above them. They cannot be
+   popped as the backward ends: autograd runs the backward with the thread-local state
+   captured as it began, and restores the caller's after it.
+4. At that call (``charge``), where the measurement is more than the plan holds, the
+   forward's last graph is planned again with it held before its backward
+   (steps.Outside.before_backward; with eager code after the graph, the larger of the
+   two gradient terms: ``held``), and a budget it no longer fits is refused there,
+   naming the smallest that does.
+
+The same MLP: measured 24,592,388 bytes (three (2,048, 1,000) float tensors and the
+targets); the first minimum is refused at the second step, naming 36,070,697 bytes, and
+with that budget the step measures 35,529,640 bytes, predicted 35,529,636.
+
+The first step runs before anything was measured, so it is not held there, unless a
+module compiled earlier in the process over the same parameters measured it (``known``:
+the budget a refusal named, passed back, holds from the first step). While the hooks are
+pushed (between a forward under a budget and the next call), ``torch.func.grad``,
+``vjp`` and ``jacrev`` refuse to run, as they do under any saved-tensor hooks;
+``memopt.compile(..., watch_loss=False)`` turns the watch off. What the loss holds that
+autograd does not save is not seen (``F.mse_loss``'s scalar, a view of an input-sized
+buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memopt.passes._torch_compat import (pop_saved_tensor_hooks, push_saved_tensor_hooks,
+                                          saved_tensor_hooks_free,
+                                          saved_tensor_pack_hook_on_top, storage_ref)
+
+from .eager_reads import eager_nodes, gradient_bytes
+from .storages import StorageId, holds_memory, storage_id
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .backend import MemoptBackend
+    from .compiled_graph import CompiledGraph
+    from .memory_plan import MemoryPlan
+    from .steps import Outside
+
+_LOCAL = threading.local()  # .watch: the _Watch whose hooks are on this thread's stack
+
+#: what graph a caller's loss was measured after (memopt.backend.graph_key, but whether
+#: `.grad` exists) -> (its bytes, the weak storage reference and data pointer of each of
+#: the graph's parameters): a module compiled again over the same parameters starts
+#: from it (``known``)
+_KNOWN: dict[tuple, tuple[int, tuple]] = {}
+
+
+#: backward windows watched per graph: the first measures, the second checks it (a
+#: caller's loss that grows later, an auxiliary loss switched on mid-training, is not seen)
+WINDOWS = 2
+
+
+def identity(params: Iterable[torch.Tensor]) -> tuple:
+    """The parameters' identity, held weakly: a storage reference and a data pointer
+    each."""
+    return tuple((storage_ref(p.untyped_storage()), p.data_ptr()) for p in params)
+
+
+def _same(ident: tuple, other: tuple) -> bool:
+    return bool(ident) and len(ident) == len(other) and all(
+        not ref.expired() and ptr == theirs for (ref, ptr), (_, theirs) in zip(ident, other))
+
+
+def known(key: tuple, ident: tuple) -> int:
+    """The caller's loss measured after a graph of this key over these parameters in this
+    process (0: none). The budget a refusal named counts it, and a module compiled again
+    with that budget holds it from its first step."""
+    entry = _KNOWN.get(key)
+    return entry[0] if entry is not None and _same(entry[1], ident) else 0
+
+
+def _remember(graph: CompiledGraph) -> None:
+    if graph.loss_key is None:
+        return
+    for key in [k for k, (_, ident) in _KNOWN.items() if not _same(ident, ident)]:
+        del _KNOWN[key]  # its model is gone
+    _KNOWN[graph.loss_key] = (graph.caller_loss, graph.loss_identity)
+
+
+class _Watch:
+    """One window, from a forward's return to its last graph's backward (module
+    docstring)."""
+
+    def __init__(self, graph: CompiledGraph, counted: set[StorageId], walked: set[int],
+                 nodes: Iterable[Any]) -> None:
+        self.graph = weakref.ref(graph)
+        self.counted, self.walked = counted, walked
+        self.saved: dict[StorageId, int] = {}
+        #: saved tensors outside autograd: a weak reference to their storage, and bytes
+        self.leaves: dict[StorageId, tuple[Any, int]] = {}
+        self.flowing = 0
+        self.open = True
+        self.handles = [node.register_prehook(self._closes) for node in nodes]
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self.open and holds_memory(t):
+            key = storage_id(t)
+            if key in self.counted:
+                pass
+            elif t.grad_fn is None and not t.requires_grad:  # made by the step, or before?
+                self.leaves[key] = (storage_ref(t.untyped_storage()), t.untyped_storage().nbytes())
+            else:
+                self.saved[key] = t.untyped_storage().nbytes()
+            if t.grad_fn is not None:
+                self.flowing = max([self.flowing, *map(gradient_bytes,
+                                                       eager_nodes([t.grad_fn], self.walked))])
+        return t.detach() if isinstance(t, torch.Tensor) else t
+
+    @staticmethod
+    def unpack(t: Any) -> Any:
+        return t
+
+    def bytes(self) -> int:
+        """What the caller's loss held on top of the plan: its saved tensors and its
+        gradients' working set. A saved tensor outside autograd (no ``grad_fn``) counts
+        where it is gone as the graph's backward starts: a temporary of the loss (a
+        distillation's soft targets, made under no_grad), not what the caller made
+        before the step and holds through it (the targets, a loss's weights), which a
+        budget does not count (docs/budgets.md, "How it is measured")."""
+        saved = dict(self.saved)
+        saved.update({key: n for key, (ref, n) in self.leaves.items() if ref.expired()})
+        return sum(saved.values()) + self.flowing if saved or self.flowing else 0
+
+    def _closes(self, *_: Any) -> None:
+        if not self.open:
+            return
+        self.open = False
+        graph = self.graph()
+        if graph is not None:
+            graph.caller_loss = max(graph.caller_loss, self.bytes())
+            graph.loss_windows += 1
+            _remember(graph)
+        self.leaves = {}
+
+    def release(self) -> None:
+        self.open = False
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def on_top(self) -> bool:
+        return saved_tensor_pack_hook_on_top() == self.pack
+
+
+def watch(graph: CompiledGraph, counted: set[StorageId], walked: set[int],
+          nodes: Iterable[Any]) -> None:
+    """Watch what the caller's code saves until `graph`'s backward starts (`nodes`: its
+    autograd nodes; `counted`: storages its plan counts already; `walked`: ids of autograd
+    nodes whose gradients are counted already, the eager code after the graph's)."""
+    stop()
+    nodes = list(nodes)
+    if graph.loss_windows >= WINDOWS or getattr(_LOCAL, "watch", None) is not None \
+            or not nodes or not saved_tensor_hooks_free():
+        return
+    found = _Watch(graph, counted, walked, nodes)
+    push_saved_tensor_hooks(found.pack, found.unpack)
+    _LOCAL.watch = found
+
+
+def stop() -> None:
+    """A memopt module's call starts: the caller's code since the last forward is over.
+    Its hooks are popped where they are on top (a caller's hooks opened since and still
+    open stay above them: popped at a later call)."""
+    found = getattr(_LOCAL, "watch", None)
+    if found is None:
+        return
+    found.release()
+    if found.on_top():
+        pop_saved_tensor_hooks()
+        _LOCAL.watch = None
+
+
+def held(graph: CompiledGraph, loss: int) -> int:
+    """Bytes held before `graph`'s backward for a caller's loss of `loss` bytes, on top of
+    what the eager code after it holds (steps.ForwardTrace.eager_head): that code's saved
+    tensors are held while the loss's backward runs, and its gradients only after it, so
+    the larger of the two gradient terms counts (`head_flowing`, the head's)."""
+    return max(0, loss - graph.head_flowing)
+
+
+def with_loss(graph: CompiledGraph, base: Outside, head_flowing: int) -> Outside:
+    """The base of a forward's last run (steps.ForwardTrace.end) with the caller's loss
+    its graph's plan holds (``charge``) held before its backward."""
+    graph.head_flowing = head_flowing
+    extra = held(graph, graph.loss_charged)
+    if not extra:
+        return base
+    return dataclasses.replace(base, before_backward=base.before_backward + extra)
+
+
+def charge(backend: MemoptBackend) -> None:
+    """At a call: where the last forward's last graph's caller's loss was measured above
+    what its plan holds, hold it before the graph's backward. Where the plan's peak holds
+    it as it is (``within_peak``), the plan says so and nothing is planned again (a
+    second step makes no new plan); else the graph is planned again, and a budget it no
+    longer fits is raised now, naming the smallest that does."""
+    log = backend.plan_log
+    if not log.last_runs:
+        return
+    graph = log.last_runs[-1]
+    if graph.caller_loss <= graph.loss_charged or graph.plan is None:
+        return
+    before = graph.plan
+    outside, extra = taken(graph)
+    if extra <= 0 or within_peak(before, extra):
+        graph.outside = outside
+        _replace_plan(backend, graph, _recorded(before, graph.loss_charged, extra))
+        return
+    graph.settled = None
+    graph.replan(outside, graph.policy, graph.step_baseline)
+    if log.last is before:
+        log.last = graph.plan
+    if not graph.plan.fits and log.pending is None:
+        log.pending = graph.budget_error()
+    log.raise_pending()
+
+
+def taken(graph: CompiledGraph) -> tuple[Outside, int]:
+    """What the rest of the step holds around `graph` with the caller's loss measured
+    since it was planned held before its backward (``held``), and how many bytes more
+    that is; the loss is then the plan's to hold (`loss_charged`)."""
+    extra = max(0, held(graph, graph.caller_loss) - held(graph, graph.loss_charged))
+    graph.loss_charged = max(graph.loss_charged, graph.caller_loss)
+    return dataclasses.replace(graph.outside, before_backward=graph.outside.before_backward
+                               + extra), extra
+
+
+def within_peak(plan: MemoryPlan, extra: int) -> bool:
+    """`plan`'s predicted peak holds `extra` bytes more before its backward: its timeline
+    (one point per step, not downsampled) at the forward's last step, where what is held
+    before the backward is counted (allocator.lifetimes.held_outside), is at most the
+    peak less `extra`."""
+    timeline = plan.timeline
+    if timeline is None or len(timeline.steps) != timeline.num_steps \
+            or not timeline.num_forward_steps:
+        return False
+    return timeline.totals[timeline.num_forward_steps - 1] + extra <= plan.predicted_peak_bytes
+
+
+def _recorded(plan: MemoryPlan, loss: int, extra: int) -> MemoryPlan:
+    """`plan` saying it holds the caller's `loss` (`extra` more before its backward, in
+    its timeline too, as other graphs' bytes)."""
+    update: dict[str, Any] = {"caller_loss_bytes": loss, "outside_before_backward_bytes":
+                              plan.outside_before_backward_bytes + extra}
+    timeline = plan.timeline
+    if extra and timeline is not None and "other_graphs" in timeline.kinds:
+        at, kind = timeline.num_forward_steps - 1, timeline.kinds.index("other_graphs")
+        live = [list(column) for column in timeline.live]
+        live[kind][at] += extra
+        update["timeline"] = timeline.model_copy(
+            update={"live": tuple(tuple(column) for column in live)})
+    return plan.model_copy(update=update)
+
+
+def _replace_plan(backend: MemoptBackend, graph: CompiledGraph, plan: MemoryPlan) -> None:
+    log = backend.plan_log
+    log.plans[:] = [plan if p is graph.plan else p for p in log.plans]
+    if log.last is graph.plan:
+        log.last = plan
+    graph.plan = plan
