@@ -369,11 +369,13 @@ def compile(model: nn.Module, budget: object = None, **options: Any) -> Compiled
             backward reads where that is faster than recomputing them (None, the
             default: on CUDA with kernels="aten", off elsewhere; True; False; or a
             memopt.Link to plan with; memopt.offload and docs/offload.md);
-            `watch_loss` (default True) has memopt see, under a budget, what a loss the
-            caller computes from the outputs saves, through saved-tensor hooks pushed
-            as the forward returns and popped at the next call, and hold it before the
-            backward from the next step (memopt.caller_loss); `False` turns it off
-            (`torch.func.grad`, `vjp` and `jacrev` refuse to run under such hooks).
+            `watch_loss` (default True) has the plan hold a loss the caller computes
+            from the outputs: assumed at the first step (three float32 tensors of the
+            largest output's size, none where forward returns a scalar that requires
+            grad), then measured through saved-tensor hooks pushed as the forward
+            returns and popped at the next call (memopt.caller_loss); `False` turns
+            both off (`torch.func.grad`, `vjp` and `jacrev` refuse to run under such
+            hooks).
 
     Returns a module that trains in the user's loop and computes eager's gradients; a
     call with nothing to differentiate (no_grad, no parameter or input requiring grad, or

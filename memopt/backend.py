@@ -258,8 +258,11 @@ class MemoptBackend:
         graph.loss_key = (_MEMOPT_OP_IDS.sub(r"\1", key[0]),) + key[1:6] + key[7:]  # .grad or not
         graph.loss_identity = caller_loss.identity(
             v for v in [*gm.parameters(), *example_inputs] if isinstance(v, torch.nn.Parameter))
-        graph.caller_loss = graph.loss_charged = caller_loss.known(graph.loss_key,
-                                                                   graph.loss_identity)
+        measured = caller_loss.known(graph.loss_key, graph.loss_identity)
+        graph.caller_loss = graph.loss_charged = measured or 0
+        graph.loss_measured = measured is not None
+        if measured is None and alone and self.watch_loss:
+            graph.loss_charged = caller_loss.assumed(gm)  # until measured
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph
         if self.loops:
@@ -355,7 +358,7 @@ class MemoptBackend:
         if run is not None:
             eager_tail.arm(run, run.graph, self.budget)
         watched, self.plan_log.loss_run = self.plan_log.loss_run, None
-        if watched is not None and self.budget is not None and self.watch_loss:
+        if watched is not None and self.watch_loss:
             last, counted, walked = watched
             caller_loss.watch(last.graph, counted, walked,
                               (node for node in (ref() for ref in last.nodes) if node is not None))

@@ -9,45 +9,50 @@ backward's start. ``F.cross_entropy`` over (2,048, 1,000) logits keeps its
 5-layer MLP with the loss outside measured 1.69x the minimum memopt named (35.5 MB
 against 21.0 MB, found from outside).
 
-memopt sees it the way ``torch.autograd.graph.saved_tensors_hooks`` lets any library see
-what autograd saves:
+Before anything is measured, the first plan of a forward that is one graph assumes a
+cross-entropy over its largest output that requires grad (``assumed``: three float32
+tensors of its size; nothing where the forward returns a scalar that requires grad, the
+loss computed inside). Then memopt measures it, the way
+``torch.autograd.graph.saved_tensors_hooks`` lets any library see what autograd saves:
 
-1. As a traced forward under a budget returns (``watch``), a pair of default hooks is
-   pushed on this thread's stack, where it is empty (a caller's own hooks, such as
+1. As a traced training forward returns (``watch``), a pair of default hooks is pushed
+   on this thread's stack, where it is empty (a caller's own hooks, such as
    ``save_on_cpu``, are left alone, and nothing is measured) and not disabled (inside
    ``torch.func`` transforms). The pack hook records each tensor the caller's code saves
    (its storage and bytes, unless the plan counts it already: the model's tensors, the
-   graphs' inputs and outputs) and, from its ``grad_fn`` down to the compiled graphs'
-   nodes, the most gradients one of those autograd nodes holds at once
-   (eager_reads.gradient_bytes: handed and returned). It returns ``t.detach()``, an
+   graphs' inputs and outputs; a tensor outside autograd only where it is gone by the
+   graph's backward, not the targets the caller holds) and, from its ``grad_fn`` down to
+   the compiled graphs' nodes, the most gradients one of those autograd nodes holds at
+   once (eager_reads.gradient_bytes: handed and returned). It returns ``t.detach()``, an
    alias (the version counter shared, so in-place checks stay eager's).
 2. A pre-hook on the forward's last graph's autograd node (AOTAutograd's
    CompiledFunctionBackward) closes the window as that graph's backward starts: the
    caller's loss is then the saved bytes plus that gradient term
-   (``CompiledGraph.caller_loss``; the most any window measured). Each graph is
-   watched for its first ``WINDOWS`` windows.
+   (``CompiledGraph.caller_loss``; the most any window measured). Each graph is watched
+   for its first ``WINDOWS`` windows. Where the plan held as much, or its peak holds the
+   rest as it is (with no budget: the peak raised to hold it), the plan says so there
+   (``recorded``: nothing planned again).
 3. The hooks are popped at the next call of any memopt module on this thread (``stop``),
    or later where a caller's hooks opened since are still above them. They cannot be
    popped as the backward ends: autograd runs the backward with the thread-local state
    captured as it began, and restores the caller's after it.
-4. At that call (``charge``), where the measurement is more than the plan holds, the
-   forward's last graph is planned again with it held before its backward
-   (steps.Outside.before_backward; with eager code after the graph, the larger of the
-   two gradient terms: ``held``), and a budget it no longer fits is refused there,
-   naming the smallest that does.
+4. At that call (``charge``), a measurement the plan could not record is held before
+   the forward's last graph's backward, planned again (steps.Outside.before_backward;
+   with eager code after the graph, the larger of the two gradient terms: ``held``),
+   and a budget it no longer fits is refused there, naming the smallest that does.
 
-The same MLP: measured 24,592,388 bytes (three (2,048, 1,000) float tensors and the
-targets); the first minimum is refused at the second step, naming 36,070,697 bytes, and
-with that budget the step measures 35,529,640 bytes, predicted 35,529,636.
+The same MLP: measured 24,576,004 bytes (three (2,048, 1,000) float32 tensors and the
+4-byte loss). Assumed from the first step, the first minimum named, 36,055,099 bytes,
+holds at every step: 35,529,640 measured, 35,513,252 predicted.
 
-The first step runs before anything was measured, so it is not held there, unless a
-module compiled earlier in the process over the same parameters measured it (``known``:
-the budget a refusal named, passed back, holds from the first step). While the hooks are
-pushed (between a forward under a budget and the next call), ``torch.func.grad``,
-``vjp`` and ``jacrev`` refuse to run, as they do under any saved-tensor hooks;
-``memopt.compile(..., watch_loss=False)`` turns the watch off. What the loss holds that
-autograd does not save is not seen (``F.mse_loss``'s scalar, a view of an input-sized
-buffer).
+A module compiled again in the process over the same parameters starts from the last
+measurement (``known``: the budget a refusal named, passed back, holds from the first
+step). While the hooks are pushed (between a training forward and the next call),
+``torch.func.grad``, ``vjp`` and ``jacrev`` refuse to run, as they do under any
+saved-tensor hooks; ``memopt.compile(..., watch_loss=False)`` turns the watch and the
+assumption off. What the loss holds that autograd does not save is not seen: what its
+forward makes and frees before the backward (a KL divergence against soft targets made
+under no_grad), ``F.mse_loss``'s scalar (a view of an input-sized buffer).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memopt.passes._torch_compat import (pop_saved_tensor_hooks, push_saved_tensor_hooks,
+from memopt.passes._torch_compat import (pop_saved_tensor_hooks, push_saved_tensor_hooks, pytree,
                                           saved_tensor_hooks_free,
                                           saved_tensor_pack_hook_on_top, storage_ref)
 
@@ -98,12 +103,38 @@ def _same(ident: tuple, other: tuple) -> bool:
         not ref.expired() and ptr == theirs for (ref, ptr), (_, theirs) in zip(ident, other))
 
 
-def known(key: tuple, ident: tuple) -> int:
+def known(key: tuple, ident: tuple) -> int | None:
     """The caller's loss measured after a graph of this key over these parameters in this
-    process (0: none). The budget a refusal named counts it, and a module compiled again
-    with that budget holds it from its first step."""
+    process (None: none). The budget a refusal named counts it, and a module compiled
+    again with that budget holds it from its first step."""
     entry = _KNOWN.get(key)
-    return entry[0] if entry is not None and _same(entry[1], ident) else 0
+    return entry[0] if entry is not None and _same(entry[1], ident) else None
+
+
+#: Tensors the size of the largest output a loss the caller computes is assumed to hold,
+#: before it was measured, each in float32 at least: cross-entropy keeps its log-softmax
+#: output and its backward makes two more tensors of that size (a bf16 model's loss
+#: upcasts its logits first: 12,288,004 bytes measured over (1,024, 1,000) bf16 logits)
+ASSUMED_PER_ELEMENT = 3
+#: and bytes besides, for its scalars (the loss, its gradient, a reduction's count)
+ASSUMED_SCALARS = 512
+
+
+def assumed(gm: Any) -> int:
+    """What the first step holds for the caller's loss after graph `gm`, the whole
+    forward, before it was measured: none where the graph returns a scalar that requires
+    grad (a loss computed inside, as transformers' models do with ``labels=``), else
+    ``ASSUMED_PER_ELEMENT`` tensors the size of its largest floating output that requires
+    grad (a cross-entropy over the logits). A loss that holds less (a sum) leaves that
+    much unused in the plan; one that holds more is charged from the next step."""
+    outputs = [t for t in pytree.tree_leaves([n.args for n in gm.graph.find_nodes(op="output")])]
+    values = [getattr(t, "meta", {}).get("example_value") for t in outputs]
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad
+               and v.is_floating_point()]
+    if not tensors or any(v.numel() == 1 for v in tensors):
+        return 0
+    return max(ASSUMED_PER_ELEMENT * v.numel() * max(4, v.element_size())
+               for v in tensors) + ASSUMED_SCALARS
 
 
 def _remember(graph: CompiledGraph) -> None:
@@ -164,9 +195,12 @@ class _Watch:
         self.open = False
         graph = self.graph()
         if graph is not None:
-            graph.caller_loss = max(graph.caller_loss, self.bytes())
+            graph.caller_loss = max(graph.caller_loss if graph.loss_measured else 0,
+                                    self.bytes())
             graph.loss_windows += 1
+            graph.loss_measured = True
             _remember(graph)
+            recorded(graph)  # where no re-plan is needed: the next call's is (charge)
         self.leaves = {}
 
     def release(self) -> None:
@@ -227,22 +261,17 @@ def with_loss(graph: CompiledGraph, base: Outside, head_flowing: int) -> Outside
 
 def charge(backend: MemoptBackend) -> None:
     """At a call: where the last forward's last graph's caller's loss was measured above
-    what its plan holds, hold it before the graph's backward. Where the plan's peak holds
-    it as it is (``within_peak``), the plan says so and nothing is planned again (a
-    second step makes no new plan); else the graph is planned again, and a budget it no
-    longer fits is raised now, naming the smallest that does."""
+    what its plan holds, and ``recorded`` could not hold it as the plan is, the graph is
+    planned again with it held before its backward, and a budget it no longer fits is
+    raised now, naming the smallest that does."""
     log = backend.plan_log
     if not log.last_runs:
         return
     graph = log.last_runs[-1]
-    if graph.caller_loss <= graph.loss_charged or graph.plan is None:
-        return
     before = graph.plan
-    outside, extra = taken(graph)
-    if extra <= 0 or within_peak(before, extra):
-        graph.outside = outside
-        _replace_plan(backend, graph, _recorded(before, graph.loss_charged, extra))
+    if before is None or not graph.loss_measured or recorded(graph):
         return
+    outside, _ = taken(graph)
     graph.settled = None
     graph.replan(outside, graph.policy, graph.step_baseline)
     if log.last is before:
@@ -250,6 +279,43 @@ def charge(backend: MemoptBackend) -> None:
     if not graph.plan.fits and log.pending is None:
         log.pending = graph.budget_error()
     log.raise_pending()
+
+
+def recorded(graph: CompiledGraph) -> bool:
+    """`graph`'s plan says what its caller's loss measured, without being planned again,
+    where it can (True): the plan held as much or more (``assumed``), or its peak holds
+    the rest as it is (``within_peak``), or, with no budget, the peak is raised to hold
+    it (nothing to recompute: the same plan). False: planned again it must be."""
+    plan = graph.plan
+    if plan is None or plan.caller_loss_measured_bytes == graph.caller_loss:
+        return True
+    extra = max(0, held(graph, graph.caller_loss) - held(graph, graph.loss_charged))
+    at_end = _before_backward(plan)
+    if extra and not within_peak(plan, extra) \
+            and not (graph.backend.budget is None and at_end is not None):
+        return False
+    outside, extra = taken(graph)
+    graph.outside = outside
+    update: dict[str, Any] = {"caller_loss_bytes": graph.loss_charged,
+                              "caller_loss_measured_bytes": graph.caller_loss,
+                              "outside_before_backward_bytes":
+                              plan.outside_before_backward_bytes + extra}
+    if extra and at_end is not None:
+        update["predicted_peak_bytes"] = max(plan.predicted_peak_bytes, at_end + extra)
+        timeline = plan.timeline
+        if "other_graphs" in timeline.kinds:  # in its timeline too
+            at, kind = timeline.num_forward_steps - 1, timeline.kinds.index("other_graphs")
+            live = [list(column) for column in timeline.live]
+            live[kind][at] += extra
+            update["timeline"] = timeline.model_copy(
+                update={"live": tuple(tuple(column) for column in live)})
+    new = plan.model_copy(update=update)
+    log = graph.backend.plan_log
+    log.plans[:] = [new if p is plan else p for p in log.plans]
+    if log.last is plan:
+        log.last = new
+    graph.plan = new
+    return True
 
 
 def taken(graph: CompiledGraph) -> tuple[Outside, int]:
@@ -262,36 +328,18 @@ def taken(graph: CompiledGraph) -> tuple[Outside, int]:
                                + extra), extra
 
 
-def within_peak(plan: MemoryPlan, extra: int) -> bool:
-    """`plan`'s predicted peak holds `extra` bytes more before its backward: its timeline
-    (one point per step, not downsampled) at the forward's last step, where what is held
-    before the backward is counted (allocator.lifetimes.held_outside), is at most the
-    peak less `extra`."""
+def _before_backward(plan: MemoryPlan) -> int | None:
+    """Bytes live in `plan` at the forward's last step, where what is held before the
+    backward is counted (allocator.lifetimes.held_outside), from its timeline where it
+    has one point per step (None: it has not)."""
     timeline = plan.timeline
     if timeline is None or len(timeline.steps) != timeline.num_steps \
             or not timeline.num_forward_steps:
-        return False
-    return timeline.totals[timeline.num_forward_steps - 1] + extra <= plan.predicted_peak_bytes
+        return None
+    return timeline.totals[timeline.num_forward_steps - 1]
 
 
-def _recorded(plan: MemoryPlan, loss: int, extra: int) -> MemoryPlan:
-    """`plan` saying it holds the caller's `loss` (`extra` more before its backward, in
-    its timeline too, as other graphs' bytes)."""
-    update: dict[str, Any] = {"caller_loss_bytes": loss, "outside_before_backward_bytes":
-                              plan.outside_before_backward_bytes + extra}
-    timeline = plan.timeline
-    if extra and timeline is not None and "other_graphs" in timeline.kinds:
-        at, kind = timeline.num_forward_steps - 1, timeline.kinds.index("other_graphs")
-        live = [list(column) for column in timeline.live]
-        live[kind][at] += extra
-        update["timeline"] = timeline.model_copy(
-            update={"live": tuple(tuple(column) for column in live)})
-    return plan.model_copy(update=update)
-
-
-def _replace_plan(backend: MemoptBackend, graph: CompiledGraph, plan: MemoryPlan) -> None:
-    log = backend.plan_log
-    log.plans[:] = [plan if p is graph.plan else p for p in log.plans]
-    if log.last is graph.plan:
-        log.last = plan
-    graph.plan = plan
+def within_peak(plan: MemoryPlan, extra: int) -> bool:
+    """`plan`'s predicted peak holds `extra` bytes more before its backward, as it is."""
+    at_end = _before_backward(plan)
+    return at_end is not None and at_end + extra <= plan.predicted_peak_bytes

@@ -125,6 +125,7 @@ class CompiledGraph:
         #: any step measured), and the part of it its plan holds before its backward
         self.caller_loss = self.loss_charged = 0
         self.loss_windows = 0  # backward windows memopt.caller_loss watched
+        self.loss_measured = False  # caller_loss measured (or known from an earlier module)
         self.head_flowing = 0  # steps.ForwardTrace.eager_head's gradient term, last seen
         #: what memopt.caller_loss remembers its measurement by (set by the backend)
         self.loss_key: tuple | None = None
@@ -274,7 +275,9 @@ class CompiledGraph:
         if self.tail_charged:  # memopt.eager_tail
             self._amend(planned, eager_tail_bytes=self.tail_charged)
         if self.loss_charged:  # memopt.caller_loss
-            self._amend(planned, caller_loss_bytes=self.loss_charged)
+            self._amend(planned, caller_loss_bytes=self.loss_charged,
+                        caller_loss_measured_bytes=self.caller_loss if self.loss_measured
+                        else None)
         self.plan, self.compiled, self.outside = planned[-1], compiled, outside
         self.policy, self.step_baseline = policy, step_baseline
         return self.run

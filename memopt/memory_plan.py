@@ -353,6 +353,9 @@ class MemoryPlan(BaseModel):
     #: of those, what the caller's loss held (its saved tensors and its gradients),
     #: measured at an earlier step (memopt.caller_loss)
     caller_loss_bytes: Bytes = 0
+    #: what the caller's loss was measured to hold (None: not yet; caller_loss_bytes is
+    #: then assumed from the outputs, memopt.caller_loss.assumed)
+    caller_loss_measured_bytes: Bytes | None = None
     #: this graph's own runs before its last one in the forward (a repeated block,
     #: memopt.blocks), each holding `held_bytes`, which its predicted peak counts as held
     #: outside it (beside the outside bytes above)

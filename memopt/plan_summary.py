@@ -93,8 +93,8 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
     if plan.outside_before_backward_bytes:
         lines.append(
             f"  before backward  {b(plan.outside_before_backward_bytes):>12}   held as the "
-            + (f"caller's loss (measured: {b(plan.caller_loss_bytes)}) and, where there is "
-               f"any, the eager code after the graph runs its backward, before the graph's"
+            + (f"caller's loss ({_caller_loss(plan)}) and, where there is any, the eager "
+               f"code after the graph runs its backward, before the graph's"
                if plan.caller_loss_bytes else "eager code after the graph runs its "
                "backward, before the graph's (estimated)"))
     if plan.optimizer:
@@ -171,3 +171,14 @@ def plan_summary(plan: MemoryPlan, max_rows: int = 20) -> str:
         if len(rows) > max_rows:
             lines.append(f"  ... {len(rows) - max_rows} more")
     return "\n".join(lines)
+
+
+def _caller_loss(plan: MemoryPlan) -> str:
+    """What the plan holds for the caller's loss, and where it comes from
+    (memopt.caller_loss)."""
+    held, measured = format_bytes(plan.caller_loss_bytes), plan.caller_loss_measured_bytes
+    if measured is None:
+        return f"{held} assumed from the largest output, until measured"
+    if measured >= plan.caller_loss_bytes:
+        return f"{held} measured"
+    return f"{held} assumed, {format_bytes(measured)} measured"
