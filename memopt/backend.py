@@ -262,7 +262,7 @@ class MemoptBackend:
         graph.caller_loss = graph.loss_charged = measured or 0
         graph.loss_measured = measured is not None
         if measured is None and alone and self.watch_loss:
-            graph.loss_charged = caller_loss.assumed(gm)  # until measured
+            graph.loss_charged = caller_loss.assumed(caller_loss.graph_outputs(gm))
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph
         if self.loops:
@@ -458,7 +458,8 @@ class MemoptBackend:
         self.plan_log.traced += 1
         bases = eager_tail.with_tails([run.graph for run in trace.runs], trace.end(returned),
                                       trace.eager_tail())
-        bases[-1] = caller_loss.with_loss(trace.runs[-1].graph, bases[-1], trace.head_flowing)
+        bases[-1] = caller_loss.with_loss(trace.runs[-1].graph, bases[-1], trace.head_flowing,
+                                          returned)
         self.plan_log.tail_run = trace.runs[0]  # armed once the forward returns
         self.plan_log.loss_run = (trace.runs[-1], trace.counted(), trace.head_nodes)
         if trace.opaque and self.budget is not None:

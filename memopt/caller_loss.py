@@ -9,10 +9,11 @@ backward's start. ``F.cross_entropy`` over (2,048, 1,000) logits keeps its
 5-layer MLP with the loss outside measured 1.69x the minimum memopt named (35.5 MB
 against 21.0 MB, found from outside).
 
-Before anything is measured, the first plan of a forward that is one graph assumes a
+Before anything is measured, the plan of the forward's last graph assumes a
 cross-entropy over its largest output that requires grad (``assumed``: three float32
 tensors of its size; nothing where the forward returns a scalar that requires grad, the
-loss computed inside). Then memopt measures it, the way
+loss computed inside): at its first plan where the forward is that one graph, else as
+the first forward ends (``with_loss``), where the whole step is checked. Then memopt measures it, the way
 ``torch.autograd.graph.saved_tensors_hooks`` lets any library see what autograd saves:
 
 1. As a traced training forward returns (``watch``), a pair of default hooks is pushed
@@ -117,20 +118,21 @@ def known(key: tuple, ident: tuple) -> int | None:
 #: upcasts its logits first: 12,288,004 bytes measured over (1,024, 1,000) bf16 logits)
 ASSUMED_PER_ELEMENT = 3
 #: and bytes besides, for its scalars (the loss, its gradient, a reduction's count)
-ASSUMED_SCALARS = 512
+ASSUMED_SCALARS = 4096
+#: bytes of the loss and of the gradient its backward starts from, counted beside what
+#: the loss saves: a CUDA allocator block (512 bytes) each at least
+LOSS_SCALARS = 2 * 512
 
 
-def assumed(gm: Any) -> int:
-    """What the first step holds for the caller's loss after graph `gm`, the whole
-    forward, before it was measured: none where the graph returns a scalar that requires
-    grad (a loss computed inside, as transformers' models do with ``labels=``), else
-    ``ASSUMED_PER_ELEMENT`` tensors the size of its largest floating output that requires
+def assumed(returned: Any) -> int:
+    """What the plan holds for the caller's loss over the forward's `returned` values
+    before it was measured: none where one is a scalar that requires grad (a loss
+    computed inside, as transformers' models do with ``labels=``), else
+    ``ASSUMED_PER_ELEMENT`` tensors the size of the largest floating one that requires
     grad (a cross-entropy over the logits). A loss that holds less (a sum) leaves that
     much unused in the plan; one that holds more is charged from the next step."""
-    outputs = [t for t in pytree.tree_leaves([n.args for n in gm.graph.find_nodes(op="output")])]
-    values = [getattr(t, "meta", {}).get("example_value") for t in outputs]
-    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad
-               and v.is_floating_point()]
+    tensors = [v for v in pytree.tree_leaves(returned) if isinstance(v, torch.Tensor)
+               and v.requires_grad and v.is_floating_point()]
     if not tensors or any(v.numel() == 1 for v in tensors):
         return 0
     return max(ASSUMED_PER_ELEMENT * v.numel() * max(4, v.element_size())
@@ -187,7 +189,7 @@ class _Watch:
         budget does not count (docs/budgets.md, "How it is measured")."""
         saved = dict(self.saved)
         saved.update({key: n for key, (ref, n) in self.leaves.items() if ref.expired()})
-        return sum(saved.values()) + self.flowing if saved or self.flowing else 0
+        return sum(saved.values()) + self.flowing + LOSS_SCALARS
 
     def _closes(self, *_: Any) -> None:
         if not self.open:
@@ -249,10 +251,22 @@ def held(graph: CompiledGraph, loss: int) -> int:
     return max(0, loss - graph.head_flowing)
 
 
-def with_loss(graph: CompiledGraph, base: Outside, head_flowing: int) -> Outside:
+def graph_outputs(gm: Any) -> list[Any]:
+    """The example values of what graph `gm` returns (dynamo's, FakeTensors)."""
+    nodes = pytree.tree_leaves([n.args for n in gm.graph.find_nodes(op="output")])
+    return [getattr(n, "meta", {}).get("example_value") for n in nodes]
+
+
+def with_loss(graph: CompiledGraph, base: Outside, head_flowing: int,
+              returned: Any = None) -> Outside:
     """The base of a forward's last run (steps.ForwardTrace.end) with the caller's loss
-    its graph's plan holds (``charge``) held before its backward."""
+    its graph's plan holds (``charge``) held before its backward; where nothing was
+    measured or assumed yet (a forward with graph breaks, whose graphs were planned
+    before the last was known), assumed from what the forward `returned`."""
     graph.head_flowing = head_flowing
+    if returned is not None and not graph.loss_measured and not graph.loss_charged \
+            and graph.backend.watch_loss:
+        graph.loss_charged = assumed(returned)
     extra = held(graph, graph.loss_charged)
     if not extra:
         return base
@@ -283,32 +297,31 @@ def charge(backend: MemoptBackend) -> None:
 
 def recorded(graph: CompiledGraph) -> bool:
     """`graph`'s plan says what its caller's loss measured, without being planned again,
-    where it can (True): the plan held as much or more (``assumed``), or its peak holds
-    the rest as it is (``within_peak``), or, with no budget, the peak is raised to hold
-    it (nothing to recompute: the same plan). False: planned again it must be."""
+    where it can (True): the plan held more (an assumption, ``assumed``; lowered to the
+    measurement where its timeline has a point per step, its predicted peak with it), or
+    its peak holds the rest as it is (``within_peak``), or, with no budget, the peak is
+    raised to hold it (nothing to recompute: the same plan). False: it must be planned
+    again (``charge``)."""
     plan = graph.plan
     if plan is None or plan.caller_loss_measured_bytes == graph.caller_loss:
         return True
-    extra = max(0, held(graph, graph.caller_loss) - held(graph, graph.loss_charged))
+    change = held(graph, graph.caller_loss) - held(graph, graph.loss_charged)
     at_end = _before_backward(plan)
-    if extra and not within_peak(plan, extra) \
+    if change > 0 and not within_peak(plan, change) \
             and not (graph.backend.budget is None and at_end is not None):
         return False
-    outside, extra = taken(graph)
-    graph.outside = outside
+    if change > 0 or at_end is not None:
+        graph.loss_charged = graph.caller_loss
+    else:  # its timeline cannot say its peak without the assumption: it stays held
+        change = 0
+    graph.outside = dataclasses.replace(
+        graph.outside, before_backward=graph.outside.before_backward + change)
     update: dict[str, Any] = {"caller_loss_bytes": graph.loss_charged,
                               "caller_loss_measured_bytes": graph.caller_loss,
                               "outside_before_backward_bytes":
-                              plan.outside_before_backward_bytes + extra}
-    if extra and at_end is not None:
-        update["predicted_peak_bytes"] = max(plan.predicted_peak_bytes, at_end + extra)
-        timeline = plan.timeline
-        if "other_graphs" in timeline.kinds:  # in its timeline too
-            at, kind = timeline.num_forward_steps - 1, timeline.kinds.index("other_graphs")
-            live = [list(column) for column in timeline.live]
-            live[kind][at] += extra
-            update["timeline"] = timeline.model_copy(
-                update={"live": tuple(tuple(column) for column in live)})
+                              plan.outside_before_backward_bytes + change}
+    if change:
+        update.update(_timeline_moved(plan, change))
     new = plan.model_copy(update=update)
     log = graph.backend.plan_log
     log.plans[:] = [new if p is plan else p for p in log.plans]
@@ -316,6 +329,25 @@ def recorded(graph: CompiledGraph) -> bool:
         log.last = new
     graph.plan = new
     return True
+
+
+def _timeline_moved(plan: MemoryPlan, change: int) -> dict[str, Any]:
+    """`plan`'s timeline and predicted peak with `change` bytes more held before its
+    backward (at the forward's last step, as other graphs' bytes)."""
+    timeline = plan.timeline
+    at = timeline.num_forward_steps - 1
+    before = timeline.totals
+    after = list(before)
+    after[at] += change
+    update: dict[str, Any] = {"predicted_peak_bytes":
+                              plan.predicted_peak_bytes + max(after) - max(before)}
+    if "other_graphs" in timeline.kinds:
+        kind = timeline.kinds.index("other_graphs")
+        live = [list(column) for column in timeline.live]
+        live[kind][at] += change
+        update["timeline"] = timeline.model_copy(
+            update={"live": tuple(tuple(column) for column in live)})
+    return update
 
 
 def taken(graph: CompiledGraph) -> tuple[Outside, int]:

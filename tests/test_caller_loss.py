@@ -65,7 +65,7 @@ def test_a_loss_outside_the_module_holds_its_named_minimum_from_the_first_step()
     assert max(peaks) <= named, (peaks, named)
     plan = compiled.memopt_plan
     logits = B * V * 4
-    assert plan.caller_loss_measured_bytes == 3 * logits + 4, plan  # the loss: 4 bytes
+    assert plan.caller_loss_measured_bytes == 3 * logits + 4 + caller_loss.LOSS_SCALARS, plan
     assert abs(plan.predicted_peak_bytes - peaks[-1]) <= 0.01 * peaks[-1], (plan, peaks)
     assert "measured" in plan.summary()
     _step(compiled, params, x, y)
@@ -102,19 +102,25 @@ def test_a_loss_above_the_assumption_is_charged_from_the_next_step():
 
 
 def test_a_loss_that_holds_less_than_assumed_makes_no_new_plan():
-    """A sum of the outputs saves nothing: the plan keeps what it assumed, says what was
-    measured, and the step's second call plans nothing again."""
+    """A sum of the outputs saves nothing: the plan, which assumed a cross-entropy, holds
+    what was measured instead (its predicted peak lowered with it), and the step's second
+    call plans nothing again."""
     x, y = _data()
     compiled = memopt.compile(_mlp(), budget=0.95)
     params = list(compiled.parameters())
-    _step(compiled, params, x, y, loss=lambda out, _: out.sum())
+    out = compiled(x)
+    assumed = compiled.memopt_plan
+    out.sum().backward()
+    assert assumed.caller_loss_bytes == 3 * B * V * 4 + caller_loss.ASSUMED_SCALARS
+    assert assumed.caller_loss_measured_bytes is None
+    assert "assumed from the largest output, until measured" in assumed.summary()
     plan = compiled.memopt_plan
-    for _ in range(2):
-        _step(compiled, params, x, y, loss=lambda out, _: out.sum())
-    assert compiled.memopt_plan is plan
-    assert plan.caller_loss_bytes == 3 * B * V * 4 + caller_loss.ASSUMED_SCALARS
-    assert plan.caller_loss_measured_bytes == 0
-    assert "assumed, 0 B measured" in plan.summary()
+    peaks = [_step(compiled, params, x, y, loss=lambda out, _: out.sum()) for _ in range(2)]
+    assert compiled.memopt_plan is plan and len(compiled.memopt_plans) == 1
+    assert plan.caller_loss_bytes == plan.caller_loss_measured_bytes == caller_loss.LOSS_SCALARS
+    assert plan.predicted_peak_bytes < assumed.predicted_peak_bytes
+    # _step counts y; the loss and its gradient (8 bytes) are held through the backward
+    assert max(peaks) <= plan.predicted_peak_bytes + y.numel() * 8 + 8
 
 
 def test_the_hooks_are_pushed_unless_turned_off_and_popped_at_the_next_call():
