@@ -27,6 +27,7 @@ from torch import fx
 
 from memopt.passes._torch_compat import (
     CompilingFrame,
+    autocast_regions,
     compiling_frame,
     last_guard_failure,
     pytree,
@@ -65,9 +66,6 @@ from .steps import Outside, repeated_output_grad_bytes
 log = logging.getLogger("memopt")
 
 
-def _autocast_dtypes() -> dict[str, torch.dtype]:
-    """{device type: dtype} of the autocast regions a graph is traced in now."""
-    return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
 def _chain_loops(gm: fx.GraphModule) -> None:
@@ -77,7 +75,7 @@ def _chain_loops(gm: fx.GraphModule) -> None:
         log.debug("memopt loops: an inference graph: loops left unrolled")
         return
     try:
-        chain_loops(gm, keep=True, autocast=_autocast_dtypes())
+        chain_loops(gm, keep=True, autocast=autocast_regions())
     except Exception as exc:
         raise PassError("recurrent loops", ("capture",), exc) from exc
 
@@ -93,7 +91,7 @@ def _chunk_heads(gm: fx.GraphModule, skip_logits: bool = False,
         log.debug("memopt heads: an inference graph: heads left as they are")
         return []
     try:
-        return [s.attach for s in chunk_heads(gm, _autocast_dtypes(), skip_logits,
+        return [s.attach for s in chunk_heads(gm, autocast_regions(), skip_logits,
                                               returned_only) if s.attach is not None]
     except Exception as exc:
         raise PassError("language-model heads", ("capture",), exc) from exc

@@ -11,16 +11,16 @@ loop still holds an output the plan freed (memopt.dropped).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import fx
 
 from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
+                                         autocast_regions, in_autocast_regions,
                                          loss_decompositions, make_boxed, pytree,
                                          random_ops_kept, rng_kept, storage_key)
 from memopt.passes.dead_draws import with_dead_draws
@@ -74,8 +74,7 @@ class CompiledGraph:
         self.fakes = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
         #: {device type: dtype} of the autocast regions it was captured in: a re-plan traces
         #: it in them again, wherever it runs (`replan`)
-        self.autocast = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda")
-                         if torch.is_autocast_enabled(d)}
+        self.autocast = autocast_regions()
         self.sink, self.grads = None, None
         if backend.existing_grads:
             self.sink, self.grads = _grad_sink(self.kinds, [*self.attributes, *example_inputs])
@@ -417,7 +416,10 @@ class CompiledGraph:
         falls back to LOWEST where it misses."""
         budget = self.backend.budget
         self.backend.plan_log.start_clock()  # capture: AOTAutograd's tracing only
-        with self._modes_captured():
+        # as captured: a re-plan after the user's step (memopt.measure.allocation_peak
+        # closing, outside their torch.autocast) traced a bf16 graph in float32, and its
+        # backward raised (`mm` of BFloat16 and float, found from outside)
+        with in_autocast_regions(self.autocast):
             self.compile(self.fakes, outside, policy, budget, step_baseline, must_fit=False)
             if not self.plan.fits and (policy == ReplanPolicy.LEAN
                                        or self.kernels is Kernels.INDUCTOR):
@@ -426,21 +428,6 @@ class CompiledGraph:
                 self.compile_lowest(self.fakes, outside, budget, step_baseline)
                 self.policy = policy  # what was asked: LOWEST is how it fits here
         self.provisional = False
-
-    @contextlib.contextmanager
-    def _modes_captured(self) -> Iterator[None]:
-        """Grad mode on and the autocast regions it was captured in, whatever runs now: a
-        re-plan after the user's step (memopt.measure.allocation_peak closing, outside
-        their `torch.autocast`) traced a bf16 graph in float32 and its backward raised
-        (`mm` of BFloat16 and float, found from outside)."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.enable_grad())
-            for device in ("cpu", "cuda"):
-                if device in self.autocast:
-                    stack.enter_context(torch.autocast(device, dtype=self.autocast[device]))
-                elif torch.is_autocast_enabled(device):
-                    stack.enter_context(torch.autocast(device, enabled=False))
-            yield
 
     def compile_lowest(self, example_inputs: Sequence[Any], outside: Outside,
                        budget: Budget | None, step_baseline: int | None = None) -> Callable:

@@ -217,13 +217,6 @@ def charge(backend: MemoptBackend) -> None:
         if extra <= 0 or graph.plan is None:
             continue
         graph.tail_charged += extra
-        before = graph.plan
-        graph.settled = None
-        outside = dataclasses.replace(graph.outside,
-                                      after_backward=graph.outside.after_backward + extra)
-        graph.replan(outside, graph.policy, graph.step_baseline)
-        if log.last is before:
-            log.last = graph.plan
-        if not graph.plan.fits and log.pending is None:
-            log.pending = graph.budget_error()
+        log.plan_again(graph, dataclasses.replace(
+            graph.outside, after_backward=graph.outside.after_backward + extra))
     log.raise_pending()

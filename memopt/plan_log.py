@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .compiled_graph import CompiledGraph
     from .ddp import DDPBuckets
     from .settled import StepCall
+    from .steps import Outside
 
 
 @dataclass
@@ -99,6 +100,18 @@ class PlanLog:
             err = self.pending
             raise err.with_minimum(err.minimum_bytes) if isinstance(err, BudgetError) \
                 else copy.copy(err)
+
+    def plan_again(self, graph: CompiledGraph, outside: Outside) -> None:
+        """Plan `graph` again with `outside` held around it, for the steps after this
+        one: the plan the next step runs is the new one, and a budget it no longer fits
+        is left for `raise_pending` (memopt.eager_tail, memopt.caller_loss)."""
+        before = graph.plan
+        graph.settled = None
+        graph.replan(outside, graph.policy, graph.step_baseline)
+        if self.last is before:
+            self.last = graph.plan
+        if not graph.plan.fits and self.pending is None:
+            self.pending = graph.budget_error()
 
     def record(self, plan: MemoryPlan) -> None:
         self.plans.append(plan)

@@ -9,6 +9,8 @@ file and passes._inductor_compat (inductor's pieces) only.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -536,3 +538,22 @@ def saved_tensor_pack_hook_on_top() -> Any:
 
 def pop_saved_tensor_hooks() -> None:
     torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+def autocast_regions() -> dict[str, torch.dtype]:
+    """{device type: dtype} of the autocast regions entered now (CPU and CUDA)."""
+    return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+
+
+@contextlib.contextmanager
+def in_autocast_regions(regions: dict[str, torch.dtype]) -> Iterator[None]:
+    """Grad mode on, and exactly the autocast `regions` (autocast_regions) entered, whatever
+    is entered now."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        for device in ("cpu", "cuda"):
+            if device in regions:
+                stack.enter_context(torch.autocast(device, dtype=regions[device]))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
