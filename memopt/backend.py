@@ -25,47 +25,40 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from memopt.passes._torch_compat import (
-    CompilingFrame,
-    autocast_regions,
-    compiling_frame,
-    last_guard_failure,
-    pytree,
-    storage_key,
-)
-from memopt.passes.allocated import can_track, when_trackable
+from memopt.passes.lm_heads import Attach, chunk_heads
 from memopt.passes.cell_loops import chain_loops
 from memopt.passes.constant_masks import drop_constant_masks
 from memopt.passes.identity_dropouts import remove_identity_dropouts
-from memopt.passes.lm_heads import Attach, chunk_heads
+from memopt.passes.allocated import can_track, when_trackable
 from memopt.passes.workspace import SHARED, WorkspaceCache
-
-from . import caller_loss, eager_tail
 
 # The runtimes of memopt's own operators, which the passes reach through
 # memopt.passes.runtime: loaded before any graph is planned.
 from . import lm_head as _head_runtime  # noqa: F401
 from . import nn as _reversible_runtime  # noqa: F401
-from .allocator.offload import Link
+from .recurrent import modules as _chain_runtime  # noqa: F401
+
+from memopt.passes._torch_compat import (CompilingFrame, autocast_regions, compiling_frame,
+                                         last_guard_failure, pytree, storage_key)
 from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
+from . import caller_loss, eager_tail
 from .errors import BudgetError, CaptureError, InputError, PassError
-from .graph_breaks import ReplanPolicy, replan_forward, required, step_baseline, step_minimum
+from .graph_breaks import (ReplanPolicy, replan_forward, required, step_baseline,
+                           step_minimum)
+from .run_plans import split_later_runs
 from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import OptimizerBytes
 from .optimizer_step import ChunkedStep
 from .plan_log import PlanLog
+from .allocator.offload import Link
 from .planner import Options
-from .recurrent import modules as _chain_runtime  # noqa: F401
-from .run_plans import split_later_runs
 from .settled import ModelTensors, StepCall, settle
 from .steps import Outside, repeated_output_grad_bytes
 
 log = logging.getLogger("memopt")
-
-
 
 
 def _chain_loops(gm: fx.GraphModule) -> None:

@@ -13,8 +13,9 @@ Before anything is measured, the plan of the forward's last graph assumes a
 cross-entropy over its largest output that requires grad (``assumed``: three float32
 tensors of its size; nothing where the forward returns a scalar that requires grad, the
 loss computed inside): at its first plan where the forward is that one graph, else as
-the first forward ends (``with_loss``), where the whole step is checked. Then memopt measures it, the way
-``torch.autograd.graph.saved_tensors_hooks`` lets any library see what autograd saves:
+the first forward ends (``with_loss``), where the whole step is checked. Then memopt
+measures it, the way ``torch.autograd.graph.saved_tensors_hooks`` lets any library see
+what autograd saves:
 
 1. As a traced training forward returns (``watch``), a pair of default hooks is pushed
    on this thread's stack, where it is empty (a caller's own hooks, such as
@@ -43,8 +44,8 @@ the first forward ends (``with_loss``), where the whole step is checked. Then me
    and a budget it no longer fits is refused there, naming the smallest that does.
 
 The same MLP: measured 24,577,028 bytes (three (2,048, 1,000) float32 tensors, the
-4-byte total weight, ``LOSS_SCALARS``). Assumed from the first step, the first minimum named, 36,059,257 bytes,
-holds at every step: 35,529,640 measured, 35,514,276 predicted.
+4-byte total weight, ``LOSS_SCALARS``). Assumed from the first step, the first minimum
+named, 36,059,257 bytes, holds at every step: 35,529,640 measured, 35,514,276 predicted.
 
 A module compiled again in the process over the same parameters starts from the last
 measurement (``known``: the budget a refusal named, passed back, holds from the first
