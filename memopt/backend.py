@@ -348,11 +348,9 @@ class MemoptBackend:
         run, self.plan_log.tail_run = self.plan_log.tail_run, None
         if run is not None:
             eager_tail.arm(run, run.graph, self.budget)
-        watched, self.plan_log.loss_run = self.plan_log.loss_run, None
-        if watched is not None and self.watch_loss:
-            last, counted, walked = watched
-            caller_loss.watch(last.graph, counted, walked,
-                              (node for node in (ref() for ref in last.nodes) if node is not None))
+        trace, self.plan_log.loss_run = self.plan_log.loss_run, None
+        if trace is not None and self.watch_loss:
+            caller_loss.watch(trace)
 
     def forward_aborted(self) -> None:
         self.plan_log.call = self.plan_log.loss_run = None
@@ -452,7 +450,7 @@ class MemoptBackend:
         bases[-1] = caller_loss.with_loss(trace.runs[-1].graph, bases[-1], trace.head_flowing,
                                           returned)
         self.plan_log.tail_run = trace.runs[0]  # armed once the forward returns
-        self.plan_log.loss_run = (trace.runs[-1], trace.counted(), trace.head_nodes)
+        self.plan_log.loss_run = trace  # watched once the forward returns
         if trace.opaque and self.budget is not None:
             self.plan_log.pending = _opaque_backward_error(trace.opaque, self.budget)
             self.plan_log.raise_pending()

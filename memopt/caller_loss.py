@@ -78,7 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backend import MemoptBackend
     from .compiled_graph import CompiledGraph
     from .memory_plan import MemoryPlan
-    from .steps import Outside
+    from .steps import ForwardTrace, Outside
 
 _LOCAL = threading.local()  # .watch: the _Watch whose hooks are on this thread's stack
 
@@ -101,8 +101,13 @@ def identity(params: Iterable[torch.Tensor]) -> tuple:
 
 
 def _same(ident: tuple, other: tuple) -> bool:
-    return bool(ident) and len(ident) == len(other) and all(
-        not ref.expired() and ptr == theirs for (ref, ptr), (_, theirs) in zip(ident, other))
+    return _alive(ident) and len(ident) == len(other) and all(
+        ptr == theirs for (_, ptr), (_, theirs) in zip(ident, other))
+
+
+def _alive(ident: tuple) -> bool:
+    """Every parameter of `ident` (``identity``) still exists."""
+    return bool(ident) and not any(ref.expired() for ref, _ in ident)
 
 
 def known(key: tuple, ident: tuple) -> int | None:
@@ -143,7 +148,7 @@ def assumed(returned: Any) -> int:
 def _remember(graph: CompiledGraph) -> None:
     if graph.loss_key is None:
         return
-    for key in [k for k, (_, ident) in _KNOWN.items() if not _same(ident, ident)]:
+    for key in [k for k, (_, ident) in _KNOWN.items() if not _alive(ident)]:
         del _KNOWN[key]  # its model is gone
     _KNOWN[graph.loss_key] = (graph.caller_loss, graph.loss_identity)
 
@@ -216,17 +221,19 @@ class _Watch:
         return saved_tensor_pack_hook_on_top() == self.pack
 
 
-def watch(graph: CompiledGraph, counted: set[StorageId], walked: set[int],
-          nodes: Iterable[Any]) -> None:
-    """Watch what the caller's code saves until `graph`'s backward starts (`nodes`: its
-    autograd nodes; `counted`: storages its plan counts already; `walked`: ids of autograd
-    nodes whose gradients are counted already, the eager code after the graph's)."""
+def watch(trace: ForwardTrace) -> None:
+    """Watch what the caller's code saves until the backward of `trace`'s last graph
+    starts: what the plans count already (steps.ForwardTrace.counted, read only where
+    it is watched) and the autograd nodes of the eager code after that graph (their
+    gradients counted already) are left out."""
     stop()
-    nodes = list(nodes)
+    last = trace.runs[-1]
+    graph = last.graph
+    nodes = [node for node in (ref() for ref in last.nodes) if node is not None]
     if graph.loss_windows >= WINDOWS or getattr(_LOCAL, "watch", None) is not None \
             or not nodes or not saved_tensor_hooks_free():
         return
-    found = _Watch(graph, counted, walked, nodes)
+    found = _Watch(graph, trace.counted(), trace.head_nodes, nodes)
     push_saved_tensor_hooks(found.pack, found.unpack)
     _LOCAL.watch = found
 

@@ -47,8 +47,8 @@ class PlanLog:
     #: the first graph run of the forward that just ended, whose eager backward
     #: memopt.eager_tail may measure once the forward returns
     tail_run: Any = None
-    #: memopt.caller_loss watches from the forward's return: its last run, the storages
-    #: and autograd nodes the plan counts
+    #: the trace of the forward that just ended, whose caller's loss memopt.caller_loss
+    #: watches once the forward returns
     loss_run: Any = None
     warned_eager: bool = False
     #: a plan saved levels of a parallel scan (passes.scans): said once

@@ -172,3 +172,37 @@ def test_watch_loss_false_leaves_torch_func_free_between_forward_and_backward():
     scale = torch.func.grad(lambda s: (s * s).sum())(torch.ones(3))
     (F.cross_entropy(out, y) * scale.sum()).backward()
     assert all(p.grad is not None for p in compiled.parameters())
+
+
+def test_gradient_accumulation_holds_the_minimum_named_at_the_second_micro_batch():
+    """Two micro-batches a step, the loss outside: the second plans for the existing
+    `.grad` (one more plan, its own minimum); the minimum it names holds at both
+    micro-batches of every step, with eager's accumulated gradients."""
+    x, y = _data()
+    model = _mlp()
+    eager = copy.deepcopy(model)
+
+    def step(module: nn.Module) -> int:
+        params = list(module.parameters())
+        resident = sum(t.untyped_storage().nbytes() for t in (*params, x))
+        for p in params:
+            p.grad = None
+        with allocation_peak("cpu") as seen:
+            for _ in range(2):
+                out = module(x)
+                F.cross_entropy(out, y).backward()
+                del out
+        return seen.peak + resident
+
+    budget = 0.01
+    for _ in range(3):  # the first micro-batch's minimum, then the second's
+        compiled = memopt.compile(copy.deepcopy(model), budget=budget)
+        try:
+            peaks = [step(compiled) for _ in range(3)]
+            break
+        except memopt.BudgetError as refused:
+            budget = refused.minimum_bytes
+    assert max(peaks) <= budget, (peaks, budget)
+    step(eager)
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **FP32)
