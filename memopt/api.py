@@ -121,11 +121,11 @@ class CompiledModule(nn.Module):
         self._memopt_rnns.sync()  # train()/eval(), replaced modules: the user's model
         backend, model = self._memopt_backend, self._memopt_model
         backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit
-        tensors, grads = self._memopt_tensors, None
+        tensors, grads, pending = self._memopt_tensors, None, (0, [])
         if torch.is_grad_enabled():  # a training step: its parameters' state, cheaply
             tensors.refresh()
             grads = tensors.grad_state()
-            self._memopt_pending.check()
+            pending = self._memopt_pending.check()
         existing = grads is not None and _has_grads(grads)
         compiled = self._memopt_compiled.get(existing)
         if compiled is None:
@@ -146,7 +146,7 @@ class CompiledModule(nn.Module):
         held = unit.held if unit else () if shards is not None else tensors.displaced()
         backend.forward_begins(tensors, grads, args, kwargs, ddp=buckets_of(self, model),
                                held=held, after_backward=unit.after_backward if unit else 0,
-                               shards=shards)
+                               shards=shards, pending=pending)
         try:
             out = run_captured(compiled, args, kwargs, backend, model,
                                 bool(self._memopt_blocks), self._memopt_loops)
@@ -155,7 +155,7 @@ class CompiledModule(nn.Module):
             raise
         backend.forward_ends(out)
         if grads is not None:
-            self._memopt_pending.watch(out)
+            self._memopt_pending.watch(out, (args, kwargs))
             backend.forward_returned()
         return out
 

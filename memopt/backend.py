@@ -45,7 +45,7 @@ from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
 from .ddp import DDPBuckets
 from . import caller_loss, eager_tail
 from .errors import BudgetError, CaptureError, InputError, PassError
-from .graph_breaks import (ReplanPolicy, replan_forward, required, step_baseline,
+from .graph_breaks import (ReplanPolicy, earlier_calls, replan_forward, required, step_baseline,
                            step_minimum)
 from .run_plans import split_later_runs
 from .kernels import Kernels
@@ -56,7 +56,7 @@ from .plan_log import PlanLog
 from .allocator.offload import Link
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
-from .steps import Outside, repeated_output_grad_bytes
+from .steps import Outside, repeated_output_grad_bytes, storages
 
 log = logging.getLogger("memopt")
 
@@ -316,7 +316,7 @@ class MemoptBackend:
     def forward_begins(self, tensors: ModelTensors, grads: list[int] | None, args: tuple,
                        kwargs: dict, ddp: DDPBuckets | None = None,
                        held: Sequence[torch.Tensor] = (), after_backward: int = 0,
-                       shards: Any = None) -> None:
+                       shards: Any = None, pending: tuple[int, list] = (0, [])) -> None:
         """A memopt module's forward starts: when it records gradients (`grads`, the
         parameters' `ModelTensors.grad_state()`, is not None), trace its graphs
         (memopt.steps), or let a settled graph run without the trace (memopt.settled).
@@ -324,7 +324,9 @@ class MemoptBackend:
         counts as held for the whole step; `held`: tensors that are not the model's, held
         for the whole step (FSDP2's shards and all-gather output, memopt.fsdp);
         `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter);
-        `shards`: FSDP2 on the repeated blocks and the root (memopt.fsdp_blocks)."""
+        `shards`: FSDP2 on the repeated blocks and the root (memopt.fsdp_blocks);
+        `pending`: how many earlier calls' backward has not run, and their outputs still
+        alive (memopt.pending.PendingBackwards.check): planned in `forward_ends`."""
         self.plan_log.ddp, self.plan_log.tail_run, self.plan_log.loss_run = ddp, None, None
         if grads is None:
             self.plan_log.call = None
@@ -338,6 +340,13 @@ class MemoptBackend:
         call = StepCall(tensors, grads, args, kwargs,
                         ddp.counted_bytes if ddp is not None else 0, tuple(held), after_backward,
                         opt.state_bytes if opt else 0, opt.step_bytes if opt else 0, shards)
+        if pending[0]:  # planned as earlier runs (forward_ends): traced from the start
+            model = storages([*tensors.params, *tensors.buffers, args, kwargs])
+            call.pending_calls = pending[0]
+            grads = [t for t in pending[1] if t.requires_grad and t.grad_fn is not None]
+            call.pending_bytes = tuple(sum(n for s, n in storages(ts).items() if s not in model)
+                                       for ts in (pending[1], grads))
+            call.trace()
         if not any(graph.settled is not None for graph in self.plan_log.last_runs):
             call.trace()  # no graph of the last forward may skip it: traced from the start
         self.plan_log.call = call
@@ -457,6 +466,9 @@ class MemoptBackend:
         runs = [run.graph for run in trace.runs]
         self.plan_log.last_runs = tuple(runs)
         self._count_repeated_outputs(returned, runs[-1])
+        if call.pending_calls:  # the earlier calls' runs before this call's: memopt.pending
+            runs, bases = earlier_calls(runs, bases, call.pending_calls, *call.pending_bytes,
+                                        sum(trace.grads.values()))
         if len(set(map(id, runs))) == 1 and runs[0].policy == ReplanPolicy.GREEDY \
                 and runs[0].outside.covers(required(runs[0], runs, bases)):
             # one graph, planned with what it needed: the usual case; the whole forward
@@ -474,8 +486,10 @@ class MemoptBackend:
         # step is refused here, before the backward runs over it.
         first = any(g.provisional for g in runs)
         planned = list(runs)
-        missed = replan_forward(runs, bases, baseline, refine=split_later_runs)
-        self.plan_log.last_runs = tuple(runs)  # as the next forwards run them
+        missed = replan_forward(runs, bases, baseline,
+                                refine=None if call.pending_calls else split_later_runs)
+        if not call.pending_calls:
+            self.plan_log.last_runs = tuple(runs)  # as the next forwards run them
         if missed is not None:
             self.plan_log.pending = step_minimum(
                 missed, lambda nbytes: self._misses_at(planned, bases, nbytes),

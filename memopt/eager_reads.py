@@ -163,20 +163,48 @@ _VIEWS = ("View", "AsStrided", "Alias", "Squeeze", "Unsqueeze", "Permute", "Tran
           "Expand", "Slice", "Select", "Unbind", "Split", "TBackward", "Unfold", "Diagonal")
 
 
+#: temporaries an eager autograd node's backward makes beyond the gradients it is handed
+#: and returns, in units of its largest gradient, by node kind (measured on CPU by
+#: ``python -m benchmarks.backward_temporaries``, torch 2.13: the formulas are ATen's, the
+#: same on CUDA). ``(out ** 2).mean()`` after a plan: ``PowBackward0`` computes
+#: ``grad * (2 * out.pow(1))``, three tensors of ``out``'s size at once with its handed
+#: gradient, and the plan ran 1.12x over its budget counting handed and returned only
+#: (found from outside). A kind not here makes none (the activations', the matmuls',
+#: cross-entropy's, ``mse_loss``'s: measured).
+BACKWARD_TEMPORARIES = {
+    "Erf": 4.0, "Erfc": 4.0, "Asin": 4.0, "Acos": 4.0, "Div": 3.0,
+    "Pow": 2.0, "Rsqrt": 2.0, "Reciprocal": 2.0, "Tan": 2.0, "Cos": 2.0, "Atan": 2.0,
+    "Logsumexp": 2.0, "Cumsum": 2.0, "SoftMarginLoss": 2.0,
+    "Maximum": 1.5, "Minimum": 1.5, "Amax": 1.5, "Amin": 1.5,
+    "LinalgVectorNorm": 1.0, "Norm": 1.0, "Std": 1.0, "Var": 1.0, "Sqrt": 1.0, "Sin": 1.0,
+    "Sinh": 1.0, "Cosh": 1.0, "Log2": 1.0, "Log10": 1.0, "Log1P": 1.0, "Abs": 1.0,
+    "EuclideanDist": 1.0,
+    "Clamp": 0.5, "ClampMin": 0.5, "ClampMax": 0.5, "Prod": 0.5, "BinaryCrossEntropy": 0.5,
+}
+
+
+def node_kind(node: Any) -> str:
+    """The op of an autograd node's class name: ``PowBackward0`` -> ``Pow``."""
+    name = type(node).__name__
+    return name[:name.find("Backward")] if "Backward" in name else name
+
+
 def gradient_bytes(node: Any) -> int:
-    """Bytes of the gradients live at once as eager autograd node `node` runs its
-    backward: those it is handed (one per output of its forward, autograd's input
-    metadata) and those it returns, but for parameters (an AccumulateGrad's: counted
-    as the parameters' gradients are); 0 for a view's (`_VIEWS`)."""
+    """Bytes live at once as eager autograd node `node` runs its backward: the gradients
+    it is handed (one per output of its forward, autograd's input metadata) and those it
+    returns, but for parameters (an AccumulateGrad's: counted as the parameters'
+    gradients are), and the temporaries its formula makes (``BACKWARD_TEMPORARIES``);
+    0 for a view's (`_VIEWS`)."""
     kind = type(node).__name__
     if kind == "AccumulateGrad" or any(view in kind for view in _VIEWS):
         return 0
     try:
-        handed = sum(_metadata_bytes(m) for m in node._input_metadata)
-        returned = 0
-        for nxt, index in node.next_functions:
-            if nxt is not None and type(nxt).__name__ != "AccumulateGrad":
-                returned += _metadata_bytes(nxt._input_metadata[index])
+        handed = [_metadata_bytes(m) for m in node._input_metadata]
+        returned = [(_metadata_bytes(nxt._input_metadata[index]),
+                     type(nxt).__name__ != "AccumulateGrad")
+                    for nxt, index in node.next_functions if nxt is not None]
     except (AttributeError, IndexError, RuntimeError):
         return 0
-    return handed + returned
+    largest = max([*handed, *(size for size, _ in returned)], default=0)
+    return sum(handed) + sum(size for size, counted in returned if counted) \
+        + int(BACKWARD_TEMPORARIES.get(node_kind(node), 0) * largest)

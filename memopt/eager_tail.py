@@ -12,9 +12,9 @@ memopt does not plan eager code; it holds it beside the graphs (Chen et al. 2016
 the graph they see, and the rest of the step is what the plan holds beside it). As the
 first forward ends, the trace estimates that backward (steps.ForwardTrace.eager_tail:
 the gradients the first graph returns into the code and the most gradients one of its
-autograd nodes holds at once), held from the first step (``with_tails``). It then measures it, at the first traced step
-under a budget whose first graph reads tensors eager autograd made
-(steps.GraphRun.eager_saved, eager_grads):
+autograd nodes holds at once), held from the first step (``with_tails``). It then
+measures it, at the first traced step under a budget whose first graph reads tensors
+eager autograd made (steps.GraphRun.eager_saved, eager_grads):
 
 1. a post-hook on the graph's autograd node (AOTAutograd's CompiledFunctionBackward)
    opens a window of allocation tracking (passes.allocated) when the graph's backward is

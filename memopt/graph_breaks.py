@@ -13,6 +13,7 @@ graph again with what the rest of the step holds around each of its runs
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -201,6 +202,33 @@ def required(graph: CompiledGraph, runs: list[CompiledGraph], bases: list[Outsid
             after = max(after, base.after_backward)
             before = max(before, base.before_backward)
     return Outside(0, 0, after, tuple(own), before)
+
+
+def earlier_calls(runs: list[CompiledGraph], bases: list[Outside], calls: int,
+                  alive_bytes: int, grad_bytes: int, param_grad_bytes: int
+                  ) -> tuple[list[CompiledGraph], list[Outside]]:
+    """A forward's runs and bases with those of `calls` earlier calls of the module whose
+    backward has not run (memopt.pending: two calls before one backward) before them,
+    each as this call's: every graph then runs `calls` + 1 times before one backward and
+    is planned as a repeated block's is (`required`), each earlier run holding what its
+    plan saves; this call's runs also hold the earlier calls' inputs and outputs still
+    alive (`alive_bytes`), and their backward those outputs' gradients (`grad_bytes`):
+    the caller's loss makes every call's output gradient before any graph's backward
+    runs (a contrastive loop measured one output over its plan without them). The
+    earlier calls' backward runs last, with the parameters' gradients the later calls'
+    made (`param_grad_bytes`) and the later calls' inputs and outputs, as large as the
+    earlier's, alive (1.06x the minimum named without them)."""
+    n = len(runs)
+
+    def shifted(base: Outside, k: int, held: int = 0, grads: int = 0) -> Outside:
+        return dataclasses.replace(  # plus() drops the dead sets
+            base.plus(held, held + grads),
+            dead_forward=frozenset(j + k * n for j in base.dead_forward),
+            dead_backward=frozenset(j + k * n for j in base.dead_backward))
+
+    last = [shifted(b, calls, alive_bytes, grad_bytes) for b in bases]
+    earlier = [shifted(b, k, alive_bytes, param_grad_bytes) for k in range(calls) for b in bases]
+    return runs * (calls + 1), earlier + last
 
 
 #: How often replan_forward raises a repeated graph's weight (its own earlier runs counted

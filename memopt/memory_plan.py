@@ -350,8 +350,9 @@ class MemoryPlan(BaseModel):
     #: held, on top of the rest, while eager code after this graph runs its backward, just
     #: before this graph's (steps.ForwardTrace.eager_backward, eager_head)
     outside_before_backward_bytes: Bytes = 0
-    #: of those, what the caller's loss held (its saved tensors and its gradients),
-    #: measured at an earlier step (memopt.caller_loss)
+    #: of those, what the caller's loss holds (its saved tensors and its gradients'
+    #: working set): assumed from the outputs until measured at an earlier step, then
+    #: what was measured (memopt.caller_loss)
     caller_loss_bytes: Bytes = 0
     #: what the caller's loss was measured to hold (None: not yet; caller_loss_bytes is
     #: then assumed from the outputs, memopt.caller_loss.assumed)

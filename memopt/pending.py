@@ -5,9 +5,15 @@ Two calls before one backward (a siamese or contrastive loss: `loss(m(x1), m(x2)
 the first call's saved tensors while the second runs, and a second backward through a
 graph kept with `retain_graph=True` finds the first backward's gradients in `.grad`: both
 hold more than the plan counts (1.4-1.8x a binding budget on small models, found from
-outside). memopt cannot plan them as they run, so it says so, once per module, with the
-fix: one backward per call, or both calls inside one module's forward (one graph, planned
-together).
+outside). For two calls, the later call's graphs are planned again as runs after the
+earlier calls' (memopt.backend.forward_ends: a graph that runs several times before one
+backward, as a repeated block's, each earlier run holding what its plan saves), with the
+earlier calls' inputs and outputs still alive held around them (``check``), from the
+next step on (a contrastive loop: 1.29x the minimum named at every step before, found
+from outside). The first such step is not held, and memopt says so once per module,
+with the other fix: both calls inside one module's forward (one graph, planned
+together). A second backward through a retained graph is not planned: a
+warning names it.
 
 A call is watched through the autograd node of its compiled graph
 (`CompiledFunctionBackward`, AOTAutograd's): a pre-hook on it says when its backward ran, a
@@ -30,10 +36,10 @@ COMPILED_NODE = "CompiledFunctionBackward"
 
 TWO_CALLS = (
     "memopt: a training call of this module started before the backward of an earlier "
-    "call ran. memopt plans each call as one forward and its backward, so the step holds "
-    "both calls' saved tensors: more than the plan, possibly above the budget. Run each "
-    "call's backward before the next call, or call the model twice inside one module's "
-    "forward (one graph, planned as one step).")
+    "call ran (two calls before one backward: a siamese or contrastive loss). memopt "
+    "plans this call again, holding what the earlier call saved, for the steps after "
+    "this one; this step holds more than its plan, possibly above the budget. Calling the "
+    "model twice inside one module's forward plans both calls as one step from the first.")
 SECOND_BACKWARD = (
     "memopt: a second backward ran through a graph kept with retain_graph=True. It adds "
     "into the .grad the first backward made, which the plan does not hold: the step can "
@@ -70,11 +76,14 @@ class PendingBackwards:
     """The calls of one module whose backward has not run (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[weakref.ref, list[int]]] = []
+        #: per call: a weak reference to its graph's node, whether its backward ran, and
+        #: weak references to the tensors it returned and was called with
+        self.calls: list[tuple[weakref.ref, list[int], list[weakref.ref]]] = []
         self.warned: set[str] = set()
 
-    def watch(self, out: Any) -> None:
-        """A training call returned `out`: watch its compiled graph's backward."""
+    def watch(self, out: Any, inputs: Any = ()) -> None:
+        """A training call of `inputs` (its arguments) returned `out`: watch its compiled
+        graph's backward."""
         node = _compiled_node(out)
         if node is None:
             return
@@ -89,14 +98,20 @@ class PendingBackwards:
         # it returns (its arguments), past where the backward frees them (the fuzz slice
         # measured 8-15% over its budgets with one)
         node.register_prehook(backward_ran)
-        self.calls.append((weakref.ref(node), ran))
+        held = [weakref.ref(t) for t in pytree.tree_leaves((out, inputs))
+                if isinstance(t, torch.Tensor)]
+        self.calls.append((weakref.ref(node), ran, held))
 
-    def check(self) -> None:
-        """A training call starts: warn where an earlier call's backward is pending."""
-        self.calls = [(ref, ran) for ref, ran in self.calls
-                      if ref() is not None and not ran[0]]
+    def check(self) -> tuple[int, list[torch.Tensor]]:
+        """A training call starts: how many earlier calls' backward is pending, and the
+        tensors they returned or were called with that are still alive (the model's and
+        this call's are not counted again: memopt.backend), with a warning the first
+        time."""
+        self.calls = [call for call in self.calls if call[0]() is not None and not call[1][0]]
+        outputs = [t for _, _, refs in self.calls for t in (r() for r in refs) if t is not None]
         if self.calls:
             self._warn(TWO_CALLS, 7)  # the user's call of the module (memopt.api)
+        return len(self.calls), outputs
 
     def _warn(self, message: str, stacklevel: int) -> None:
         if message not in self.warned:

@@ -168,6 +168,11 @@ class StepCall:
     optimizer_state_bytes: int = 0
     optimizer_step_bytes: int = 0
     shards: Any = None  # FSDP2 on the blocks (memopt.fsdp_blocks.BlockShards)
+    #: earlier calls whose backward has not run, and the bytes of their outputs still
+    #: alive and of those outputs' gradients (memopt.pending): their graphs' runs come
+    #: before this call's
+    pending_calls: int = 0
+    pending_bytes: tuple[int, int] = (0, 0)
     traced: ForwardTrace | None = None
     skipped: list[tuple[CompiledGraph, list[Any], Any]] = field(default_factory=list)
     _flat: tuple[list[Any], Any] | None = None
@@ -204,6 +209,7 @@ class StepCall:
         outside it, counted again from the record."""
         s = graph.settled
         if s is None or self.traced is not None or self.skipped or self.held \
+                or self.pending_calls \
                 or s.version != self.tensors.version or s.grads != self.grads \
                 or graph.policy != ReplanPolicy.GREEDY or graph.provisional:
             return False

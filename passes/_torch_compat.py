@@ -540,6 +540,12 @@ def pop_saved_tensor_hooks() -> None:
     torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
+def current_autograd_node() -> Any:
+    """The autograd node whose backward this thread is running (None outside a
+    backward): inside a saved-tensor unpack hook, the node that saved the tensor."""
+    return torch._C._current_autograd_node()
+
+
 def autocast_regions() -> dict[str, torch.dtype]:
     """{device type: dtype} of the autocast regions entered now (CPU and CUDA)."""
     return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}

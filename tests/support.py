@@ -460,3 +460,19 @@ def offload_everywhere(monkeypatch: Any, device: str = "cpu") -> list[Any]:
 
     monkeypatch.setattr(memopt, "compile", compile_with_offload)
     return made
+
+
+def minimum_that_holds(compile_one: Callable[[object], nn.Module],
+                       step: Callable[[nn.Module], int], *, steps: int = 3,
+                       attempts: int = 3, budget: object = 0.01
+                       ) -> tuple[nn.Module, list[int], object]:
+    """Compile with `budget`, pass back each minimum a refusal names (at the first call,
+    or at a later step where a measurement raised it), until `steps` steps run: the
+    module, each step's peak (`step(module)`) and the budget that ran."""
+    for _ in range(attempts):
+        compiled = compile_one(budget)
+        try:
+            return compiled, [step(compiled) for _ in range(steps)], budget
+        except memopt.BudgetError as refused:
+            budget = refused.minimum_bytes
+    raise AssertionError(f"no minimum named held within {attempts} compiles")
