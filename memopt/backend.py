@@ -325,8 +325,9 @@ class MemoptBackend:
         for the whole step (FSDP2's shards and all-gather output, memopt.fsdp);
         `after_backward`: bytes allocated as the backward ends (FSDP2's reduce-scatter);
         `shards`: FSDP2 on the repeated blocks and the root (memopt.fsdp_blocks);
-        `pending`: how many earlier calls' backward has not run, and their outputs still
-        alive (memopt.pending.PendingBackwards.check): planned in `forward_ends`."""
+        `pending`: how many earlier calls' backward has not run, and their inputs and
+        outputs still alive (memopt.pending.PendingBackwards.check): planned in
+        `forward_ends` (graph_breaks.earlier_calls)."""
         self.plan_log.ddp, self.plan_log.tail_run, self.plan_log.loss_run = ddp, None, None
         if grads is None:
             self.plan_log.call = None
@@ -342,10 +343,10 @@ class MemoptBackend:
                         opt.state_bytes if opt else 0, opt.step_bytes if opt else 0, shards)
         if pending[0]:  # planned as earlier runs (forward_ends): traced from the start
             model = storages([*tensors.params, *tensors.buffers, args, kwargs])
+            flowing = [t for t in pending[1] if t.requires_grad and t.grad_fn is not None]
             call.pending_calls = pending[0]
-            grads = [t for t in pending[1] if t.requires_grad and t.grad_fn is not None]
             call.pending_bytes = tuple(sum(n for s, n in storages(ts).items() if s not in model)
-                                       for ts in (pending[1], grads))
+                                       for ts in (pending[1], flowing))
             call.trace()
         if not any(graph.settled is not None for graph in self.plan_log.last_runs):
             call.trace()  # no graph of the last forward may skip it: traced from the start
