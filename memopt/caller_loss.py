@@ -34,9 +34,9 @@ what autograd saves:
    for its first ``WINDOWS`` windows. Where the plan held as much, or its peak holds the
    rest as it is (with no budget: the peak raised to hold it), the plan says so there
    (``recorded``: nothing planned again; what a plan recomputed to hold an assumption
-   above the measurement stays). The unpack
-   hook finds each node of the loss as its backward runs (one whose saved tensors are
-   the graphs' outputs, which the pack hook's walk does not reach: ``(out ** 2).mean()``).
+   above the measurement stays). The unpack hook finds each node of the loss as its
+   backward runs (one whose saved tensors are the graphs' outputs, which the pack hook's
+   walk does not reach: ``(out ** 2).mean()``).
 3. The hooks are popped at the next call of any memopt module on this thread (``stop``),
    or later where a caller's hooks opened since are still above them. They cannot be
    popped as the backward ends: autograd runs the backward with the thread-local state
@@ -47,8 +47,9 @@ what autograd saves:
    and a budget it no longer fits is refused there, naming the smallest that does.
 
 The same MLP: measured 24,577,032 bytes (three (2,048, 1,000) float32 tensors, the
-4-byte total weight twice, ``LOSS_SCALARS``). Assumed from the first step, the first minimum
-named, 36,192,325 bytes, holds at every step: 35,645,352 measured, 35,646,376 predicted.
+4-byte total weight twice, ``LOSS_SCALARS``). Assumed from the first step, the first
+minimum named, 36,192,325 bytes, holds at every step: 35,645,352 measured, 35,646,376
+predicted.
 
 A module compiled again in the process over the same parameters starts from the last
 measurement (``known``: the budget a refusal named, passed back, holds from the first
@@ -171,6 +172,7 @@ class _Watch:
         #: held under it (``bytes``)
         self.outputs = list(outputs)
         self.counted, self.walked = counted, walked
+        self.read: set[StorageId] = set()  # what the plans count that the loss saved
         self.saved: dict[StorageId, int] = {}
         #: saved tensors outside autograd: a weak reference to their storage, and bytes
         self.leaves: dict[StorageId, tuple[Any, int]] = {}
@@ -181,8 +183,8 @@ class _Watch:
     def pack(self, t: torch.Tensor) -> Any:
         if self.open and holds_memory(t):
             key = storage_id(t)
-            if key in self.counted:
-                pass
+            if key in self.counted:  # held by the loss until its node's backward ran
+                self.read.add(key)
             elif t.grad_fn is None and not t.requires_grad:  # made by the step, or before?
                 self.leaves[key] = (storage_ref(t.untyped_storage()), t.untyped_storage().nbytes())
             else:
@@ -217,15 +219,17 @@ class _Watch:
         save (the soft targets' ``softmax`` from the scaled logits, a teacher's
         ``exp(log_target)`` in ``kl_div``): the largest counts once more, as the forward's
         temporaries, which no hook sees (two KL divergences measured 1.17x and 1.15x the
-        minimum named without it, found from outside). The graph's
-        outputs the caller dropped by then (``loss_fn(model(x), y)`` keeps no reference
-        to the logits) come off: the plan holds them to the step's end, and the loss's
-        backward runs without them (a tied-embedding LM predicted 1.21x what it
-        measured, found from outside)."""
+        minimum named without it, found from outside). The graph's outputs the caller
+        dropped by then (``loss_fn(model(x), y)`` keeps no reference to the logits) come
+        off: the plan holds them to the step's end, and the loss's backward runs without
+        them (a tied-embedding LM predicted 1.21x what it measured, found from
+        outside); but for one the loss saved (``out.square()``'s), which its node holds
+        until its backward ran."""
         saved = dict(self.saved)
         made = {key: n for key, (ref, n) in self.leaves.items() if ref.expired()}
         saved.update(made)
-        dropped = sum({key: n for ref, key, n in self.outputs if ref.expired()}.values())
+        dropped = sum({key: n for ref, key, n in self.outputs
+                       if ref.expired() and key not in self.read}.values())
         return max(0, sum(saved.values()) + self.flowing + LOSS_SCALARS - dropped
                    + max(made.values(), default=0))
 

@@ -12,8 +12,8 @@ earlier calls' inputs and outputs still alive held around them (``check``), from
 next step on (a contrastive loop: 1.29x the minimum named at every step before, found
 from outside). The first such step is not held, and memopt says so once per module,
 with the other fix: both calls inside one module's forward (one graph, planned
-together). A second backward through a retained graph is not planned: a
-warning names it.
+together). A second backward through a retained graph is not planned: a warning names
+it.
 
 A call is watched through the autograd node of its compiled graph
 (`CompiledFunctionBackward`, AOTAutograd's): a pre-hook on it says when its backward ran, a
