@@ -41,7 +41,7 @@ from .recurrent import modules as _chain_runtime  # noqa: F401
 from memopt.passes._torch_compat import (CompilingFrame, autocast_regions, compiling_frame,
                                          last_guard_failure, pytree, storage_key)
 from .budget import Budget, parse_budget
-from .compiled_graph import CompiledGraph, aliased_output_grad_bytes
+from .compiled_graph import CompiledGraph
 from .ddp import DDPBuckets
 from . import caller_loss, eager_tail
 from .errors import BudgetError, CaptureError, InputError, PassError
@@ -56,7 +56,7 @@ from .plan_log import PlanLog
 from .allocator.offload import Link
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
-from .steps import Outside, repeated_output_grad_bytes, storages
+from .steps import Outside, aliased_output_grad_bytes, repeated_output_grad_bytes, storages
 
 log = logging.getLogger("memopt")
 

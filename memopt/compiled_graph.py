@@ -22,7 +22,7 @@ from torch import fx
 from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
                                          autocast_regions, in_autocast_regions,
                                          loss_decompositions, make_boxed, pytree,
-                                         random_ops_kept, rng_kept, storage_key)
+                                         random_ops_kept, rng_kept)
 from memopt.passes.dead_draws import with_dead_draws
 from memopt.passes.lm_heads import Attach
 from memopt.passes.runtime_views import views_as_reshapes
@@ -40,7 +40,7 @@ from .optimizer import OptimizerBytes
 from .planner import ExistingGrads, PlanRequest, plan_joint
 from .planner.fusible import returns_view
 from .dropped import DroppedOutputs
-from .steps import Outside, kept_input_positions
+from .steps import Outside, aliased_output_grad_bytes, kept_input_positions
 from .stepper import Stepping, stepping_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -421,24 +421,32 @@ class CompiledGraph:
         # backward raised (`mm` of BFloat16 and float, found from outside)
         with in_autocast_regions(self.autocast):
             self.compile(self.fakes, outside, policy, budget, step_baseline, must_fit=False)
-            if not self.plan.fits and (policy == ReplanPolicy.LEAN
+            stepping = self.backend.optimizer is not None
+            if not self.plan.fits and (policy == ReplanPolicy.LEAN or stepping
                                        or self.kernels is Kernels.INDUCTOR):
                 # under inductor GREEDY too: the graph after a break missed without the
-                # op-by-op fallback, and budget_error then found a plan that fits
-                self.compile_lowest(self.fakes, outside, budget, step_baseline)
+                # op-by-op fallback; with optimizer=, without the optimizer's chunks and
+                # steps inside the backward, tried only where a plan must fit (_plan_joint):
+                # budget_error then found a plan that fits (an AssertionError, found from
+                # outside)
+                self.compile_lowest(self.fakes, outside, budget, step_baseline,
+                                    policy if stepping else ReplanPolicy.LOWEST)
                 self.policy = policy  # what was asked: LOWEST is how it fits here
         self.provisional = False
 
     def compile_lowest(self, example_inputs: Sequence[Any], outside: Outside,
-                       budget: Budget | None, step_baseline: int | None = None) -> Callable:
+                       budget: Budget | None, step_baseline: int | None = None,
+                       first: ReplanPolicy = ReplanPolicy.LOWEST) -> Callable:
         """compile() by the LOWEST policy where that fits the budget (under inductor, op by
-        op where inductor's lowest plan misses and aten's fits: _inductor_or_aten), else
-        that lowest plan kept all the same (`plan.fits` False): the step's minimum is then
-        named where the forward ends (memopt.graph_breaks.step_minimum)."""
-        if self.kernels is Kernels.INDUCTOR:  # op by op, the plan kept is the one tried
-            try:
-                return self.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget,
-                                    step_baseline)
+        op where inductor's lowest plan misses and aten's fits: _inductor_or_aten; with
+        optimizer=, its fallbacks: `first`, then LOWEST), else that lowest plan kept all
+        the same (`plan.fits` False): the step's minimum is then named where the forward
+        ends (memopt.graph_breaks.step_minimum)."""
+        for policy in dict.fromkeys((first, ReplanPolicy.LOWEST)):
+            if self.kernels is not Kernels.INDUCTOR and self.backend.optimizer is None:
+                break
+            try:  # the plan kept is the one tried
+                return self.compile(example_inputs, outside, policy, budget, step_baseline)
             except BudgetError:
                 pass
         return self.compile(example_inputs, outside, ReplanPolicy.LOWEST, budget,
@@ -561,35 +569,6 @@ def _optimizer_fields(opt: OptimizerBytes | None, chunk: int | None) -> dict[str
     return {"optimizer": opt.name, "optimizer_state_bytes": opt.state_bytes,
             "optimizer_step_bytes": opt.step_bytes if chunk is None
             else opt.chunked_step_bytes(chunk), "optimizer_step_chunk_bytes": chunk or 0}
-
-
-def aliased_output_grad_bytes(gm: fx.GraphModule) -> int:
-    """Bytes of the output gradients autograd forms outside the compiled backward.
-
-    AOTAutograd returns one tensor per storage and regenerates outputs that alias another
-    output (`return h, h`, a slice of an output, HF's hidden-states tuple holding the last
-    hidden state twice) or a graph input as views outside the compiled graph, so the loss's
-    gradients for those outputs are summed by autograd before the compiled backward runs
-    (and those of an input's view flow to the input outside it). While autograd sums k
-    gradients of one storage it holds up to k + 1 storage-sized buffers (the contributions,
-    a slice's gradient expanded to its base, the running sum), one of which becomes the
-    tangent the plan counts: k more, every one for an input's storage. The fuzzer
-    (tests/test_fuzz.py) measured a model returning `{"a": h[:, :1], "b": h}` 1.10x its
-    budget when the plan left them out. Dynamo hands memopt the same tensor returned
-    twice as one output, so `return h, h` is not seen here: memopt.backend counts it from
-    the returned value (memopt.steps.repeated_output_grad_bytes)."""
-    placeholders = {storage_key(v): True for v in
-                    (n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder"))
-                    if isinstance(v, torch.Tensor)}
-    output = next(iter(gm.graph.find_nodes(op="output")))
-    uses: dict[Any, list[int]] = {}
-    for node in pytree.tree_leaves(output.args):
-        value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            storage = value.untyped_storage()
-            uses.setdefault(storage_key(value), []).append(storage.nbytes())
-    return sum(sizes[0] * len(sizes) for key, sizes in uses.items()
-               if len(sizes) > 1 or key in placeholders)
 
 
 def _grad_sink(kinds: dict[str, str], inputs: Sequence[Any]) -> tuple[GradSink, ExistingGrads]:

@@ -313,3 +313,35 @@ def test_under_bf16_autocast_parameters_stay_eagers():
         p.requires_grad for p in model.parameters())
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-3)
+
+
+def test_a_plan_made_again_keeps_the_step_in_backward_it_needs():
+    """A plan made while a profiler recorded (workspaces estimated) is made again as the
+    measurement closes (memopt.backend._plan_again_measured). Made again, it planned the
+    whole step without the optimizer's fallbacks (they are tried where a plan must fit):
+    it missed, and budget_error then found a plan that fits and raised AssertionError
+    from inside memopt (found from outside, AdamW with a loss outside the module). The
+    plan made again steps in the backward as the first did, and the parameters stay
+    eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 100))
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(512, 128), torch.randint(0, 100, (512,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    loss = torch.nn.functional.cross_entropy
+    with pytest.raises(BudgetError) as refused, allocation_peak("cpu"):
+        memopt.compile(model, budget=1, optimizer=opt)(x)
+    compiled = memopt.compile(model, budget=refused.value.minimum_bytes, optimizer=opt)
+    for _ in range(3):
+        with allocation_peak("cpu"):
+            loss(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        loss(eager(x), y).backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+    assert compiled.memopt_plan.steps_in_backward > 0
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
