@@ -250,7 +250,8 @@ class MemoptBackend:
         graph.loss_identity = caller_loss.identity(
             v for v in [*gm.parameters(), *example_inputs] if isinstance(v, torch.nn.Parameter))
         measured = caller_loss.known(graph.loss_key, graph.loss_identity)
-        graph.caller_loss = graph.loss_charged = measured or 0
+        graph.caller_loss = graph.loss_charged = measured[0] if measured else 0
+        graph.loss_through = graph.through_charged = measured[1] if measured else 0
         graph.loss_measured = measured is not None
         if measured is None and alone and self.watch_loss:
             graph.loss_charged = caller_loss.assumed(caller_loss.graph_outputs(gm))

@@ -58,8 +58,9 @@ step). While the hooks are pushed (between a training forward and the next call)
 saved-tensor hooks; ``memopt.compile(..., watch_loss=False)`` turns the watch and the
 assumption off. What the loss holds that autograd does not save is seen only in part:
 what its forward makes and frees before the backward, but for one more of the largest
-temporary it saved that was made outside autograd (``_Watch.bytes``); ``F.mse_loss``'s
-scalar (a view of an input-sized buffer) not at all.
+temporary it saved that was made outside autograd (``_Watch.bytes``). ``F.mse_loss``'s
+scalar, a view of an input-sized buffer, is counted by its node's kind
+(``INPUT_SIZED_RESULTS``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ from memopt.passes._torch_compat import (current_autograd_node, pop_saved_tensor
                                           saved_tensor_hooks_free,
                                           saved_tensor_pack_hook_on_top, storage_ref)
 
-from .eager_reads import eager_nodes, gradient_bytes
+from .eager_reads import eager_nodes, gradient_bytes, node_kind
 from .storages import StorageId, holds_memory, storage_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,9 +91,9 @@ _LOCAL = threading.local()  # .watch: the _Watch whose hooks are on this thread'
 
 #: what graph a caller's loss was measured after (memopt.backend.graph_key, but whether
 #: `.grad` exists) -> (its bytes, the weak storage reference and data pointer of each of
-#: the graph's parameters): a module compiled again over the same parameters starts
-#: from it (``known``)
-_KNOWN: dict[tuple, tuple[int, tuple]] = {}
+#: the graph's parameters, its bytes held through the backward): a module compiled again
+#: over the same parameters starts from it (``known``)
+_KNOWN: dict[tuple, tuple[int, tuple, int]] = {}
 
 
 #: backward windows watched per graph: the first measures, the second checks it (a
@@ -116,12 +117,13 @@ def _alive(ident: tuple) -> bool:
     return bool(ident) and not any(ref.expired() for ref, _ in ident)
 
 
-def known(key: tuple, ident: tuple) -> int | None:
+def known(key: tuple, ident: tuple) -> tuple[int, int] | None:
     """The caller's loss measured after a graph of this key over these parameters in this
-    process (None: none). The budget a refusal named counts it, and a module compiled
-    again with that budget holds it from its first step."""
+    process, and what it held through the backward (None: none). The budget a refusal
+    named counts them, and a module compiled again with that budget holds them from its
+    first step."""
     entry = _KNOWN.get(key)
-    return entry[0] if entry is not None and _same(entry[1], ident) else None
+    return entry[::2] if entry is not None and _same(entry[1], ident) else None
 
 
 #: Tensors the size of the largest output a loss the caller computes is assumed to hold,
@@ -131,6 +133,12 @@ def known(key: tuple, ident: tuple) -> int | None:
 ASSUMED_PER_ELEMENT = 3
 #: and bytes besides, for its scalars (the loss, its gradient, a reduction's count)
 ASSUMED_SCALARS = 4096
+#: losses whose scalar is a view of a buffer the size of their input, held as long as the
+#: loss is (through the graphs' backward) and saved by no node (their node's kind:
+#: memopt.eager_reads.node_kind): the unpack hook finds it as the node runs, and the graph
+#: is planned again with it held over its backward (`taken`; a U-Net with ``F.mse_loss``
+#: outside measured one output over its plan, 1.016x its prediction, found from outside)
+INPUT_SIZED_RESULTS = ("MseLoss", "SmoothL1Loss", "BinaryCrossEntropy", "SoftMarginLoss")
 #: bytes of the loss and of the gradient its backward starts from, counted beside what
 #: the loss saves: a CUDA allocator block (512 bytes) each at least
 LOSS_SCALARS = 2 * 512
@@ -154,9 +162,9 @@ def assumed(returned: Any) -> int:
 def _remember(graph: CompiledGraph) -> None:
     if graph.loss_key is None:
         return
-    for key in [k for k, (_, ident) in _KNOWN.items() if not _alive(ident)]:
+    for key in [k for k, (_, ident, _) in _KNOWN.items() if not _alive(ident)]:
         del _KNOWN[key]  # its model is gone
-    _KNOWN[graph.loss_key] = (graph.caller_loss, graph.loss_identity)
+    _KNOWN[graph.loss_key] = (graph.caller_loss, graph.loss_identity, graph.loss_through)
 
 
 class _Watch:
@@ -173,6 +181,7 @@ class _Watch:
         self.outputs = list(outputs)
         self.counted, self.walked = counted, walked
         self.read: set[StorageId] = set()  # what the plans count that the loss saved
+        self.results: dict[int, int] = {}  # INPUT_SIZED_RESULTS's buffers, by node
         self.saved: dict[StorageId, int] = {}
         #: saved tensors outside autograd: a weak reference to their storage, and bytes
         self.leaves: dict[StorageId, tuple[Any, int]] = {}
@@ -206,6 +215,8 @@ class _Watch:
             if node is not None:
                 self.flowing = max([self.flowing, *map(gradient_bytes,
                                                        eager_nodes([node], self.walked))])
+                if node_kind(node) in INPUT_SIZED_RESULTS and isinstance(t, torch.Tensor):
+                    self.results[id(node)] = t.numel() * t.element_size()  # its input's
         return t
 
     def bytes(self) -> int:
@@ -241,6 +252,7 @@ class _Watch:
         if graph is not None:
             graph.caller_loss = max(graph.caller_loss if graph.loss_measured else 0,
                                     self.bytes())
+            graph.loss_through = max(graph.loss_through, sum(self.results.values()))
             graph.loss_windows += 1
             graph.loss_measured = True
             _remember(graph)
@@ -312,9 +324,10 @@ def with_loss(graph: CompiledGraph, base: Outside, head_flowing: int,
             and graph.backend.watch_loss:
         graph.loss_charged = assumed(returned)
     extra = held(graph, graph.loss_charged)
-    if not extra:
+    if not extra and not graph.through_charged:
         return base
-    return dataclasses.replace(base, before_backward=base.before_backward + extra)
+    return dataclasses.replace(base, before_backward=base.before_backward + extra,
+                               backward=base.backward + graph.through_charged)
 
 
 def charge(backend: MemoptBackend) -> None:
@@ -340,6 +353,8 @@ def recorded(graph: CompiledGraph) -> bool:
     raised to hold it (nothing to recompute: the same plan). False: it must be planned
     again (``charge``)."""
     plan = graph.plan
+    if graph.loss_through > graph.through_charged:  # held over the backward: planned again
+        return False
     if plan is None or plan.caller_loss_measured_bytes == graph.caller_loss:
         return True
     change = held(graph, graph.caller_loss) - held(graph, graph.loss_charged)
@@ -389,12 +404,16 @@ def _timeline_moved(plan: MemoryPlan, change: int) -> dict[str, Any]:
 
 def taken(graph: CompiledGraph) -> tuple[Outside, int]:
     """What the rest of the step holds around `graph` with the caller's loss measured
-    since it was planned held before its backward (``held``), and how many bytes more
-    that is; the loss is then the plan's to hold (`loss_charged`)."""
+    since it was planned held before its backward (``held``), and what it holds through
+    the backward (`loss_through`: INPUT_SIZED_RESULTS's buffers) over it, and how many
+    bytes more before it that is; the loss is then the plan's to hold (`loss_charged`,
+    `through_charged`)."""
     extra = max(0, held(graph, graph.caller_loss) - held(graph, graph.loss_charged))
+    through = max(0, graph.loss_through - graph.through_charged)
     graph.loss_charged = max(graph.loss_charged, graph.caller_loss)
+    graph.through_charged = max(graph.through_charged, graph.loss_through)
     return dataclasses.replace(graph.outside, before_backward=graph.outside.before_backward
-                               + extra), extra
+                               + extra, backward=graph.outside.backward + through), extra
 
 
 def _before_backward(plan: MemoryPlan) -> int | None:

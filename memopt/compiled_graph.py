@@ -123,6 +123,9 @@ class CompiledGraph:
         #: the caller's loss after its last run, measured (memopt.caller_loss: the most
         #: any step measured), and the part of it its plan holds before its backward
         self.caller_loss = self.loss_charged = 0
+        #: what it holds through the backward (caller_loss.INPUT_SIZED_RESULTS), and the
+        #: part of it the plan holds
+        self.loss_through = self.through_charged = 0
         self.loss_windows = 0  # backward windows memopt.caller_loss watched
         self.loss_measured = False  # caller_loss measured (or known from an earlier module)
         self.head_flowing = 0  # steps.ForwardTrace.eager_head's gradient term, last seen

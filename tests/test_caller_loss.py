@@ -310,3 +310,31 @@ def test_an_output_the_loss_saved_stays_in_the_loss_when_the_caller_drops_it():
     compiled, peaks, budget = minimum_that_holds(
         lambda b: memopt.compile(model, budget=b), step, steps=4)
     assert max(peaks) <= budget, (peaks, budget)
+
+
+def test_a_loss_whose_scalar_holds_an_input_sized_buffer_is_held_through_the_backward():
+    """``F.mse_loss`` returns its scalar as a view of a buffer the size of its input,
+    which no node saves and which lives as long as the loss, through the graphs'
+    backward: the unpack hook finds the node (caller_loss.INPUT_SIZED_RESULTS) and the
+    plan holds the buffer over its backward. The minimum named holds at every step of a
+    module compiled with it, predicted within 1% (a U-Net measured 1.016x its prediction
+    without it, found from outside)."""
+    x, _ = _data()
+    model = _mlp()
+    target = torch.randn(B, V)
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), x))
+
+    def step(compiled: nn.Module) -> int:
+        for p in compiled.parameters():
+            p.grad = None
+        with allocation_peak("cpu") as seen:
+            out = compiled(x)
+            F.mse_loss(out, target).backward()
+            del out
+        return seen.peak + resident
+
+    compiled, peaks, budget = minimum_that_holds(
+        lambda b: memopt.compile(model, budget=b), step, steps=4)
+    assert max(peaks) <= budget, (peaks, budget)
+    plan = compiled.memopt_plan
+    assert abs(plan.predicted_peak_bytes - peaks[-1]) <= 0.01 * peaks[-1], (plan, peaks)

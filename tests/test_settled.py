@@ -233,4 +233,7 @@ def test_settled_steps_match_eager_under_a_budget(budget: float | None) -> None:
         for module in (compiled, eager):
             _step(module, x, kept=k % 2 == 1)
     _same_grads(compiled, eager)
-    assert _log(compiled).traced == 2  # one step of each kind: .grad set to None, kept
+    # one step of each kind (.grad set to None, kept); under the budget one more: the
+    # caller's `.square().mean()` holds four output-sized tensors, the assumption three
+    # (memopt.caller_loss), so the step after its measurement plans it again
+    assert _log(compiled).traced == (2 if budget is None else 3)
