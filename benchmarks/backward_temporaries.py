@@ -42,7 +42,16 @@ def ops(device: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     classes = torch.randint(0, SIZE, (SIZE,), device=device)
     return {
         "pow": lambda x: x ** 2, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal,
-        "div": lambda x: other / x, "erf": torch.erf, "atan": torch.atan, "cos": torch.cos,
+        "div": lambda x: other / x, "erf": torch.erf, "erfc": torch.erfc,
+        "asin": lambda x: torch.asin(x * 0.5), "acos": lambda x: torch.acos(x * 0.5),
+        "atan": torch.atan, "cos": torch.cos, "sinh": torch.sinh, "cosh": torch.cosh,
+        "log2": torch.log2, "log10": torch.log10,
+        "minimum": lambda x: torch.minimum(x, other), "amin": lambda x: x.amin(-1),
+        "clamp_min": lambda x: x.clamp_min(0.5), "clamp_max": lambda x: x.clamp_max(0.5),
+        "var": lambda x: x.var(), "prod": lambda x: (x * 0.01 + 1).prod(-1),
+        "soft_margin_loss": lambda x: F.soft_margin_loss(x, other.sign()),
+        "binary_cross_entropy": lambda x: F.binary_cross_entropy(x.clamp(0.01, 0.99),
+                                                                 other.clamp(0, 1)),
         "tan": torch.tan, "logsumexp": lambda x: x.logsumexp(-1), "cumsum": lambda x: x.cumsum(-1),
         "maximum": lambda x: torch.maximum(x, other), "amax": lambda x: x.amax(-1),
         "norm": lambda x: x.norm(dim=-1), "std": lambda x: x.std(), "sqrt": torch.sqrt,
