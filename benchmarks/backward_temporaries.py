@@ -18,6 +18,10 @@ node held at once is the handed gradient plus the block's peak; the table prints
 over what ``gradient_bytes`` counts, in units of the node's largest gradient ("missing",
 0 or less where the count covers it), with the kind's entry in the table. A row whose
 "missing" is above 0 is a kind the table under-counts.
+
+A second table measures the forward of the fused losses (``forward_ops``): the peak of
+``y = op(x)`` beyond its output, in units of ``x``, against
+``memopt.eager_reads.FORWARD_TEMPORARIES``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from memopt.eager_reads import BACKWARD_TEMPORARIES, gradient_bytes, node_kind
+from memopt.eager_reads import (BACKWARD_TEMPORARIES, FORWARD_TEMPORARIES, gradient_bytes,
+                                node_kind)
 from memopt.measure import allocation_peak
 
 SIZE = 512
@@ -82,6 +87,36 @@ def measure(op: Callable[[torch.Tensor], torch.Tensor], device: str) -> tuple[st
     return node_kind(node), (held - gradient_bytes(node)) / unit, held
 
 
+def forward_ops(device: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Ops over a (SIZE, SIZE) input in (0.1, 0.9) whose forward frees temporaries of its
+    size before it returns (and controls that make none): name -> op."""
+    torch.manual_seed(0)
+    target = torch.rand(SIZE, SIZE, device=device)
+    classes = torch.randint(0, SIZE, (SIZE,), device=device)
+    return {
+        "bce_with_logits": lambda x: F.binary_cross_entropy_with_logits(x, target),
+        "mse_loss": lambda x: F.mse_loss(x, target),
+        "smooth_l1_loss": lambda x: F.smooth_l1_loss(x, target),
+        "huber_loss": lambda x: F.huber_loss(x, target), "logsumexp": lambda x: x.logsumexp(-1),
+        "cross_entropy": lambda x: F.cross_entropy(x, classes),
+        "soft_margin_loss": lambda x: F.soft_margin_loss(x, target.round() * 2 - 1),
+        "binary_cross_entropy": lambda x: F.binary_cross_entropy(x, target),
+    }
+
+
+def measure_forward(op: Callable[[torch.Tensor], torch.Tensor], device: str
+                    ) -> tuple[str, float]:
+    """(the kind of the node ``op`` ends in, what its forward held beyond its output and
+    what it saved, in units of its input) for one op."""
+    torch.manual_seed(1)
+    x = (torch.rand(SIZE, SIZE, device=device) * 0.8 + 0.1).requires_grad_() * 1.0
+    with allocation_peak(device) as seen:
+        y = op(x)
+    kind = node_kind(y.grad_fn)
+    del y
+    return kind, (seen.peak - seen.end) / (x.numel() * x.element_size())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -91,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         kind, missing, held = measure(op, args.device)
         print(f"{name:18s} {kind:20s} {held:10d} {missing:8.2f} "
               f"{BACKWARD_TEMPORARIES.get(kind, 0):6.1f}")
+    print(f"\n{'forward of':18s} {'node kind':28s} {'made':>6s} {'table':>6s}")
+    for name, op in forward_ops(args.device).items():
+        kind, made = measure_forward(op, args.device)
+        print(f"{name:18s} {kind:28s} {made:6.2f} {FORWARD_TEMPORARIES.get(kind, 0):6.1f}")
     return 0
 
 

@@ -25,8 +25,9 @@ what autograd saves:
    graphs' inputs and outputs; a tensor outside autograd only where it is gone by the
    graph's backward, not the targets the caller holds) and, from its ``grad_fn`` down to
    the compiled graphs' nodes, the most gradients one of those autograd nodes holds at
-   once (eager_reads.gradient_bytes: handed and returned). It returns ``t.detach()``, an
-   alias (the version counter shared, so in-place checks stay eager's).
+   once (eager_reads.node_bytes: handed and returned, or what a fused loss's forward
+   made). It returns ``t.detach()``, an alias (the version counter shared, so in-place
+   checks stay eager's).
 2. A pre-hook on the forward's last graph's autograd node (AOTAutograd's
    CompiledFunctionBackward) closes the window as that graph's backward starts: the
    caller's loss is then the saved bytes plus that gradient term
@@ -78,7 +79,7 @@ from memopt.passes._torch_compat import (current_autograd_node, pop_saved_tensor
                                           saved_tensor_hooks_free,
                                           saved_tensor_pack_hook_on_top, storage_ref)
 
-from .eager_reads import eager_nodes, gradient_bytes, node_kind
+from .eager_reads import eager_nodes, node_bytes, node_kind
 from .storages import StorageId, holds_memory, storage_id
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -199,13 +200,13 @@ class _Watch:
             else:
                 self.saved[key] = t.untyped_storage().nbytes()
             if t.grad_fn is not None:
-                self.flowing = max([self.flowing, *map(gradient_bytes,
+                self.flowing = max([self.flowing, *map(node_bytes,
                                                        eager_nodes([t.grad_fn], self.walked))])
         return t.detach() if isinstance(t, torch.Tensor) else t
 
     def unpack(self, t: Any) -> Any:
         """A node of the caller's loss reads what it saved as its backward runs: the
-        gradients it holds count (``gradient_bytes``). The pack hook walks from what is
+        gradients it holds count (``node_bytes``). The pack hook walks from what is
         saved down, and misses a node whose saved tensors are the graphs' outputs (the
         ``PowBackward`` of ``(out ** 2).mean()``, ``F.mse_loss``'s): it holds its
         handed gradient and the output's at once (a plan 1.12x over its budget without
@@ -213,7 +214,7 @@ class _Watch:
         if self.open:
             node = current_autograd_node()
             if node is not None:
-                self.flowing = max([self.flowing, *map(gradient_bytes,
+                self.flowing = max([self.flowing, *map(node_bytes,
                                                        eager_nodes([node], self.walked))])
                 if node_kind(node) in INPUT_SIZED_RESULTS and isinstance(t, torch.Tensor):
                     self.results[id(node)] = t.numel() * t.element_size()  # its input's
@@ -408,12 +409,13 @@ def taken(graph: CompiledGraph) -> tuple[Outside, int]:
     the backward (`loss_through`: INPUT_SIZED_RESULTS's buffers) over it, and how many
     bytes more before it that is; the loss is then the plan's to hold (`loss_charged`,
     `through_charged`)."""
-    extra = max(0, held(graph, graph.caller_loss) - held(graph, graph.loss_charged))
+    charged = graph.caller_loss if graph.loss_measured else graph.loss_charged
+    extra = held(graph, charged) - held(graph, graph.loss_charged)
     through = max(0, graph.loss_through - graph.through_charged)
-    graph.loss_charged = max(graph.loss_charged, graph.caller_loss)
+    graph.loss_charged = charged
     graph.through_charged = max(graph.through_charged, graph.loss_through)
     return dataclasses.replace(graph.outside, before_backward=graph.outside.before_backward
-                               + extra, backward=graph.outside.backward + through), extra
+                               + extra, backward=graph.outside.backward + through), max(0, extra)
 
 
 def _before_backward(plan: MemoryPlan) -> int | None:

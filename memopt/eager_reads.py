@@ -183,6 +183,35 @@ BACKWARD_TEMPORARIES = {
 }
 
 
+#: temporaries an eager autograd node's op makes in its forward and frees before it returns,
+#: beyond its output, in units of its largest input, by node kind (measured on CPU by
+#: ``python -m benchmarks.backward_temporaries``, its forward column, torch 2.13). A fused
+#: loss returns a scalar and saves its inputs only: its backward holds one input-sized
+#: gradient, while its forward held more on top of the whole plan at the forward's end.
+#: ``F.binary_cross_entropy_with_logits`` over an MLP's (1,024, 500) outputs computed
+#: outside the module measured 1.28x its prediction with no budget, found from outside.
+FORWARD_TEMPORARIES = {
+    "BinaryCrossEntropyWithLogits": 2.0, "MseLoss": 1.0, "SmoothL1Loss": 1.0,
+    "HuberLoss": 1.0, "Logsumexp": 1.0,
+}
+
+
+def forward_bytes(node: Any) -> int:
+    """Bytes eager autograd node `node`'s op held at once in its forward beyond its inputs:
+    its outputs (autograd's input metadata) and the temporaries of ``FORWARD_TEMPORARIES``;
+    0 for a kind not there (its backward holds as much: ``gradient_bytes``)."""
+    per_input = FORWARD_TEMPORARIES.get(node_kind(node), 0)
+    if not per_input:
+        return 0
+    try:
+        outputs = sum(_metadata_bytes(m) for m in node._input_metadata)
+        inputs = [_metadata_bytes(nxt._input_metadata[index])
+                  for nxt, index in node.next_functions if nxt is not None]
+    except (AttributeError, IndexError, RuntimeError):
+        return 0
+    return outputs + int(per_input * max(inputs, default=0))
+
+
 def node_kind(node: Any) -> str:
     """The op of an autograd node's class name: ``PowBackward0`` -> ``Pow``."""
     name = type(node).__name__
@@ -208,3 +237,9 @@ def gradient_bytes(node: Any) -> int:
     largest = max([*handed, *(size for size, _ in returned)], default=0)
     return sum(handed) + sum(size for size, counted in returned if counted) \
         + int(BACKWARD_TEMPORARIES.get(node_kind(node), 0) * largest)
+
+
+def node_bytes(node: Any) -> int:
+    """The most eager autograd node `node`'s op holds at once beyond its inputs, in its
+    forward (``forward_bytes``) or its backward (``gradient_bytes``)."""
+    return max(gradient_bytes(node), forward_bytes(node))

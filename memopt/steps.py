@@ -48,7 +48,7 @@ from torch import fx
 from memopt.passes._torch_compat import dynamo_frames_converted, pytree, storage_key, storage_ref
 
 from .eager_reads import (eager_nodes, eager_reads, gradient_bytes, made_by_eager_autograd,
-                          made_by_planned_function, nodes_below)
+                          made_by_planned_function, node_bytes, nodes_below)
 from .fsdp import local_tensor
 from .pending import compiled_nodes
 from .storages import StorageId, holds_memory, storage_id
@@ -537,7 +537,7 @@ class ForwardTrace:
         held.update({s: n for s, n in (self.returned or {}).items() if s not in counted})
         roots = [t.grad_fn for t in leaves if t.requires_grad and made_by_eager_autograd(t)
                  and not made_by_planned_function(t)]
-        flowing = max(map(gradient_bytes, eager_nodes(roots, self.head_nodes)), default=0)
+        flowing = max(map(node_bytes, eager_nodes(roots, self.head_nodes)), default=0)
         self.head_saved = set(held) if flowing else set()
         self.head_flowing = flowing
         return sum(held.values()) + flowing if flowing else 0
