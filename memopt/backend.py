@@ -28,6 +28,7 @@ from torch import fx
 from memopt.passes.lm_heads import Attach, chunk_heads
 from memopt.passes.cell_loops import chain_loops
 from memopt.passes.constant_masks import drop_constant_masks
+from memopt.passes.fused_upsample import fuse_upsampling
 from memopt.passes.identity_dropouts import remove_identity_dropouts
 from memopt.passes.allocated import can_track, when_trackable
 from memopt.passes.workspace import SHARED, WorkspaceCache
@@ -245,6 +246,8 @@ class MemoptBackend:
             self.plan_log.count_resumed(frame.code, key[1:])
         remove_identity_dropouts(gm)  # as eager: no copy saved beside the input
         drop_constant_masks(gm)  # as eager: SDPA's fused kernel, no attention matrix
+        if self.kernels is Kernels.ATEN:
+            fuse_upsampling(gm)  # as eager: ATen's upsampling kernels, forward and backward
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
         graph.loss_key = (_MEMOPT_OP_IDS.sub(r"\1", key[0]),) + key[1:6] + key[7:]  # .grad or not
         graph.loss_identity = caller_loss.identity(

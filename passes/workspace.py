@@ -22,8 +22,9 @@ Ensures: every measured node whose kernel allocated more than it returned carrie
 once during the call minus those still live after it (its new outputs): with the
 op's outputs charged at its step as well, liveness then sees the op's real peak.
 Nodes that already carry the key (memopt's own chain and reversible ops, priced by
-passes.chain_policy and passes.reversible_stacks) are left as they are. The graphs are not
-otherwise changed, and the caller's RNG state is not moved.
+passes.chain_policy and passes.reversible_stacks) are left as they are, and so are
+memopt's other own ops but those that only call ATen kernels (``_OWN_MEASURED``). The
+graphs are not otherwise changed, and the caller's RNG state is not moved.
 
 Which ops: every aten op that returns a tensor, except views (``OpOverload.is_view``:
 they allocate nothing) and ops of the ``memopt`` namespace, however small: a small
@@ -265,10 +266,17 @@ def estimated_workspace(call: Call) -> int:
     return factor * max(t.numel() * t.element_size() for t in tensors) + _ESTIMATE_MARGIN
 
 
+#: memopt's own ops that run ATen kernels and nothing else: measured as those are
+#: (passes.fused_upsample; a bilinear upsampling's backward allocates twice its input's
+#: gradient on CPU)
+_OWN_MEASURED = frozenset({"memopt::upsample", "memopt::upsample_backward"})
+
+
 def _eligible(node: fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return False
-    if node.target.namespace == "memopt" or node.target.is_view or WORKSPACE_BYTES in node.meta:
+    own = node.target.namespace == "memopt" and node.target.name() not in _OWN_MEASURED
+    if own or node.target.is_view or WORKSPACE_BYTES in node.meta:
         return False
     return bool(value_tensors(fake_value(node)))
 
