@@ -153,10 +153,15 @@ class ChunkCosts:
                    for n, s in zip(runs, sizes)) / 1e9
 
 
-def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
+def chunk_costs(joint: fx.GraphModule, site: ChainSite, room: int | None = None) -> ChunkCosts:
     """Measured at two chunk lengths, 2 and 16 steps (fewer when T is shorter), on zeros
     of the real shapes on the real device; long chunks are not run (on FakeTensors the
     fused RNN op decomposes into per-step ops: slow to trace, and the wrong bytes).
+    ``room``: the bytes the measurement may allocate (a byte budget less what is live as
+    the first call plans), None for any: the runs are inside the user's first step, and
+    a chunk of 12 steps of an nn.LSTM, the whole chain, measured 1.68x the budget there
+    (found from outside). The longer chunk is then the longest whose bytes, priced on
+    the 1-step chunk measured first (``_longest_within``), fit in it, 2 steps at least.
 
     Step 1: a chunk of each length, its inputs zeros of the real shapes.
     Step 2: bytes: each chunk run once, forward then backward, under allocation
@@ -173,7 +178,6 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
     Step 4: RNG states: where the chain replays random ops, the bytes of one state on
         the device, and whether the runs of Step 2 moved the state (a chunk draws)."""
     long = min(16, site.steps)
-    lengths = (min(2, long - 1) if long > 1 else 1, long)
     device = fake_value(_fwd_node(joint, site).args[_FWD_XS]).device
     tracked = can_track(device)
     if not tracked:  # planned again, measured, once the profiler stops (memopt.backend)
@@ -181,11 +185,15 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
         log.warning("memopt: cannot track allocations while planning chain %s (a profiler "
                     "is recording); its kernels' temporaries are not counted", site.name)
     with real_tensors():
-        runs = [_chunk_run(joint, site, n) for n in lengths]                 # Step 1
         rng_before = _rng_state(device)
+        one = _chunk_bytes(_chunk_run(joint, site, 1), device, tracked) if long > 2 else None
+        if one is not None and room is not None:
+            long = _longest_within(long, site.steps, one, room)
+        lengths = (min(2, long - 1) if long > 1 else 1, long)
+        if lengths[0] == 1:
+            one = None  # one of the two lengths
+        runs = [_chunk_run(joint, site, n) for n in lengths]                 # Step 1
         measured = [_chunk_bytes(run, device, tracked) for run in runs]     # Step 2
-        one = _chunk_bytes(_chunk_run(joint, site, 1), device, tracked) \
-            if lengths[0] > 1 else None
         n_params = len(_fwd_node(joint, site).args[_FWD_PARAMS])
         sliced = [_saved_sliced(run, n_params) for run in runs]
         xs_unsaved = _xs_unsaved(runs[-1])
@@ -205,6 +213,24 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite) -> ChunkCosts:
                       unsaved=sliced[-1][0], xs_unsaved=xs_unsaved,
                       sliced_saved=Linear.through((lengths[0], sliced[0][1]),
                                                   (lengths[1], sliced[1][1])))
+
+
+#: a chunk's bytes over what its 1-step measurement says per step, allowed for in
+#: `_longest_within` (oneDNN's LSTM allocates in blocks: a 1-step chunk can say less per
+#: step than a longer one holds)
+_ROOM_MARGIN = 1.5
+
+
+def _longest_within(longest: int, steps: int, one: list[int], room: int) -> int:
+    """The longest chunk, up to `longest` steps, whose run fits in `room` bytes, priced at
+    its steps times the 1-step chunk's saved bytes and larger transient (`one`), with
+    `_ROOM_MARGIN`; a quarter of the chain's `steps` (2 at least) where none longer does,
+    whatever the room: a budget far below reach (the probe for the minimum) measures
+    what the minimum's own plan will, so the minimum it names is the one that plan
+    accepts."""
+    per_step = (one[0] + max(one[1], one[2])) * _ROOM_MARGIN
+    fits = int(room // per_step) if per_step > 0 else longest
+    return min(longest, max(2, steps // 4, fits))
 
 
 def _rng_state(device: torch.device) -> tuple:

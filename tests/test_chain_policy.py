@@ -4,6 +4,8 @@ lengths, the exact count of recomputed time steps, and the bisection over chunk 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +18,7 @@ from memopt.passes.chain_policy import (ChainSite, ChunkCosts, Linear, _stored_b
                                   longest_fitting_chunk, msm_units)
 from memopt.recurrent import ops
 from models import allocated_step
-from support import regression_at, TinyLM
+from support import minimum_that_holds, regression_at, TinyLM
 
 
 def _site(steps: int, hidden_bytes: int = 1000) -> ChainSite:
@@ -359,3 +361,43 @@ def test_chunk_gradients_shared_or_expanded_are_never_summed_into():
     assert total[2][0] is own  # summed in place
     for s, _ in total:
         assert torch.equal(s, torch.full((3,), 3.0))
+
+
+class _ShortLSTM(torch.nn.Module):
+    """An nn.LSTM language model over 12 tokens: its chain is short enough that a chunk of
+    16 steps, measured while the first call plans, would be all of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(200, 32)
+        self.lstm = torch.nn.LSTM(32, 64, batch_first=True)
+        self.out = torch.nn.Linear(64, 200)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lstm(self.emb(x))[0])
+
+
+def test_a_short_chains_first_step_holds_the_minimum_named():
+    """The chain's chunks are measured on real tensors inside the user's first step
+    (passes.chain_costs): under a byte budget the longer chunk is the longest that fits in
+    what the budget leaves. At the minimum named, the first step (its planning included)
+    holds (1.68x with the whole chain measured, found from outside), and so do the next."""
+    torch.manual_seed(0)
+    model = _ShortLSTM()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 200, (16, 12), generator=g), torch.randint(0, 200, (16, 12),
+                                                                        generator=g)
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), x))
+
+    def step(compiled) -> int:
+        for p in compiled.parameters():
+            p.grad = None
+        with allocation_peak("cpu") as seen:
+            out = compiled(x)
+            torch.nn.functional.cross_entropy(out.reshape(-1, 200), y.reshape(-1)).backward()
+            del out
+        return seen.peak + resident
+
+    _, peaks, budget = minimum_that_holds(
+        lambda b: memopt.compile(copy.deepcopy(model), budget=b), step, steps=3)
+    assert max(peaks) <= budget, (peaks, budget)

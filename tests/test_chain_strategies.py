@@ -99,9 +99,9 @@ def _steps_dominate(monkeypatch) -> None:
     machine's load: recomputed steps are then what costs time."""
     measured = chain_pass.chunk_costs
 
-    def costs(joint, site):
+    def costs(joint, site, room=None):
         return dataclasses.replace(
-            measured(joint, site), forward_ns=chain_pass.Linear(1_010_000, 1_000_000),
+            measured(joint, site, room), forward_ns=chain_pass.Linear(1_010_000, 1_000_000),
             backward_ns=chain_pass.Linear(2_020_000, 2_000_000))
 
     monkeypatch.setattr(chain_pass, "chunk_costs", costs)

@@ -42,9 +42,9 @@ class ChainFamily:
     def find(self, joint: fx.GraphModule) -> list[chain_pass.ChainSite]:
         return chain_pass.find_chains(joint)
 
-    def costs(self, joint: fx.GraphModule, site: chain_pass.ChainSite
-              ) -> chain_pass.ChunkCosts:
-        return chain_pass.chunk_costs(joint, site)
+    def costs(self, joint: fx.GraphModule, site: chain_pass.ChainSite,
+              room: int | None = None) -> chain_pass.ChunkCosts:
+        return chain_pass.chunk_costs(joint, site, room)
 
     def initial(self, site: chain_pass.ChainSite, costs: chain_pass.ChunkCosts,
                 lean: bool = False) -> chain_pass.ChainConfig:

@@ -84,7 +84,7 @@ class OpFamily(Protocol):
     plan_field: str
 
     def find(self, joint: fx.GraphModule) -> list[Any]: ...
-    def costs(self, joint: fx.GraphModule, site: Any) -> Any: ...
+    def costs(self, joint: fx.GraphModule, site: Any, room: int | None = None) -> Any: ...
     def initial(self, site: Any, costs: Any, lean: bool = False) -> Any: ...
     def apply(self, graphs: list[fx.GraphModule], site: Any, config: Any) -> None: ...
     def op_bytes(self, site: Any, config: Any) -> dict[str, OpBytes]: ...
@@ -113,12 +113,13 @@ class Sites:
         self.family.apply([self.joint, *also], site, config)
         self.current[site.fwd] = config
 
-    def begin(self, lean: bool = False) -> None:
+    def begin(self, lean: bool = False, room: int | None = None) -> None:
         """Price each site once and run it in its initial configuration (nothing
         recomputed: what the baseline plans). ``lean``: the plan has no budget, so the
-        initial configuration is final (a family may then hold less: ChainFamily.initial)."""
+        initial configuration is final (a family may then hold less: ChainFamily.initial).
+        ``room``: the bytes a measurement made while pricing may allocate (None: any)."""
         for site in self.sites:
-            self.costs[site.fwd] = self.family.costs(self.joint, site)
+            self.costs[site.fwd] = self.family.costs(self.joint, site, room)
             self.run(site, self.family.initial(site, self.costs[site.fwd], lean))
 
     def reset(self) -> None:
@@ -199,7 +200,8 @@ class HeadFamily:
     def find(self, joint: fx.GraphModule) -> list[head_pass.HeadSite]:
         return head_pass.find_heads(joint)
 
-    def costs(self, joint: fx.GraphModule, site: head_pass.HeadSite) -> head_pass.HeadCosts:
+    def costs(self, joint: fx.GraphModule, site: head_pass.HeadSite,
+              room: int | None = None) -> head_pass.HeadCosts:
         return head_pass.head_costs(joint, site)
 
     def initial(self, site: head_pass.HeadSite, costs: head_pass.HeadCosts,
@@ -285,7 +287,8 @@ class ReversibleFamily:
         return reversible_pass.find_reversible(joint) if reversible_pass.present(joint) \
             else []
 
-    def costs(self, joint: fx.GraphModule, site: reversible_pass.ReversibleSite) -> None:
+    def costs(self, joint: fx.GraphModule, site: reversible_pass.ReversibleSite,
+              room: int | None = None) -> None:
         return None
 
     def initial(self, site: reversible_pass.ReversibleSite, costs: None,

@@ -29,6 +29,7 @@ from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops, user_checkpointed
 from memopt.passes.simulate import Simulated, StepModel
 from memopt.passes.grad_layouts import accumulate_copy_bytes
+from memopt.passes.meta import fake_value, value_tensors
 from memopt.passes.runtime_layouts import restore_runtime_layouts
 from memopt.passes.storage_sizes import restore_storage_sizes
 
@@ -185,8 +186,23 @@ class _Planning:
                     # lean: no budget, op by op (under inductor's kernels the stand-ins'
                     # savings measured half what the plan counted: not taken there)
                     found.begin(lean=self.request.budget is None
-                                and not self.request.lowest_peak and not self.step.fused)
+                                and not self.request.lowest_peak and not self.step.fused,
+                                room=self._measuring_room())
             self.found[family] = found
+
+    def _measuring_room(self) -> int | None:
+        """The bytes a measurement run while pricing an op family may allocate: a byte
+        budget less the graph's inputs and parameters, live as the first call plans (a
+        chain's chunks run on real tensors inside the user's first step: an nn.LSTM over
+        12 tokens measured 1.68x its budget at that step, found from outside). None for
+        no budget or a fraction, whose bytes are known only after the baseline."""
+        budget = self.request.budget
+        if budget is None or budget.nbytes is None:
+            return None
+        inputs = sum(t.untyped_storage().nbytes() for n in self.joint.graph.nodes
+                     if n.op == "placeholder" and not n.name.startswith("tangents")
+                     for t in value_tensors(fake_value(n)))
+        return max(0, budget.nbytes - inputs)
 
     def found_sites(self) -> bool:
         """Whether any op family found a site (Step 5 has choices to make)."""
