@@ -23,7 +23,10 @@ Python constants and its output's shape static (``example_value``). Ensures: eac
 antialiasing, over a floating input of 3 to 5 dimensions, is replaced by a
 ``memopt::upsample`` call computing the same values with the same kernels (the scales
 passed to the kernel as ``F.interpolate`` passes them); every other call is left as
-traced. Used for ``kernels="aten"`` (inductor generates its own upsampling kernels).
+traced. Used for ``kernels="aten"`` (inductor generates its own upsampling kernels), and
+not under autocast: CUDA's autocast runs ATen's upsampling in float32 (its fp32 list),
+which this op, with no autocast kernel, would not (a graph captured under autocast, or
+entering it, is left as traced).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from memopt.passes._torch_compat import library_for_op
+from memopt.passes._torch_compat import autocast_regions, library_for_op
 
 #: mode -> the ATen op per spatial rank (1, 2, 3), and whether it takes align_corners
 _KERNELS = {
@@ -156,6 +159,8 @@ def _call(node: fx.Node) -> tuple[fx.Node, list[int], str, bool, list[float]] | 
 def fuse_upsampling(gm: fx.GraphModule) -> int:
     """Replace the upsampling calls of `gm` by ``memopt::upsample`` (the module
     docstring); return how many."""
+    if autocast_regions() or any("autocast" in str(n.target) for n in gm.graph.nodes):
+        return 0
     replaced = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not F.interpolate:

@@ -118,3 +118,29 @@ def test_a_segmentation_heads_upsampling_holds_no_more_than_eager():
     assert peaks[-1] <= eager, (peaks, eager)
     predicted = compiled.memopt_plan.predicted_peak_bytes
     assert abs(predicted - (peaks[-1] + resident)) <= 0.01 * predicted, (predicted, peaks)
+
+
+def test_upsampling_under_autocast_is_left_as_traced():
+    """CUDA's autocast runs ATen's upsampling in float32, which memopt::upsample (no
+    autocast kernel) would not: a graph captured under autocast, or entering it, keeps
+    the traced call."""
+    from memopt.passes.fused_upsample import fuse_upsampling
+
+    replaced = []
+
+    def backend(gm, example_inputs):
+        replaced.append(fuse_upsampling(gm))
+        return gm
+
+    class Inside(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return F.interpolate(x, scale_factor=2, mode="bilinear")
+
+    up = Upsampled(2, scale_factor=2, mode="bilinear")
+    x = torch.randn(1, 3, 4, 4)
+    torch.compile(copy.deepcopy(up), backend=backend)(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(copy.deepcopy(up), backend=backend)(x)
+    torch.compile(Inside(), backend=backend)(x)
+    assert replaced == [1, 0, 0]
