@@ -144,3 +144,60 @@ def test_upsampling_under_autocast_is_left_as_traced():
         torch.compile(copy.deepcopy(up), backend=backend)(x)
     torch.compile(Inside(), backend=backend)(x)
     assert replaced == [1, 0, 0]
+
+
+def test_a_step_with_kept_gradients_holds_its_plan():
+    """The second step adds into `.grad` (gradient accumulation): the segmentation head's
+    measured peak is at that step's plan (within 1%), and the summed gradients are
+    eager's."""
+    torch.manual_seed(0)
+    model = Segmenter()
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, labels = torch.randn(4, 32, 16, 16, generator=g), torch.randint(0, 5, (4, 64, 64),
+                                                                      generator=g)
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), x, labels))
+    compiled = memopt.compile(model)
+    compiled(x, labels).backward()
+    with allocation_peak("cpu") as seen:
+        compiled(x, labels).backward()  # into the kept .grad
+    grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    predicted = compiled.memopt_plan.predicted_peak_bytes
+    measured = seen.peak + resident + grads
+    assert abs(predicted - measured) <= 0.01 * predicted, (predicted, measured)
+    for _ in range(2):
+        eager(x, labels).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **FP32)
+
+
+def test_a_transformers_segformer_upsamples_with_eagers_kernels():
+    """HF SegFormer (its decode head upsamples each stage's features, then its logits to
+    the labels' size): eager's gradients, and with no budget a peak no higher than
+    eager's but for a few scalars (1.175x before, found from outside)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SegformerConfig(
+        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+        hidden_sizes=[16, 32], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+        decoder_hidden_size=32, num_labels=4, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, drop_path_rate=0.0)
+    torch.manual_seed(0)
+    model = transformers.SegformerForSemanticSegmentation(config).train()
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(2, 3, 32, 32, generator=g)
+    labels = torch.randint(0, 4, (2, 32, 32), generator=g)
+
+    def step(module: nn.Module) -> int:
+        for p in module.parameters():
+            p.grad = None
+        with allocation_peak("cpu") as seen:
+            module(pixel_values=pixels, labels=labels).loss.backward()
+        return seen.peak
+
+    expected = step(eager)
+    compiled = memopt.compile(model)
+    peaks = [step(compiled) for _ in range(3)]
+    assert peaks[-1] <= 1.001 * expected, (peaks, expected)  # a few scalars over at most
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **FP32)
