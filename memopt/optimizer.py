@@ -42,7 +42,7 @@ import torch
 from .budget import format_bytes
 from .errors import InputError
 from .fsdp import local_tensor
-from .passes.allocated import allocation_peak, can_track
+from .passes.allocated import allocation_peak, can_track, say_untracked
 
 log = logging.getLogger("memopt")
 
@@ -214,8 +214,8 @@ def _step_bytes(optimizer: torch.optim.Optimizer, group: dict, params: list[torc
     as much as its two moments)."""
     where = device if device.type in ("cpu", "cuda") else torch.device("cpu")
     if not can_track(where):
-        log.warning("memopt: cannot track allocations while planning (a profiler is "
-                    "recording); the optimizer's step is charged its state's bytes")
+        say_untracked("optimizer", " (a profiler is recording); the optimizer's step is "
+                      "charged its state's bytes")
         return None
     largest, alone, parts = 0, 0.0, []
     for dtype in sorted({p.dtype for p in params}, key=str):

@@ -42,6 +42,7 @@ memopt.allocator, the static memory-planning solvers, which measure nothing.)
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 import weakref
@@ -71,6 +72,23 @@ UNMEASURED = [0]
 def note_unmeasured() -> None:
     """Planning used an estimate where it measures (see UNMEASURED)."""
     UNMEASURED[0] += 1
+
+
+#: what `say_untracked` has said at warning level in this process, by kind
+_SAID: set[str] = set()
+
+
+def say_untracked(kind: str, message: str, *args: object) -> None:
+    """Log that planning cannot track allocations (a profiler is recording) and estimates
+    what it measures otherwise: at warning level the first time for each `kind` of
+    measurement in the process, at debug level after. A step measured with
+    memopt.measure.allocation_peak plans every graph of a forward inside it, and a search
+    for a minimum plans each many times: an MoE of 8 graphs logged the same warning 458
+    times in its first step (found from outside, 2026-11-30)."""
+    level = logging.DEBUG if kind in _SAID else logging.WARNING
+    _SAID.add(kind)
+    logging.getLogger("memopt").log(level, "memopt: cannot track allocations while planning"
+                                    + message, *args)
 
 
 #: bound methods (held weakly) to call once the profiler that kept planning from measuring

@@ -15,7 +15,6 @@ state as the runs moved it (the caller's concern: chunk_costs says whether it mo
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,14 +23,14 @@ import torch
 from torch import fx
 
 from ._torch_compat import autograd_inside_op, real_tensors, storage_key
-from .allocated import can_track, maybe_allocation_peak, note_unmeasured
+from .allocated import (can_track, maybe_allocation_peak, note_unmeasured,
+                        say_untracked)
 from .meta import fake_value
 from .runtime import runtime
 
 if TYPE_CHECKING:  # pragma: no cover
     from .chain_policy import ChainSite
 
-log = logging.getLogger("memopt")
 
 #: Positions of the ops' arguments (memopt.recurrent.ops schemas).
 _CHAIN, _CHUNK, _M, _STRATEGY = 0, 1, 2, 3
@@ -182,8 +181,8 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite, room: int | None = None)
     tracked = can_track(device)
     if not tracked:  # planned again, measured, once the profiler stops (memopt.backend)
         note_unmeasured()
-        log.warning("memopt: cannot track allocations while planning chain %s (a profiler "
-                    "is recording); its kernels' temporaries are not counted", site.name)
+        say_untracked("chains", " chain %s (a profiler is recording); its kernels' "
+                      "temporaries are not counted", site.name)
     with real_tensors():
         rng_before = _rng_state(device)
         one = _chunk_bytes(_chunk_run(joint, site, 1), device, tracked) if long > 2 else None

@@ -37,7 +37,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import real_tensors
-from .allocated import can_track, maybe_allocation_peak
+from .allocated import can_track, maybe_allocation_peak, say_untracked
 from .runtime import runtime
 from memopt.allocator.units import format_bytes
 
@@ -148,8 +148,8 @@ def measure_workspaces(node: fx.Node, backward: bool) -> tuple[Linear, Linear]:
     xs = fake_value(node.args[_FWD_XS])
     tracked = can_track(xs.device)
     if not tracked:
-        log.warning("memopt: cannot track allocations while planning reversible stack %s "
-                    "(a profiler is recording); its temporaries are not counted", node.name)
+        say_untracked("reversible", " reversible stack %s (a profiler is recording); its "
+                      "temporaries are not counted", node.name)
     lengths = sorted({max(1, min(n, int(xs.shape[0]))) for n in _LENGTHS})
     points = []
     with real_tensors():

@@ -77,7 +77,7 @@ import torch
 from torch import fx
 
 from ._torch_compat import OpOverload, real_tensors, rng_kept, storage_key
-from .allocated import allocation_peak, can_track, note_unmeasured
+from .allocated import allocation_peak, can_track, note_unmeasured, say_untracked
 from memopt.allocator.units import format_bytes
 
 from .meta import WORKSPACE_BYTES, fake_value, value_tensors
@@ -214,9 +214,9 @@ def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int
             todo = {}
         elif not can_track(device):
             note_unmeasured()
-            log.warning("memopt: cannot track allocations while planning (a profiler is "
-                        "recording); kernel workspaces are estimated in this plan (it is "
-                        "made again, measured, once the profiler stops)")
+            say_untracked("workspaces", " (a profiler is recording); kernel workspaces are "
+                          "estimated in this plan (it is made again, measured, once the "
+                          "profiler stops)")
             cache.misses += len(todo)
             return [cache.bytes_of.get(call.key, estimated_workspace(call)) for call in calls]
         if len(cache.bytes_of) + len(todo) > cache.max_entries:
