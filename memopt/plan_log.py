@@ -51,6 +51,8 @@ class PlanLog:
     #: watches once the forward returns
     loss_run: Any = None
     warned_eager: bool = False
+    #: a frame's graph captured for a third input size (count_graph): said once
+    warned_sizes: bool = False
     #: a plan saved levels of a parallel scan (passes.scans): said once
     warned_scan: bool = False
     #: every graph built, by what makes two of dynamo's graphs the same step to plan
@@ -126,22 +128,37 @@ class PlanLog:
 
     def count_graph(self, existing_grads: bool, code: Any = None) -> None:
         """One more captured graph of this kind: refuse past the limit, naming the fix and
-        what dynamo said made it capture `code` (the frame's) again."""
+        what dynamo said made it capture `code` (the frame's) again. A frame the
+        forward's eager code calls (`code` is not the model's forward) captured again for
+        another input size is warned of at its third capture: the sizes come from that
+        eager code (``sizes_from_eager_code``)."""
         count = self.graphs.get(existing_grads, 0) + 1
+        reasons = recompile_reasons(code) if count > 1 else []
+        nested = code is not None and code is not self.forward_code and reasons \
+            and "size mismatch" in reasons[-1]
         if count > self.graph_limit:
-            reasons = recompile_reasons(code)
-            said = f" Dynamo's reason to capture it again: {_first_line(reasons[-1])}" \
-                f" (a guard on what the forward read: a Python number it reads, such as a " \
-                f"step counter, is a constant of each graph; pass it as a tensor)." \
+            said = f" Dynamo's reason to capture it again: {_first_line(reasons[-1])}." \
                 if reasons else ""
+            fix = sizes_from_eager_code(code) if nested else (
+                " (A guard on what the forward read: a Python number it reads, such as a "
+                "step counter, is a constant of each graph; pass it as a tensor.) Pad inputs "
+                "to a few bucket sizes, or raise that limit (torch._dynamo.config.patch("
+                "recompile_limit=...)) if every shape really needs its own plan." if reasons
+                else " Pad inputs to a few bucket sizes, or raise that limit (torch._dynamo."
+                "config.patch(recompile_limit=...)) if every shape really needs its own plan.")
             raise CaptureError(
                 f"memopt plans each input shape / dtype / train-eval mode separately and this "
                 f"module has now been captured more than torch._dynamo.config.recompile_limit "
-                f"= {self.graph_limit} times.{said} Pad inputs to a few bucket sizes, or "
-                f"raise that limit (torch._dynamo.config.patch(recompile_limit=...)) if every "
-                f"shape really needs its own plan.")
+                f"= {self.graph_limit} times.{said}{fix}")
+        if nested and count == 3 and not self.warned_sizes:
+            self.warned_sizes = True
+            advice = sizes_from_eager_code(code)
+            warnings.warn(f"memopt: {_first_line(reasons[-1])}: this module's step was "
+                          f"captured and planned for a third input size.{advice}"
+                          f" Each new size is captured and planned again (seconds a step), "
+                          f"and past torch._dynamo.config.recompile_limit = {self.graph_limit} "
+                          f"it is refused.", UserWarning, stacklevel=4)
         self.graphs[existing_grads] = count
-
 
     def count_resumed(self, code: CodeType, same: tuple) -> None:
         """One more graph captured for `code`, the rest of a frame after a graph break,
@@ -164,6 +181,22 @@ class PlanLog:
             f"step captures and plans a new graph and keeps it (planning time at each step, "
             f"host memory growing). Keep the computation on tensors (x / (1 + x.std()) "
             f"instead of x / (1 + x.std().item())).", UserWarning, stacklevel=2)
+
+
+def sizes_from_eager_code(code: Any) -> str:
+    """The advice for a graph of a frame that the forward's eager code calls, captured
+    again because an input's size changed: that code made the size, typically from the
+    data (the tokens an MoE routes to each expert with torch.where / nonzero / a boolean
+    mask, which dynamo cannot capture, so the frame around it runs eagerly)."""
+    name = getattr(code, "co_qualname", None) or getattr(code, "co_name", "?")
+    return (f" The graph of {name} is called from code dynamo runs eagerly, which made that "
+            f"size: a size that depends on the data, such as the tokens an MoE routes to "
+            f"each expert (torch.where, nonzero or a boolean mask in a loop over the "
+            f"experts), changes at every step, and memopt plans fixed shapes. Give the "
+            f"experts fixed shapes: a capacity per expert (tokens over it dropped or "
+            f"padded, as GShard and Switch Transformer do), or every token through every "
+            f"expert weighted by the router; see docs/limits.md, \"Sizes made by the "
+            f"data\".")
 
 
 def _first_line(reason: str) -> str:
