@@ -58,6 +58,9 @@ class BudgetError(MemoptError):
 
     plan_seconds: float = 0.0
     capture_seconds: float = 0.0
+    #: the refused plan measured a recurrent chain's chunks within the budget asked, so
+    #: the minimum it names is planned again (memopt.planner.plan.plan_joint)
+    measured_within: bool = False
 
     def __init__(self, *, budget_bytes: int, minimum_bytes: int, baseline_bytes: int,
                  budget: str = "", headroom: float = 0.0,
