@@ -478,3 +478,27 @@ def test_a_plan_made_again_measured_that_misses_takes_the_lowest_that_fits():
                 del loss
             peaks.append(seen.peak + resident)
     assert max(peaks[1:]) <= named, (peaks, named)
+
+
+def test_a_chain_planned_unmeasured_takes_the_transients_measured_for_its_chunk():
+    """Where allocations cannot be tracked (a profiler records), a chunk's kernel
+    transients are the last measured for the same chunk, not zero: a seq2seq whose
+    teacher forcing draws a new graph each step planned each inside the user's
+    allocation_peak and ran 1.12x its budget at every new one (found from outside)."""
+    torch.manual_seed(0)
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.out = nn.LSTM(16, 32, batch_first=True), nn.Linear(32, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(x)[0])
+
+    x = torch.randn(4, 24, 16)
+    measured = memopt.plan(Tagger(), x, budget=0.7).chains[0]
+    with torch.profiler.profile(profile_memory=True):
+        unmeasured = memopt.plan(Tagger(), x, budget=0.7).chains[0]
+    assert measured.workspace_bytes > 0
+    assert unmeasured.workspace_bytes == measured.workspace_bytes
+    assert unmeasured.forward_workspace_bytes == measured.forward_workspace_bytes
