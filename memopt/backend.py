@@ -257,9 +257,7 @@ class MemoptBackend:
         graph.loss_through = graph.through_charged = measured[1] if measured else 0
         graph.loss_measured = measured is not None
         if measured is None and alone and self.watch_loss:
-            outputs = caller_loss.graph_outputs(gm)
-            graph.loss_charged = caller_loss.assumed(outputs)
-            graph.through_assumed = caller_loss.assumed_through(outputs)
+            graph.loss_charged = caller_loss.assumed(caller_loss.graph_outputs(gm))
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph
         if self.loops:

@@ -67,7 +67,6 @@ scalar, a view of an input-sized buffer, is counted by its node's kind
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import weakref
 from collections.abc import Iterable
@@ -159,29 +158,6 @@ def assumed(returned: Any) -> int:
         return 0
     return max(ASSUMED_PER_ELEMENT * v.numel() * max(4, v.element_size())
                for v in tensors) + ASSUMED_SCALARS
-
-
-def assumed_through(returned: Any) -> int:
-    """What a loss outside may hold through the backward that ``assumed`` does not price:
-    one float32 tensor the size of the output it prices (none where it prices none), as
-    ``F.mse_loss``'s scalar, a view of an input-sized buffer (INPUT_SIZED_RESULTS), is.
-    Plans do not hold it before it is measured; the minimum a refusal names does
-    (``named_with_through``)."""
-    per_loss = assumed(returned)
-    return (per_loss - ASSUMED_SCALARS) // ASSUMED_PER_ELEMENT if per_loss else 0
-
-
-def named_with_through(graph: CompiledGraph, err: Any) -> Any:
-    """`err` (a BudgetError of `graph`'s plan) naming a minimum that also holds what a
-    loss outside may hold through the backward (``assumed_through``) where that loss is
-    not measured yet: at the minimum named without it, a first step with ``F.mse_loss``
-    outside held, and the next step, its buffer measured, was refused (a U-Net, a VAE and
-    a 3-layer CNN, 3.4-5.8% more; found from outside, 2026-11-30). Held over the whole
-    backward, it raises the lowest peak by at most its bytes."""
-    through = graph.through_assumed
-    if not through or graph.loss_measured or not graph.loss_charged:
-        return err
-    return err.with_minimum(err.minimum_bytes + math.ceil(through / (1 - err.headroom)))
 
 
 def _remember(graph: CompiledGraph) -> None:
@@ -348,7 +324,6 @@ def with_loss(graph: CompiledGraph, base: Outside, head_flowing: int,
     if returned is not None and not graph.loss_measured and not graph.loss_charged \
             and graph.backend.watch_loss:
         graph.loss_charged = assumed(returned)
-        graph.through_assumed = assumed_through(returned)
     extra = held(graph, graph.loss_charged)
     if not extra and not graph.through_charged:
         return base

@@ -30,7 +30,6 @@ from memopt.passes.scans import scan_saved_bytes
 
 from .budget import Budget, format_bytes
 from .ddp import DDPBuckets
-from .caller_loss import named_with_through
 from .errors import BudgetError, InputError
 from .grads import GradSink, parameter_slots
 from .kernels import (Kernels, compile_with_inductor, inductor_peak, op_by_op_or_refuse,
@@ -127,7 +126,6 @@ class CompiledGraph:
         #: what it holds through the backward (caller_loss.INPUT_SIZED_RESULTS), and the
         #: part of it the plan holds
         self.loss_through = self.through_charged = 0
-        self.through_assumed = 0  # caller_loss.assumed_through, while not measured
         self.loss_windows = 0  # backward windows memopt.caller_loss watched
         self.loss_measured = False  # caller_loss measured (or known from an earlier module)
         self.head_flowing = 0  # steps.ForwardTrace.eager_head's gradient term, last seen
@@ -216,10 +214,7 @@ class CompiledGraph:
                 fw, bw, plan = self._plan_joint(request)
             except BudgetError as err:
                 err.capture_seconds = captured
-                named = named_with_through(self, err)
-                if named is err:
-                    raise
-                raise named from None
+                raise
             plan = plan.model_copy(update={"graph_index": self.index,
                                            "first_run": self.first_run,
                                            "kernels": self.kernels.value,

@@ -75,11 +75,10 @@ def test_a_loss_outside_the_module_holds_its_named_minimum_from_the_first_step()
         torch.testing.assert_close(p.grad, q.grad, **FP32)
 
 
-def _three_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Three cross-entropies over the logits: three log-softmax outputs kept, more than
-    the first step assumes (three logits-sized tensors before the backward and one
-    through it)."""
-    return F.cross_entropy(out, y) + F.cross_entropy(out * 2, y) + F.cross_entropy(out * 3, y)
+def _two_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Two cross-entropies over the logits: two log-softmax outputs kept, more than the
+    first step assumes."""
+    return F.cross_entropy(out, y) + F.cross_entropy(out * 2, y)
 
 
 def test_a_loss_above_the_assumption_is_charged_from_the_next_step():
@@ -92,14 +91,14 @@ def test_a_loss_above_the_assumption_is_charged_from_the_next_step():
         memopt.compile(copy.deepcopy(model), budget=0.01)(x)
     named = refused.value.minimum_bytes
     compiled = memopt.compile(model, budget=named)
-    _step(compiled, list(compiled.parameters()), x, y, loss=_three_losses)
+    _step(compiled, list(compiled.parameters()), x, y, loss=_two_losses)
     with pytest.raises(memopt.BudgetError) as again:
-        _step(compiled, list(compiled.parameters()), x, y, loss=_three_losses)
+        _step(compiled, list(compiled.parameters()), x, y, loss=_two_losses)
     minimum = again.value.minimum_bytes
     assert minimum > named
     compiled = memopt.compile(model, budget=minimum)
     params = list(compiled.parameters())
-    peaks = [_step(compiled, params, x, y, loss=_three_losses) for _ in range(3)]
+    peaks = [_step(compiled, params, x, y, loss=_two_losses) for _ in range(3)]
     assert max(peaks) <= minimum, (peaks, minimum)
     assert compiled.memopt_plan.caller_loss_measured_bytes > 3 * B * V * 4
 
@@ -221,11 +220,7 @@ def test_a_loss_node_that_saves_the_output_counts_its_backward_working_set():
     compiled, peaks, budget = minimum_that_holds(  # named at the first call, then the second
         lambda b: memopt.compile(model, budget=b),
         lambda c: _step(c, list(c.parameters()), x, y, loss=_squares))
-    # the first step holds the assumption, not this loss (docs/budgets.md): the minimum
-    # named with room for a loss's buffer through the backward is not refused at the
-    # second step, as it was, and the first runs over by the rest
-    assert max(peaks[1:]) <= budget, (peaks, budget)
-    assert peaks[0] <= 1.06 * budget, (peaks, budget)
+    assert max(peaks) <= budget, (peaks, budget)
     assert compiled.memopt_plan.caller_loss_measured_bytes >= 4 * B * V * 4
 
 
@@ -314,8 +309,7 @@ def test_an_output_the_loss_saved_stays_in_the_loss_when_the_caller_drops_it():
 
     compiled, peaks, budget = minimum_that_holds(
         lambda b: memopt.compile(model, budget=b), step, steps=4)
-    assert max(peaks[1:]) <= budget, (peaks, budget)  # the first: the assumption's
-    assert peaks[0] <= 1.06 * budget, (peaks, budget)
+    assert max(peaks) <= budget, (peaks, budget)
 
 
 def test_a_loss_whose_scalar_holds_an_input_sized_buffer_is_held_through_the_backward():
@@ -341,8 +335,7 @@ def test_a_loss_whose_scalar_holds_an_input_sized_buffer_is_held_through_the_bac
 
     compiled, peaks, budget = minimum_that_holds(
         lambda b: memopt.compile(model, budget=b), step, steps=4)
-    assert max(peaks[1:]) <= budget, (peaks, budget)  # the first: the assumption's
-    assert peaks[0] <= 1.06 * budget, (peaks, budget)
+    assert max(peaks) <= budget, (peaks, budget)
     plan = compiled.memopt_plan
     assert abs(plan.predicted_peak_bytes - peaks[-1]) <= 0.01 * peaks[-1], (plan, peaks)
 
@@ -387,29 +380,3 @@ def test_forward_temporaries_are_what_the_forward_makes(name):
 
     kind, made = measure_forward(forward_ops("cpu")[name], "cpu")
     assert made == pytest.approx(eager_reads.FORWARD_TEMPORARIES.get(kind, 0.0), abs=0.01)
-
-
-def test_an_mse_outside_holds_the_minimum_named_at_the_first_step():
-    """``F.mse_loss``'s scalar is a view of an input-sized buffer held through the
-    backward (INPUT_SIZED_RESULTS). Before it is measured the plan assumes one float32
-    tensor of the output's size held through the backward beside the three before it
-    (caller_loss.assumed_through): the minimum named at the first step held there and
-    was refused at the second once the buffer was measured (3.4% more; a U-Net and a VAE
-    alike, found from outside). Now it holds at every step."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
-                          nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
-                          nn.Conv2d(16, 3, 3, padding=1))
-    x, y = torch.randn(8, 3, 32, 32), torch.randn(8, 3, 32, 32)
-    with pytest.raises(memopt.BudgetError) as refused:
-        F.mse_loss(memopt.compile(copy.deepcopy(model), budget=0.01)(x), y).backward()
-    named = refused.value.minimum_bytes
-    compiled = memopt.compile(model, budget=named)
-    resident = sum(t.untyped_storage().nbytes() for t in (*compiled.parameters(), x))
-    peaks = []
-    for _ in range(3):  # the targets are the caller's: a budget does not count them
-        compiled.zero_grad(set_to_none=True)
-        with allocation_peak("cpu") as seen:
-            F.mse_loss(compiled(x), y).backward()
-        peaks.append(seen.peak + resident)
-    assert max(peaks) <= named, (peaks, named)

@@ -434,18 +434,23 @@ def _ctc_step(batch: int):
     return x, step
 
 
+def _refused_at_a_hundredth(batch: int):
+    """The acoustic model, its input, its CTC step and the minimum a budget of 0.01 names."""
+    torch.manual_seed(0)
+    model = _Acoustic()
+    x, step = _ctc_step(batch)
+    with pytest.raises(memopt.BudgetError) as refused:
+        step(memopt.compile(copy.deepcopy(model), budget=0.01)).backward()
+    return model, x, step, refused.value.minimum_bytes
+
+
 def test_the_minimum_a_fraction_names_is_accepted_as_bytes():
     """A chain's chunks are measured within a byte budget (its room), so the minimum a
     refused fraction names, passed back as bytes, measured other chunks and was refused
     again, naming 0.75% more (306,069 bytes after 303,789; found from outside). The
     refusal now plans its minimum again as bytes until it holds at its own
     measurements (planner.plan.plan_joint)."""
-    torch.manual_seed(0)
-    model = _Acoustic()
-    _, step = _ctc_step(4)
-    with pytest.raises(memopt.BudgetError) as refused:
-        step(memopt.compile(copy.deepcopy(model), budget=0.01)).backward()
-    named = refused.value.minimum_bytes
+    model, _, step, named = _refused_at_a_hundredth(4)
     compiled = memopt.compile(copy.deepcopy(model), budget=named)
     for _ in range(2):
         compiled.zero_grad(set_to_none=True)
@@ -458,12 +463,7 @@ def test_a_plan_made_again_measured_that_misses_takes_the_lowest_that_fits():
     planned again measured as the measurement closes, the greedy plan missed where the
     lowest-peak plan fit, and an AssertionError came out of memopt (found from outside).
     Now the plan is made as a first plan is, and the steps after hold the budget."""
-    torch.manual_seed(0)
-    model = _Acoustic()
-    x, step = _ctc_step(8)
-    with pytest.raises(memopt.BudgetError) as refused:
-        step(memopt.compile(copy.deepcopy(model), budget=0.01)).backward()
-    named = refused.value.minimum_bytes
+    model, x, step, named = _refused_at_a_hundredth(8)
     compiled = memopt.compile(copy.deepcopy(model), budget=named)
     params = list(compiled.parameters())
     resident = sum(t.untyped_storage().nbytes() for t in (*params, x))

@@ -331,12 +331,9 @@ def test_a_plan_made_again_keeps_the_step_in_backward_it_needs():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
     loss = torch.nn.functional.cross_entropy
-    # the loss unwatched: the minimum named then has no room for a loss's buffer through
-    # the backward (caller_loss.named_with_through), and needs the step in the backward
     with pytest.raises(BudgetError) as refused, allocation_peak("cpu"):
-        memopt.compile(model, budget=1, optimizer=opt, watch_loss=False)(x)
-    compiled = memopt.compile(model, budget=refused.value.minimum_bytes, optimizer=opt,
-                              watch_loss=False)
+        memopt.compile(model, budget=1, optimizer=opt)(x)
+    compiled = memopt.compile(model, budget=refused.value.minimum_bytes, optimizer=opt)
     for _ in range(3):
         with allocation_peak("cpu"):
             loss(compiled(x), y).backward()
