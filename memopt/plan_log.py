@@ -139,13 +139,12 @@ class PlanLog:
         if count > self.graph_limit:
             said = f" Dynamo's reason to capture it again: {_first_line(reasons[-1])}." \
                 if reasons else ""
+            guard = (" (A guard on what the forward read: a Python number it reads, such "
+                     "as a step counter, is a constant of each graph; pass it as a tensor.)"
+                     if reasons else "")
             fix = sizes_from_eager_code(code) if nested else (
-                " (A guard on what the forward read: a Python number it reads, such as a "
-                "step counter, is a constant of each graph; pass it as a tensor.) Pad inputs "
-                "to a few bucket sizes, or raise that limit (torch._dynamo.config.patch("
-                "recompile_limit=...)) if every shape really needs its own plan." if reasons
-                else " Pad inputs to a few bucket sizes, or raise that limit (torch._dynamo."
-                "config.patch(recompile_limit=...)) if every shape really needs its own plan.")
+                f"{guard} Pad inputs to a few bucket sizes, or raise that limit (torch._dynamo."
+                f"config.patch(recompile_limit=...)) if every shape really needs its own plan.")
             raise CaptureError(
                 f"memopt plans each input shape / dtype / train-eval mode separately and this "
                 f"module has now been captured more than torch._dynamo.config.recompile_limit "

@@ -342,12 +342,11 @@ def _chunk_bytes(run: _ChunkRun, device: torch.device, tracked: bool) -> list[in
     grads = run.output_grads(y, out)  # the backward op's inputs, not its allocations
     with maybe_allocation_peak(device, tracked) as bwd:
         run.backward(y, out, grads)
-    if not tracked:
-        return [sum(seen.values()), *_TRANSIENTS.get(key, (0, 0))]
-    if len(_TRANSIENTS) >= _TRANSIENTS_KEPT:
-        _TRANSIENTS.clear()
-    _TRANSIENTS[key] = (fwd.peak - fwd.end, bwd.peak)
-    return [sum(seen.values()), *_TRANSIENTS[key]]
+    if tracked:
+        if len(_TRANSIENTS) >= _TRANSIENTS_KEPT:
+            _TRANSIENTS.clear()
+        _TRANSIENTS[key] = (fwd.peak - fwd.end, bwd.peak)
+    return [sum(seen.values()), *_TRANSIENTS.get(key, (0, 0))]
 
 
 def _saved_sliced(run: _ChunkRun, n_params: int) -> tuple[tuple[int, ...], int]:

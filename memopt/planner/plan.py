@@ -82,7 +82,7 @@ def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, Me
     except BudgetError as err:
         refused = err
     for _ in range(MINIMUM_ROUNDS):
-        if not refused.measured_within or request.budget is None:
+        if not refused.measured_within:
             break
         try:
             plan_once(dataclasses.replace(request, budget=Budget(nbytes=refused.minimum_bytes)))
