@@ -257,7 +257,10 @@ class MemoptBackend:
         graph.loss_through = graph.through_charged = measured[1] if measured else 0
         graph.loss_measured = measured is not None
         if measured is None and alone and self.watch_loss:
-            graph.loss_charged = caller_loss.assumed(caller_loss.graph_outputs(gm))
+            returned = caller_loss.graph_outputs(gm)
+            graph.loss_charged = caller_loss.assumed(returned)
+            if self.budget is not None:
+                graph.through_charged = caller_loss.assumed_through(returned)
         self.plan_log.graphs_built.append(graph)
         self.plan_log.by_key[key] = graph
         if self.loops:

@@ -15,7 +15,8 @@ from memopt.passes._torch_compat import (FailOnRecompileLimitHit, dynamo_config_
 from .backend import MemoptBackend
 from .blocks import capturing
 from .compiled_graph import PlanOnly
-from .errors import CaptureError, MemoptError
+from .errors import CaptureError, InputError, MemoptError
+from .graph_facts import DOUBLE_BACKWARD
 from .input_checks import input_mismatch
 
 #: Dynamo's recompile limits while memopt's compiled steps run. Dynamo counts the graphs
@@ -38,6 +39,10 @@ _DYNAMO_DDP = {"optimize_ddp": False}
 #: gradients were silently eager's without it (found from outside; torch.compile does the
 #: same by default).
 _DYNAMO_HOOKS = {"skip_nnmodule_hook_guards": False}
+
+#: torch's error at a double backward through an AOTAutograd graph (memopt's op-by-op
+#: backward refuses it where it starts: graph_facts.checked_backward)
+DOUBLE_BACKWARD_TORCH = "does not currently support double backward"
 
 
 def run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
@@ -69,6 +74,8 @@ def run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
                 f"step ({inner}); very deep models (e.g. ResNets of ~1000 layers) need "
                 "sys.setrecursionlimit(20000) or more before memopt.compile / memopt.plan"
             ) from err
+        if isinstance(inner, RuntimeError) and DOUBLE_BACKWARD_TORCH in str(inner):
+            raise InputError(DOUBLE_BACKWARD) from err  # under inductor's kernels
         mismatch = input_mismatch(model, args, kwargs, err)
         if mismatch is not None:  # the message quotes err; its traceback is torch's internals
             raise mismatch from None

@@ -3,7 +3,7 @@
 What a graph needs to be planned again (its FX graph, FakeTensor inputs, primal kinds),
 its plan and compiled function (AOTAutograd with the planner as its partition function,
 memopt.planner.plan_joint), and where in the user's code it ends. Also what the capture
-tells the planner about the step: which primals are parameters, buffers and inputs; the
+tells the planner about the step (memopt.graph_facts): which primals are parameters, buffers and inputs; the
 output gradients autograd forms outside the compiled backward; the `.grad` tensors a
 kept-gradient step adds into; and, with drop_outputs, the watcher that warns when the
 loop still holds an output the plan freed (memopt.dropped).
@@ -13,33 +13,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
 from torch import fx
 
-from memopt.passes._torch_compat import (CompilingFrame, OpOverload, aot_module_simplified,
+from memopt.passes._torch_compat import (CompilingFrame, aot_module_simplified,
                                          autocast_regions, in_autocast_regions,
-                                         loss_decompositions, make_boxed, pytree,
-                                         random_ops_kept, rng_kept)
+                                         loss_decompositions, make_boxed, random_ops_kept,
+                                         rng_kept)
 from memopt.passes.dead_draws import with_dead_draws
 from memopt.passes.lm_heads import Attach
 from memopt.passes.runtime_views import views_as_reshapes
-from memopt.passes.scans import scan_saved_bytes
 
+from . import caller_loss
 from .budget import Budget, format_bytes
-from .ddp import DDPBuckets
 from .errors import BudgetError, InputError
-from .grads import GradSink, parameter_slots
 from .kernels import (Kernels, compile_with_inductor, inductor_peak, op_by_op_or_refuse,
                       refused_note)
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
-from .optimizer import OptimizerBytes
-from .planner import ExistingGrads, PlanRequest, plan_joint
-from .planner.fusible import returns_view
+from .planner import PlanRequest, plan_joint
 from .dropped import DroppedOutputs
+from .graph_facts import (checked_backward, ddp_fields, grad_sink, optimizer_fields,
+                          primal_kinds, refuse_double_backward, view_grads,
+                          warn_parallel_scan)
 from .steps import Outside, aliased_output_grad_bytes, kept_input_positions
 from .stepper import Stepping, stepping_for
 
@@ -69,7 +66,7 @@ class CompiledGraph:
                  alone: bool) -> None:
         self.backend, self.gm, self.frame = backend, gm, frame
         self.index, self.alone = index, alone  # its position in the forward; the only one
-        self.kinds = _primal_kinds(gm, example_inputs)
+        self.kinds = primal_kinds(gm, example_inputs)
         self.attributes = [*gm.parameters(), *gm.buffers()]  # AOTAutograd's first primals
         self.fakes = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
         #: {device type: dtype} of the autocast regions it was captured in: a re-plan traces
@@ -77,7 +74,7 @@ class CompiledGraph:
         self.autocast = autocast_regions()
         self.sink, self.grads = None, None
         if backend.existing_grads:
-            self.sink, self.grads = _grad_sink(self.kinds, [*self.attributes, *example_inputs])
+            self.sink, self.grads = grad_sink(self.kinds, [*self.attributes, *example_inputs])
         #: the optimizer stepped inside the backward (memopt.stepper): what planning it
         #: needs, or why it cannot be (""; None: not asked, no optimizer= or a kept-.grad
         #: step); whether the plan in use steps in the backward
@@ -195,39 +192,49 @@ class CompiledGraph:
         planned: list[MemoryPlan] = []
         reserve = [0]  # bytes inductor's schedule of an earlier plan held above it
         requests: list[PlanRequest] = []  # the last is the plan's
+        used = [outside]  # what it was planned with (without the loss's room: partition_fn)
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             captured = plans.capture_seconds()
-            self.view_grads = _view_grads(joint, num_fwd_outputs)
+            self.view_grads = view_grads(joint, num_fwd_outputs)
             request = PlanRequest(
                 joint, num_fwd_outputs, budget, primal_kinds=self.kinds, options=options,
                 grads=self.grads, outside_grad_bytes=self.outside_grads + self.repeated_grads,
-                outside=outside,
+                outside=used[0],
                 label="" if self.alone else self.label(),
                 lowest_peak=policy == ReplanPolicy.LOWEST, step_baseline=step_baseline,
                 must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
                 fraction_floor=plans.fraction_floor if self.alone else 0,
-                reserve_bytes=reserve[0])
+                reserve_bytes=reserve[0], room_bytes=caller_loss.room(self, used[0]))
             requests.append(request)
             try:
                 fw, bw, plan = self._plan_joint(request)
             except BudgetError as err:
                 err.capture_seconds = captured
-                raise
+                lean = caller_loss.without_room(self, used[0])
+                if lean is None:
+                    raise
+                requests[-1] = request = dataclasses.replace(request, outside=lean,
+                                                             room_bytes=0)
+                try:  # the caller's loss without its room (caller_loss.without_room)
+                    fw, bw, plan = self._plan_joint(request)
+                except BudgetError as without:
+                    raise err.with_room_free(without.minimum_bytes) from None
+                used[0] = lean
             plan = plan.model_copy(update={"graph_index": self.index,
                                            "first_run": self.first_run,
                                            "kernels": self.kernels.value,
                                            "kernels_note": self.kernels_note,
                                            "graph_break": self.graph_break(),
                                            "capture_seconds": captured,
-                                           **_ddp_fields(plans.ddp),
-                                           **_optimizer_fields(backend.optimizer,
+                                           **ddp_fields(plans.ddp),
+                                           **optimizer_fields(backend.optimizer,
                                                                self.step_chunk)})
             planned.append(plan)
             plans.record(plan)
             if not plans.warned_scan:
-                plans.warned_scan = _warn_parallel_scan(fw, plan)
+                plans.warned_scan = warn_parallel_scan(fw, plan)
             if self.alone and plan.fits and budget is not None and budget.fraction is not None:
                 plans.fraction_floor = max(plans.fraction_floor, plan.budget_bytes)
             if backend.plan_only:  # stop before AOTAutograd builds its runtime wrappers
@@ -241,16 +248,7 @@ class CompiledGraph:
             return make_boxed(graph)
 
         def compile_backward(graph: fx.GraphModule, inputs: Any) -> Callable:
-            run = compile_graph(graph, inputs)
-            if self.dropped is None:
-                return run
-
-            def checked(args: list[Any]) -> Any:
-                self.dropped.check(args)
-                return run(args)
-
-            checked._boxed_call = True  # type: ignore[attr-defined]
-            return checked
+            return checked_backward(compile_graph(graph, inputs), self.dropped)
 
         # Planning runs chain steps on real tensors (passes.chain_policy measures what they
         # save): the user's RNG state must not move, or dropout would draw other masks.
@@ -280,7 +278,7 @@ class CompiledGraph:
             self._amend(planned, caller_loss_bytes=self.loss_charged,
                         caller_loss_measured_bytes=self.caller_loss if self.loss_measured
                         else None)
-        self.plan, self.compiled, self.outside = planned[-1], compiled, outside
+        self.plan, self.compiled, self.outside = planned[-1], compiled, used[0]
         self.policy, self.step_baseline = policy, step_baseline
         return self.run
 
@@ -503,6 +501,7 @@ class CompiledGraph:
         elif self.steps_in_backward:
             self.stepping.stepper.bind(flat)
         out = self.compiled(*args)
+        refuse_double_backward(out)
         if self.dropped is not None:
             self.dropped.watch(out)
         if self.steps_in_backward:
@@ -512,84 +511,3 @@ class CompiledGraph:
         elif skipped:
             call.skipped.append((self, flat, out))
         return out
-
-
-def _view_grads(joint: fx.GraphModule, num_fwd_outputs: int) -> frozenset[int]:
-    """Positions of the primals whose gradient the joint graph returns as a view of another
-    tensor (F.linear's weight gradient is `t` of a product): autograd cannot add into
-    it in place, since the view's base still holds its storage."""
-    output = next(iter(joint.graph.find_nodes(op="output")))
-    grads = pytree.tree_leaves(output.args[0])[num_fwd_outputs:]
-    return frozenset(i for i, g in enumerate(grads) if isinstance(g, fx.Node)
-                     and isinstance(g.target, OpOverload) and returns_view(g.target))
-
-
-def _primal_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str]:
-    """Names of the joint graph's primals ("primals_1", ...) mapped to parameter/buffer/input.
-
-    AOTAutograd's primals are the GraphModule's own parameters and buffers, then
-    the example inputs, in order. With dynamo's inlined nn.Modules the parameters
-    arrive as inputs; a parameter is recognised by its type, a buffer by the
-    dynamo source name recorded on the placeholder.
-    """
-    kinds: list[str] = ["parameter"] * len(list(gm.parameters()))
-    kinds += ["buffer"] * len(list(gm.buffers()))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, value in enumerate(example_inputs):
-        if isinstance(value, torch.nn.Parameter):
-            kinds.append("parameter")
-            continue
-        source = ""
-        if i < len(placeholders):
-            grapharg = placeholders[i].meta.get("grapharg")
-            source = str(getattr(getattr(grapharg, "source", None), "name", ""))
-            if callable(getattr(getattr(grapharg, "source", None), "name", None)):
-                source = grapharg.source.name()
-        kinds.append("buffer" if "_buffers" in source else "input")
-    return {f"primals_{i + 1}": kind for i, kind in enumerate(kinds)}
-
-
-def _warn_parallel_scan(fw: fx.GraphModule, plan: MemoryPlan) -> bool:
-    """Warn where the plan saves levels of a parallel scan for backward (passes.scans);
-    returns whether it warned."""
-    kept = [(t.name, t.nbytes) for t in plan.saved if t.decision == "saved"]
-    nbytes = scan_saved_bytes(fw, kept)
-    if not nbytes:
-        return False
-    warnings.warn(
-        f"memopt: this model computes a parallel (associative) scan, and its training graph "
-        f"keeps the scan's tree levels for backward: {format_bytes(nbytes)} of the "
-        f"{format_bytes(sum(n for _, n in kept))} this step saves. Eager PyTorch runs a "
-        f"sequential loop there and keeps less (transformers' Mamba takes the parallel path "
-        f"under torch.compile by default: memopt measured a small one at 1.57x eager's peak "
-        f"with no budget). Set model.config.use_associative_scan = False (or the model's own "
-        f"switch) to train the sequential scan; memopt plans it like eager. memopt does not "
-        f"recompute the tree's levels yet (docs/limits.md).", UserWarning, stacklevel=2)
-    return True
-
-
-def _ddp_fields(ddp: DDPBuckets | None) -> dict[str, int]:
-    """The plan's record of DDP's gradient buckets (their bytes are in its outside bytes,
-    through the forward's trace: memopt.steps)."""
-    if ddp is None:
-        return {}
-    return {"ddp_bucket_bytes": ddp.nbytes, "ddp_bucket_counted_bytes": ddp.counted_bytes}
-
-
-def _optimizer_fields(opt: OptimizerBytes | None, chunk: int | None) -> dict[str, object]:
-    """The plan's record of the optimizer the budget counts (memopt.optimizer; its bytes
-    are in the outside bytes), its step run in chunks of `chunk` bytes where not None."""
-    if opt is None:
-        return {}
-    return {"optimizer": opt.name, "optimizer_state_bytes": opt.state_bytes,
-            "optimizer_step_bytes": opt.step_bytes if chunk is None
-            else opt.chunked_step_bytes(chunk), "optimizer_step_chunk_bytes": chunk or 0}
-
-
-def _grad_sink(kinds: dict[str, str], inputs: Sequence[Any]) -> tuple[GradSink, ExistingGrads]:
-    """The runtime sink and the plan's view of the `.grad` tensors of every parameter that
-    requires grad (primal `primals_{i+1}` is `inputs[i]`)."""
-    slots = parameter_slots(kinds, inputs)
-    sink = GradSink(slots)
-    nbytes = {name: inputs[i].numel() * inputs[i].element_size() for name, i in slots.items()}
-    return sink, ExistingGrads(nbytes=nbytes, add=sink.add)

@@ -53,7 +53,8 @@ class BudgetError(MemoptError):
     when it is not a first step: a step that finds `.grad` kept from earlier steps holds
     those gradients from its start, so it can need more than the first step did.
     `plan_seconds` and `capture_seconds`: how long the search that found the minimum ran,
-    and the tracing before it (as MemoryPlan reports them).
+    and the tracing before it (as MemoryPlan reports them). `room_free_minimum_bytes`: see
+    `with_room_free` (None unless set there).
     """
 
     plan_seconds: float = 0.0
@@ -61,10 +62,13 @@ class BudgetError(MemoptError):
     #: the refused plan measured a recurrent chain's chunks within the budget asked, so
     #: the minimum it names is planned again (memopt.planner.plan.plan_joint)
     measured_within: bool = False
+    #: the smaller minimum a loss computed outside that keeps no input-sized result is
+    #: accepted from (`with_room_free`); None where `minimum_bytes` holds no such room
+    room_free_minimum_bytes: int | None = None
 
     def __init__(self, *, budget_bytes: int, minimum_bytes: int, baseline_bytes: int,
                  budget: str = "", headroom: float = 0.0,
-                 byte_headroom: float | None = None, step: str = "") -> None:
+                 byte_headroom: float | None = None, step: str = "", note: str = "") -> None:
 
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes
@@ -73,6 +77,7 @@ class BudgetError(MemoptError):
         self._budget = budget
         self._byte_headroom = byte_headroom  # (unused: one headroom rule for both forms)
         self.step = step  # which kind of step did not fit ("" for a first step)
+        self.note = note  # said after the message (`with_room_free`)
         # Both forms keep `headroom` free of the bytes they resolve to (memopt.planner): a
         # fraction fits where it resolves to minimum_bytes or more.
         self.smallest_byte_budget = minimum_bytes
@@ -90,8 +95,26 @@ class BudgetError(MemoptError):
             f"For scale: memopt's predicted peak for this step with no recomputation and no "
             f"in-place rewrites is {format_bytes(baseline_bytes)} ({baseline_bytes} bytes); "
             f"that is memopt's prediction, not a measurement of eager PyTorch, whose peak "
-            f"can differ from it by 10-20%."
+            f"can differ from it by 10-20%.{note}"
         )
+
+    def with_room_free(self, minimum_bytes: int) -> BudgetError:
+        """This error for a first step whose minimum holds room for a loss computed
+        outside the module that keeps an input-sized result through the backward
+        (memopt.caller_loss.assumed_through), saying the smaller minimum without it,
+        `room_free_minimum_bytes`, from which a loss that keeps none is accepted."""
+        note = (f" That minimum holds room for a loss computed outside the module that "
+                f"keeps a result of its input's size through the backward (F.mse_loss, "
+                f"smooth_l1_loss, binary_cross_entropy); for a loss that keeps none "
+                f"(cross-entropy) budgets from {minimum_bytes} bytes are accepted.")
+        error = BudgetError(budget_bytes=self.budget_bytes, minimum_bytes=self.minimum_bytes,
+                            baseline_bytes=self.baseline_bytes, budget=self._budget,
+                            headroom=self.headroom, byte_headroom=self._byte_headroom,
+                            step=self.step, note=note)
+        error.plan_seconds, error.capture_seconds = self.plan_seconds, self.capture_seconds
+        error.measured_within = self.measured_within
+        error.room_free_minimum_bytes = minimum_bytes
+        return error
 
     def with_minimum(self, minimum_bytes: int, baseline_bytes: int | None = None
                      ) -> BudgetError:
@@ -103,22 +126,26 @@ class BudgetError(MemoptError):
         error = BudgetError(budget_bytes=self.budget_bytes, minimum_bytes=minimum_bytes,
                             baseline_bytes=baseline, budget=self._budget,
                             headroom=self.headroom, byte_headroom=self._byte_headroom,
-                            step=self.step)
+                            step=self.step, note=self.note)
         error.plan_seconds, error.capture_seconds = self.plan_seconds, self.capture_seconds
+        error.room_free_minimum_bytes = self.room_free_minimum_bytes
         return error
 
     def __reduce__(self) -> tuple:  # keyword-only __init__: pickle (multiprocessing) needs this
         return _rebuild_budget_error, (self.budget_bytes, self.minimum_bytes, self.baseline_bytes,
                                        self._budget, self.headroom, self._byte_headroom,
-                                       self.step)
+                                       self.step, self.note, self.room_free_minimum_bytes)
 
 
 def _rebuild_budget_error(budget_bytes: int, minimum_bytes: int, baseline_bytes: int,
                           budget: str, headroom: float, byte_headroom: float | None,
-                          step: str) -> BudgetError:
-    return BudgetError(budget_bytes=budget_bytes, minimum_bytes=minimum_bytes,
-                       baseline_bytes=baseline_bytes, budget=budget, headroom=headroom,
-                       byte_headroom=byte_headroom, step=step)
+                          step: str, note: str = "", room_free: int | None = None
+                          ) -> BudgetError:
+    error = BudgetError(budget_bytes=budget_bytes, minimum_bytes=minimum_bytes,
+                        baseline_bytes=baseline_bytes, budget=budget, headroom=headroom,
+                        byte_headroom=byte_headroom, step=step, note=note)
+    error.room_free_minimum_bytes = room_free
+    return error
 
 
 def _smallest_fraction(peak: int, baseline: int) -> float | None:

@@ -303,7 +303,9 @@ class MemoryPlan(BaseModel):
     model_config = _FROZEN
     device: str
     budget_bytes: Bytes | None
-    baseline_peak_bytes: Bytes     # memopt's passes off: same graphs, no in-place, no recompute
+    #: memopt's passes off: same graphs, no in-place, no recompute (what a fraction budget
+    #: is of: without the room a first plan holds for the caller's loss, caller_loss)
+    baseline_peak_bytes: Bytes
     predicted_peak_bytes: Bytes    # simulated peak of the step as memopt runs it
     lower_bound_bytes: Bytes       # max over the schedule of live bytes (no allocator does better)
     arena_bytes: Bytes             # resident bytes + the offset assignment's arena

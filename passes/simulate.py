@@ -65,6 +65,7 @@ from .inplace import inplace_overload, is_whole_dense, opaque_output, out_overlo
 from .meta import WORKSPACE_BYTES, OpBytes, fake_value, tensor_value, value_tensors
 from .partition import forward_region
 from .simulate_steps import Candidate
+from .simulate_steps import peak_and_runs
 from .step_data import Proto, Simulated
 from .workspace import WorkspaceCache
 from .recompute import arithmetic, mirrorable, recompute_sources
@@ -284,3 +285,16 @@ def _static_overwrite(node: fx.Node, src: fx.Node) -> bool:
                 or out.shape != inp.shape or out.dtype != inp.dtype
                 or out.device != inp.device or out.stride() != inp.stride()
                 or not is_whole_dense(inp))
+
+
+def peak_without(sim: Simulated, backward_bytes: int, at_forward_end: int,
+                 granularity: int) -> int:
+    """`sim`'s peak with `backward_bytes` fewer live at each of its backward steps and
+    `at_forward_end` fewer at its forward's last step (what the step model holds there
+    for one storage held over the backward: memopt.caller_loss's room, by
+    allocator.lifetimes.held_outside), both multiples of `granularity`."""
+    nf, steps = sim.num_forward_steps, sim.num_steps
+    if not backward_bytes and not at_forward_end or nf >= steps:
+        return sim.peak_bytes
+    less = [(-backward_bytes, nf, steps - 1), (-at_forward_end, nf - 1, nf - 1)]
+    return peak_and_runs([*sim.intervals, *less], steps, granularity)[0]

@@ -520,7 +520,7 @@ class Candidate:
         self.lifetimes, self.unkeyed = lifetimes, intervals[len(lifetimes):]
         self.keys = {**keys_fw, **keys_bw}
         self.find, self.num_forward = find, num_forward
-        peak, runs = _peak(intervals, steps, m.granularity)
+        peak, runs = peak_and_runs(intervals, steps, m.granularity)
         at_peak = tuple(frozenset(m.mirrorable_of[k] for k, (_, s, e) in lifetimes.items()
                                   if s <= first_at and last_at <= e and k in m.mirrorable_of)
                         for first_at, last_at in runs)
@@ -560,7 +560,7 @@ def _variant_call(p: Proto, variant: Any) -> Call | None:
 PEAK_RUNS = 8
 
 
-def _peak(intervals: list[tuple[int, int, int]], num_steps: int, granularity: int
+def peak_and_runs(intervals: list[tuple[int, int, int]], num_steps: int, granularity: int
           ) -> tuple[int, list[tuple[int, int]]]:
     """allocator.peak_live_bytes of the intervals, each rounded up to `granularity`, and
     the runs of consecutive steps where it is reached, as (first, last) (at most

@@ -624,3 +624,40 @@ def test_plan_of_a_hf_model_on_meta_with_its_default_cache() -> None:
     explicit = memopt.plan(model, example_kwargs={"input_ids": ids, "labels": ids,
                                                   "use_cache": False})
     assert meta.predicted_peak_bytes == explicit.predicted_peak_bytes > 0
+
+
+class _Residual(nn.Module):
+    """A physics-informed residual: the forward differentiates its network's output with
+    create_graph=True (u_t + u u_x), so the loss's backward is a double backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, xt: torch.Tensor) -> torch.Tensor:
+        u = self.net(xt)
+        du = torch.autograd.grad(u.sum(), xt, create_graph=True)[0]
+        return du[:, 1:] + u * du[:, :1]
+
+
+@pytest.mark.parametrize("budget", [None, 0.95])
+def test_a_double_backward_is_refused_by_name(budget: object) -> None:
+    """Gradients of gradients through a compiled graph: AOTAutograd's backward cannot be
+    differentiated, and torch raised a bare RuntimeError from inside the step (a
+    physics-informed net, found from outside). memopt refuses it by name where the
+    create_graph=True backward starts, inside the forward or in the caller's loop (a
+    gradient penalty), and leaves the model as it was."""
+    torch.manual_seed(0)
+    xt = torch.rand(64, 2, requires_grad=True)
+    model = _Residual()
+    _Residual()(xt).square().mean().backward()  # eager runs it
+    before = state(model)
+    with pytest.raises(memopt.InputError, match="create_graph=True"):
+        memopt.compile(model, budget=budget)(xt).square().mean().backward()
+    assert_snapshot_equal(before, state(model))
+    critic = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+    compiled = memopt.compile(critic, budget=budget)
+    x = torch.rand(64, 2, requires_grad=True)
+    with pytest.raises(memopt.InputError, match="gradients of gradients"):
+        torch.autograd.grad(compiled(x).sum(), x, create_graph=True)
+    compiled(x).sum().backward()  # a plain backward still runs

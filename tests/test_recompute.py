@@ -15,6 +15,7 @@ from torch import nn
 
 import memopt
 from memopt.budget import default_headroom
+from memopt.errors import _smallest_fraction
 from models import CASES, CORPUS
 from support import check_matches_eager
 
@@ -262,8 +263,15 @@ def test_the_minimum_a_budget_error_names_is_accepted_and_keeps_the_headroom() -
     assert plan.budget_bytes == minimum
     assert plan.headroom_bytes == math.ceil(minimum * headroom)
     assert plan.predicted_peak_bytes <= minimum - plan.headroom_bytes
+    # the minimum holds room for a loss outside that keeps an input-sized result through
+    # the backward (caller_loss.assumed_through); a loss that keeps none is accepted from
+    # the smaller minimum the error says, and not below it
+    room_free = info.value.room_free_minimum_bytes
+    assert room_free is not None and room_free < minimum
+    assert str(room_free) in str(info.value)
+    assert memopt.plan(model, x, budget=room_free).budget_bytes == room_free
     with pytest.raises(memopt.BudgetError):
-        memopt.plan(model, x, budget=minimum - 4096)
+        memopt.plan(model, x, budget=room_free - 4096)
     # without headroom the same plan fits a smaller budget
     assert memopt.plan(model, x, budget=plan.predicted_peak_bytes, headroom=0).recomputed
 
@@ -283,8 +291,13 @@ def test_a_fraction_and_the_bytes_it_resolves_to_are_one_budget() -> None:
     assert by_fraction.budget_bytes >= err.minimum_bytes
     assert by_bytes.headroom_bytes == by_fraction.headroom_bytes > 0
     assert by_bytes.predicted_peak_bytes == by_fraction.predicted_peak_bytes
+    # a fraction is of the same baseline with a budget and without (the room a budget
+    # holds for the caller's loss is not part of it): what the error and a plan say
+    assert err.baseline_bytes == memopt.plan(model, x).baseline_peak_bytes
+    room_free = _smallest_fraction(err.room_free_minimum_bytes, err.baseline_bytes)
+    memopt.plan(model, x, budget=room_free)
     with pytest.raises(memopt.BudgetError):
-        memopt.plan(model, x, budget=round(err.smallest_fraction - 0.001, 3))
+        memopt.plan(model, x, budget=round(room_free - 0.001, 3))
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, "3%", True])

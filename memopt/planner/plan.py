@@ -27,7 +27,7 @@ from memopt.link import measured
 from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops, user_checkpointed
-from memopt.passes.simulate import Simulated, StepModel
+from memopt.passes.simulate import Simulated, StepModel, peak_without
 from memopt.passes.grad_layouts import accumulate_copy_bytes
 from memopt.passes.meta import fake_value, value_tensors
 from memopt.passes.runtime_layouts import restore_runtime_layouts
@@ -284,10 +284,26 @@ class _Planning:
         """What memopt's own ops hold and allocate as every family runs now."""
         return {k: v for f in self.found.values() for k, v in f.op_bytes().items()}
 
+    def fraction_base(self) -> int:
+        """The baseline's peak a fraction budget is of: without the room held for the
+        caller's loss (PlanRequest.room_bytes), as with no budget (the same bytes)."""
+        o, room, g = self.request.outside, self.request.room_bytes, self.gran
+        if not room or o.own:
+            return self.baseline.peak_bytes
+
+        def up(n: int) -> int:
+            return -(-n // g) * g
+
+        at_end = 0  # the backward's outside bytes are charged there too, over the forward's
+        if o.before_backward:
+            at_end = up(o.before_backward + max(0, o.backward - o.forward)) \
+                - up(o.before_backward + max(0, o.backward - room - o.forward))
+        return peak_without(self.baseline, up(o.backward) - up(o.backward - room), at_end, g)
+
     # Step 4
     def resolve_budget(self) -> None:
         r = self.request
-        base = self.baseline.peak_bytes
+        base = self.fraction_base()
         self.budget_bytes = r.budget.resolve(r.step_baseline or base) \
             if r.budget is not None else None
         if r.budget is not None and r.budget.fraction is not None:
@@ -479,7 +495,7 @@ class _Planning:
                          "accumulation, zero_grad(set_to_none=False)")
         err = BudgetError(
             budget_bytes=self.budget_bytes, minimum_bytes=math.ceil(peak / (1 - self.headroom)),
-            baseline_bytes=r.step_baseline or self.baseline.peak_bytes, budget=str(r.budget),
+            baseline_bytes=r.step_baseline or self.fraction_base(), budget=str(r.budget),
             headroom=self.headroom,
             step=f" ({'; '.join(words)})" if words else "")
         err.plan_seconds = time.perf_counter() - self.t0
@@ -535,6 +551,8 @@ class _Planning:
         with stage("allocator", self.done):
             plan = assemble(final, self.request, decisions, device_of(final.fw), self.gran,
                             time.perf_counter() - self.t0)
+            if self.request.room_bytes:  # what a fraction is of, as with no budget
+                plan = plan.model_copy(update={"baseline_peak_bytes": self.fraction_base()})
             if mix is not None:
                 offloaded, link = records(mix)
                 names = set(mix.names)

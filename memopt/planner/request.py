@@ -164,6 +164,10 @@ class PlanRequest:
     #: bytes of the budget the plan leaves free beyond its headroom: what inductor's
     #: schedule of an earlier plan of this graph held above that plan (memopt.kernels)
     reserve_bytes: int = 0
+    #: bytes of `outside.backward` held as room for the caller's loss before it was
+    #: measured (memopt.caller_loss.assumed_through): planned for, but not part of the
+    #: baseline a fraction budget is of (the same with and without a budget)
+    room_bytes: int = 0
     step: StepContext = field(init=False)
 
     def __post_init__(self) -> None:
