@@ -85,3 +85,22 @@ def downsample(profiles: dict[str, list[int]], num_steps: int, max_points: int =
 
 def _kind_order(kind: str) -> tuple[int, str]:
     return (KINDS.index(kind) if kind in KINDS else len(KINDS), kind)
+
+
+def other_lowered(live: Sequence[Sequence[int]], kinds: Sequence[str], steps: Sequence[int],
+                  num_forward: int, backward: int, at_end: int
+                  ) -> tuple[tuple[int, ...], ...] | None:
+    """A timeline's columns (`live[k][p]`, bytes of `kinds[k]` at `steps[p]`) with
+    "other_graphs" `backward` bytes lower at each backward step and `at_end` lower at the
+    forward's last: one storage held outside the graph over its backward taken off (the
+    room memopt.caller_loss holds for the caller's loss). None where it has no such
+    kind."""
+    if "other_graphs" not in kinds:
+        return None
+    k = list(kinds).index("other_graphs")
+    lowered = [tuple(column) for column in live]
+    lowered[k] = tuple(max(0, v - (backward if step >= num_forward
+                                   else at_end if step == num_forward - 1 else 0))
+                       for step, v in zip(steps, live[k]))
+    return tuple(lowered)
+

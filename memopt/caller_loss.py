@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memopt.allocator.timeline import other_lowered
 from memopt.passes._torch_compat import (current_autograd_node, pop_saved_tensor_hooks,
                                           push_saved_tensor_hooks, pytree,
                                           saved_tensor_hooks_free,
@@ -454,14 +455,11 @@ def _backward_lowered(plan: MemoryPlan, unused: int, at_end: int) -> dict[str, A
     forward's last step: the plan stays as it is (what it recomputed for the room too),
     its prediction says what it holds."""
     timeline = plan.timeline
-    nf, kind = timeline.num_forward_steps, timeline.kinds.index("other_graphs") \
-        if "other_graphs" in timeline.kinds else None
-    if kind is None:
+    live = other_lowered(timeline.live, timeline.kinds, timeline.steps,
+                         timeline.num_forward_steps, unused, at_end)
+    if live is None:
         return {}
-    live = [list(column) for column in timeline.live]
-    live[kind] = [max(0, v - (unused if step >= nf else at_end if step == nf - 1 else 0))
-                  for step, v in zip(timeline.steps, live[kind])]
-    lowered = timeline.model_copy(update={"live": tuple(tuple(c) for c in live)})
+    lowered = timeline.model_copy(update={"live": live})
     return {"timeline": lowered, "outside_backward_bytes": max(
                 0, plan.outside_backward_bytes - unused),
             "predicted_peak_bytes": plan.predicted_peak_bytes

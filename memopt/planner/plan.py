@@ -22,6 +22,7 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from memopt.allocator.caching import reserved_for
+from memopt.allocator.timeline import other_lowered
 from memopt.allocator.offload import Link
 from memopt.link import measured
 from memopt.passes.embedding_grads import add_embedding_grads_in_place
@@ -287,9 +288,15 @@ class _Planning:
     def fraction_base(self) -> int:
         """The baseline's peak a fraction budget is of: without the room held for the
         caller's loss (PlanRequest.room_bytes), as with no budget (the same bytes)."""
+        return peak_without(self.baseline, *self.room_held(), self.gran)
+
+    def room_held(self) -> tuple[int, int]:
+        """What the room (PlanRequest.room_bytes) adds at each backward step of the step
+        model and at its forward's last step (allocator.lifetimes.held_outside), rounded
+        as the model rounds: (0, 0) where there is none."""
         o, room, g = self.request.outside, self.request.room_bytes, self.gran
         if not room or o.own:
-            return self.baseline.peak_bytes
+            return 0, 0
 
         def up(n: int) -> int:
             return -(-n // g) * g
@@ -298,7 +305,18 @@ class _Planning:
         if o.before_backward:
             at_end = up(o.before_backward + max(0, o.backward - o.forward)) \
                 - up(o.before_backward + max(0, o.backward - room - o.forward))
-        return peak_without(self.baseline, up(o.backward) - up(o.backward - room), at_end, g)
+        return up(o.backward) - up(o.backward - room), at_end
+
+    def baseline_without_room(self, plan: MemoryPlan) -> dict:
+        """`plan`'s baseline peak and timeline without the room (room_held)."""
+        timeline, (backward, at_end) = plan.baseline_timeline, self.room_held()
+        update: dict = {"baseline_peak_bytes": self.fraction_base()}
+        live = None if timeline is None else other_lowered(
+            timeline.live, timeline.kinds, timeline.steps, timeline.num_forward_steps,
+            backward, at_end)
+        if live is not None:
+            update["baseline_timeline"] = timeline.model_copy(update={"live": live})
+        return update
 
     # Step 4
     def resolve_budget(self) -> None:
@@ -552,7 +570,7 @@ class _Planning:
             plan = assemble(final, self.request, decisions, device_of(final.fw), self.gran,
                             time.perf_counter() - self.t0)
             if self.request.room_bytes:  # what a fraction is of, as with no budget
-                plan = plan.model_copy(update={"baseline_peak_bytes": self.fraction_base()})
+                plan = plan.model_copy(update=self.baseline_without_room(plan))
             if mix is not None:
                 offloaded, link = records(mix)
                 names = set(mix.names)
