@@ -188,11 +188,11 @@ def without_room(graph: CompiledGraph, outside: Outside) -> Outside | None:
     misses its budget with the room is made without it (the loss then charged from
     the next step where it holds such a result); a budget it misses either way names
     the minimum with the room, which holds from the first step whatever the loss."""
-    room = graph.through_charged
-    if not room or graph.loss_measured:
+    nbytes = graph.through_charged
+    if not nbytes or graph.loss_measured:
         return None
     graph.through_charged = 0
-    return dataclasses.replace(outside, backward=max(0, outside.backward - room))
+    return dataclasses.replace(outside, backward=max(0, outside.backward - nbytes))
 
 
 def _remember(graph: CompiledGraph) -> None:

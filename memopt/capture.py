@@ -40,8 +40,9 @@ _DYNAMO_DDP = {"optimize_ddp": False}
 #: same by default).
 _DYNAMO_HOOKS = {"skip_nnmodule_hook_guards": False}
 
-#: torch's error at a double backward through an AOTAutograd graph (memopt's op-by-op
-#: backward refuses it where it starts: graph_facts.checked_backward)
+#: torch's error at a double backward through an AOTAutograd graph: memopt refuses the
+#: create_graph=True backward before it (graph_facts.refuse_double_backward); a graph
+#: whose node that hook missed still raises this one inside a forward
 DOUBLE_BACKWARD_TORCH = "does not currently support double backward"
 
 
@@ -75,7 +76,7 @@ def run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
                 "sys.setrecursionlimit(20000) or more before memopt.compile / memopt.plan"
             ) from err
         if isinstance(inner, RuntimeError) and DOUBLE_BACKWARD_TORCH in str(inner):
-            raise InputError(DOUBLE_BACKWARD) from err  # under inductor's kernels
+            raise InputError(DOUBLE_BACKWARD) from err
         mismatch = input_mismatch(model, args, kwargs, err)
         if mismatch is not None:  # the message quotes err; its traceback is torch's internals
             raise mismatch from None

@@ -3,10 +3,10 @@
 What a graph needs to be planned again (its FX graph, FakeTensor inputs, primal kinds),
 its plan and compiled function (AOTAutograd with the planner as its partition function,
 memopt.planner.plan_joint), and where in the user's code it ends. Also what the capture
-tells the planner about the step (memopt.graph_facts): which primals are parameters, buffers and inputs; the
-output gradients autograd forms outside the compiled backward; the `.grad` tensors a
-kept-gradient step adds into; and, with drop_outputs, the watcher that warns when the
-loop still holds an output the plan freed (memopt.dropped).
+tells the planner about the step (memopt.graph_facts): which primals are parameters,
+buffers and inputs; the output gradients autograd forms outside the compiled backward;
+the `.grad` tensors a kept-gradient step adds into; and, with drop_outputs, the watcher
+that warns when the loop still holds an output the plan freed (memopt.dropped).
 """
 
 from __future__ import annotations

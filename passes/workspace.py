@@ -244,11 +244,12 @@ _ESTIMATED = {"convolution_backward": 2, "convolution": 1, "native_batch_norm_ba
               "native_dropout": 1, "native_dropout_backward": 1, "_safe_softmax": 1}
 #: CPU's flash attention, in multiples of its first argument (the queries; the output's
 #: gradient), for every two threads (its blocks are per thread: the forward measured
-#: 0.31, 0.63 and 1.25 times the queries on 1, 2 and 4 threads): a Perceiver's cross-attention of 64 latents over 2,048 inputs measured
-#: 82,176 bytes forward and 262,272 backward over queries of 131,072 (one thread), and
-#: its minimum named inside the user's allocation_peak was refused a step later (found
-#: from outside, 2026-12-01; `_safe_softmax`, 66,564 over 262,144, and a LayerNorm
-#: backward over two permuted arguments, 2x, the same)
+#: 0.31, 0.63 and 1.25 times the queries on 1, 2 and 4 threads). A Perceiver's
+#: cross-attention of 64 latents over 2,048 inputs measured 82,176 bytes forward and
+#: 262,272 backward over queries of 131,072 (one thread), and its minimum named inside
+#: the user's allocation_peak was refused a step later (found from outside, 2026-12-01;
+#: `_safe_softmax`, 66,564 over 262,144, and a LayerNorm backward over two permuted
+#: arguments, 2x, the same)
 _CPU_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": 1,
                   "_scaled_dot_product_flash_attention_for_cpu_backward": 2}
 
@@ -299,11 +300,11 @@ def estimated_workspace(call: Call) -> int:
 def _converted_or_sorted(name: str, tensors: list[torch.Tensor]) -> int:
     """An op with no workspace of its own: a copy cast to the common dtype where its
     tensors' dtypes differ (a multiply by a boolean mask: its largest operand in the widest
-    dtype, an expanded view counting what it spans), and `_SORTED` times its largest index where it sorts
-    them (_SORTS). Other indices are read as they are: a scatter_add over a (B, N, N, C)
-    zeros by an int64 index (a gather's backward) was charged its 128 MiB, and a DGCNN's
-    minimum named inside the user's allocation_peak was 1.84x eager's peak (found from
-    outside, 2026-12-01)."""
+    dtype, an expanded view counting what it spans), and `_SORTED` times its largest index
+    where it sorts them (_SORTS). Other indices are read as they are: a scatter_add over
+    a (B, N, N, C) zeros by an int64 index (a gather's backward) was charged its 128 MiB,
+    and a DGCNN's minimum named inside the user's allocation_peak was 1.84x eager's peak
+    (found from outside, 2026-12-01)."""
     values = [t for t in tensors if t.dtype not in _INDICES]
     cast = max(_spanned_bytes(t) // t.element_size() for t in values) \
         * max(t.element_size() for t in values) if len({t.dtype for t in values}) > 1 else 0
