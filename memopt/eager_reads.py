@@ -239,6 +239,29 @@ def gradient_bytes(node: Any) -> int:
         + int(BACKWARD_TEMPORARIES.get(node_kind(node), 0) * largest)
 
 
+def sequence_nr(node: Any) -> int | None:
+    """Autograd node `node`'s sequence number (made later in the forward: higher; its
+    backward runs earlier), None where it has none."""
+    try:
+        return int(node._sequence_nr())
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def gradient_edges(node: Any) -> list[tuple[tuple[int, int], int]]:
+    """Where eager autograd node `node`'s backward sends its gradients, but into a
+    parameter's AccumulateGrad: ((id of the next node, its input), bytes of that
+    gradient) each. Two nodes that send into the same input are two branches over one
+    tensor (``exp(out) - y * out``): the engine holds the first branch's gradient in that
+    input's buffer while the other branch runs (``memopt.caller_loss``)."""
+    try:
+        return [((id(nxt), index), _metadata_bytes(nxt._input_metadata[index]))
+                for nxt, index in node.next_functions
+                if nxt is not None and type(nxt).__name__ != "AccumulateGrad"]
+    except (AttributeError, IndexError, RuntimeError):
+        return []
+
+
 def node_bytes(node: Any) -> int:
     """The most eager autograd node `node`'s op holds at once beyond its inputs, in its
     forward (``forward_bytes``) or its backward (``gradient_bytes``)."""
