@@ -45,7 +45,7 @@ from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph
 from .ddp import DDPBuckets
 from . import caller_loss, eager_tail
-from .errors import BudgetError, CaptureError, InputError, PassError
+from .errors import BudgetError, CaptureError, PassError, opaque_backward_error
 from .graph_breaks import (ReplanPolicy, earlier_calls, replan_forward, required, step_baseline,
                            step_minimum)
 from .run_plans import split_later_runs
@@ -469,7 +469,7 @@ class MemoptBackend:
         self.plan_log.tail_run = trace.runs[0]  # armed once the forward returns
         self.plan_log.loss_run = trace  # watched once the forward returns
         if trace.opaque and self.budget is not None:
-            self.plan_log.pending = _opaque_backward_error(trace.opaque, self.budget)
+            self.plan_log.pending = opaque_backward_error(trace.opaque, self.budget)
             self.plan_log.raise_pending()
         runs = [run.graph for run in trace.runs]
         self.plan_log.last_runs = tuple(runs)
@@ -498,10 +498,20 @@ class MemoptBackend:
                                 refine=None if call.pending_calls else split_later_runs)
         if not call.pending_calls:
             self.plan_log.last_runs = tuple(runs)  # as the next forwards run them
+        lean = None  # the bases without the room for the caller's loss, where that fits
+        if missed is not None and not call.pending_calls:
+            lean, missed_lean = caller_loss.replanned_without_room(runs[-1], bases, lambda b: (
+                replan_forward(runs, b, baseline, refine=split_later_runs)))
+            if lean is not None and missed_lean is None:
+                self.plan_log.last_runs, missed = tuple(runs), None
         if missed is not None:
+            base = baseline if baseline is not None else step_baseline(planned)
             self.plan_log.pending = step_minimum(
-                missed, lambda nbytes: self._misses_at(planned, bases, nbytes),
-                baseline if baseline is not None else step_baseline(planned))
+                missed, lambda nbytes: self._misses_at(planned, bases, nbytes), base)
+            if lean is not None:  # the minimum holds the room; a loss keeping none: this
+                self.plan_log.pending = self.plan_log.pending.with_room_free(step_minimum(
+                    missed_lean, lambda nbytes: self._misses_at(planned, lean, nbytes),
+                    base).minimum_bytes)
             if first:
                 self.plan_log.raise_pending()
 
@@ -521,28 +531,6 @@ class MemoptBackend:
             return replan_forward(list(runs), bases, None, refine=split_later_runs)
         finally:
             self.budget = kept
-
-
-def _opaque_backward_error(names: set[str], budget: Budget) -> InputError:
-    """The step runs Python autograd.Functions eagerly whose backward no plan counts
-    (memopt.eager_reads.opaque_function): a budget memopt cannot hold is refused, not
-    accepted and missed."""
-    listed = ", ".join(sorted(names))
-    if any(name.endswith("BackwardHookFunction") for name in names):
-        return InputError(
-            f"a module backward hook (register_full_backward_hook or "
-            f"register_full_backward_pre_hook) makes dynamo run that module eagerly between "
-            f"memopt's graphs, whose backward no plan counts, so the budget {budget} cannot "
-            f"be held. Compile with budget=None, or hook the gradient of the module's "
-            f"output tensor instead (tensor.register_hook inside forward: memopt counts "
-            f"that step).")
-    return InputError(
-        f"the forward ran {listed} eagerly between memopt's graphs: a torch.autograd.Function "
-        f"dynamo did not trace (a graph break inside its forward), and what its backward "
-        f"allocates is in no plan (HF Reformer's reversible layers run again there), so "
-        f"the budget {budget} cannot be held. Compile with budget=None, or let dynamo "
-        f"trace the Function (remove what breaks the graph inside it: "
-        f"TORCH_LOGS=graph_breaks names it).")
 
 
 def _resumed(frame: CompilingFrame) -> bool:

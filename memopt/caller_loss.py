@@ -69,7 +69,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -187,7 +187,13 @@ def without_room(graph: CompiledGraph, outside: Outside) -> Outside | None:
     the graph's plan holds that room unmeasured (None: it holds none). A plan that
     misses its budget with the room is made without it (the loss then charged from
     the next step where it holds such a result); a budget it misses either way names
-    the minimum with the room, which holds from the first step whatever the loss."""
+    the minimum with the room, which holds from the first step whatever the loss. A
+    forward with graph breaks is planned without it as a whole
+    (``replanned_without_room``), not graph by graph."""
+    return _lean(graph, outside) if graph.alone else None
+
+
+def _lean(graph: CompiledGraph, outside: Outside) -> Outside | None:
     nbytes = graph.through_charged
     if not nbytes or graph.loss_measured:
         return None
@@ -381,16 +387,36 @@ def with_loss(graph: CompiledGraph, base: Outside, head_flowing: int,
     """The base of a forward's last run (steps.ForwardTrace.end) with the caller's loss
     its graph's plan holds (``charge``) held before its backward; where nothing was
     measured or assumed yet (a forward with graph breaks, whose graphs were planned
-    before the last was known), assumed from what the forward `returned`."""
+    before the last was known), assumed from what the forward `returned`, and under a
+    budget with ``assumed_through``'s room held through the backward (where it does not
+    fit: ``replanned_without_room``). Without the room, a 2-graph MLP with ``F.mse_loss``
+    outside ran its first step 1.066x the minimum named, which the second step refused
+    (found 2026-12-01)."""
     graph.head_flowing = head_flowing
     if returned is not None and not graph.loss_measured and not graph.loss_charged \
             and graph.backend.watch_loss:
         graph.loss_charged = assumed(returned)
+        if graph.backend.budget is not None:
+            graph.through_charged = assumed_through(returned)
     extra = held(graph, graph.loss_charged)
     if not extra and not graph.through_charged:
         return base
     return dataclasses.replace(base, before_backward=base.before_backward + extra,
                                backward=base.backward + graph.through_charged)
+
+
+def replanned_without_room(graph: CompiledGraph, bases: list[Outside],
+                           replan: Callable[[list[Outside]], Any]) -> tuple[Any, Any]:
+    """A forward with graph breaks whose graphs missed the budget with the room
+    ``with_loss`` holds for the caller's loss in its last run's base (`bases[-1]`,
+    `graph`'s), planned again without it (`replan(bases)`: the BudgetError of a graph
+    that misses, or None), as ``without_room`` plans one graph: (the bases without the
+    room, what `replan` returned), or (None, None) where no room is held."""
+    lean = _lean(graph, bases[-1])
+    if lean is None:
+        return None, None
+    lean_bases = [*bases[:-1], lean]
+    return lean_bases, replan(lean_bases)
 
 
 def charge(backend: MemoptBackend) -> None:

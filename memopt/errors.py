@@ -219,3 +219,25 @@ class OptionalDependencyError(MemoptError, ImportError):
 
     def __reduce__(self) -> tuple:
         return type(self), self._parts
+
+
+def opaque_backward_error(names: set[str], budget: object) -> InputError:
+    """The step runs Python autograd.Functions eagerly whose backward no plan counts
+    (memopt.eager_reads.opaque_function): a budget memopt cannot hold is refused, not
+    accepted and missed."""
+    listed = ", ".join(sorted(names))
+    if any(name.endswith("BackwardHookFunction") for name in names):
+        return InputError(
+            f"a module backward hook (register_full_backward_hook or "
+            f"register_full_backward_pre_hook) makes dynamo run that module eagerly between "
+            f"memopt's graphs, whose backward no plan counts, so the budget {budget} cannot "
+            f"be held. Compile with budget=None, or hook the gradient of the module's "
+            f"output tensor instead (tensor.register_hook inside forward: memopt counts "
+            f"that step).")
+    return InputError(
+        f"the forward ran {listed} eagerly between memopt's graphs: a torch.autograd.Function "
+        f"dynamo did not trace (a graph break inside its forward), and what its backward "
+        f"allocates is in no plan (HF Reformer's reversible layers run again there), so "
+        f"the budget {budget} cannot be held. Compile with budget=None, or let dynamo "
+        f"trace the Function (remove what breaks the graph inside it: "
+        f"TORCH_LOGS=graph_breaks names it).")

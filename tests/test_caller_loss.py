@@ -432,3 +432,45 @@ def test_a_minimum_named_at_the_first_step_holds_an_mse_loss_outside(outputs: in
     labels = torch.randint(0, outputs, (B,), generator=g)
     peaks = [_step(compiled, params, x, labels) for _ in range(3)]
     assert max(peaks) <= room_free, peaks
+
+
+class _Broken(nn.Module):
+    """An MLP with a graph break in its middle: two graphs, planned as a whole step as
+    the first forward ends (memopt.backend.forward_ends)."""
+
+    def __init__(self, outputs: int) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(D, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU())
+        self.b = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_a_minimum_named_with_graph_breaks_holds_an_mse_loss_outside() -> None:
+    """With graph breaks the first forward's last graph held no room for ``F.mse_loss``'s
+    input-sized buffer: the minimum named at the first step measured 1.066x there and was
+    refused at the second (found 2026-12-01). The room is held as the forward ends
+    (caller_loss.with_loss), and planned without where it does not fit
+    (replanned_without_room): the minimum named holds at every step, the first included,
+    and a cross-entropy is accepted from the smaller minimum the refusal says."""
+    torch.manual_seed(0)
+    model = _Broken(128)
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(B, D, generator=g), torch.randn(B, 128, generator=g)
+    with pytest.raises(memopt.BudgetError) as refused:
+        memopt.compile(copy.deepcopy(model), budget=0.01)(x)
+    compiled = memopt.compile(copy.deepcopy(model), budget=refused.value.minimum_bytes)
+    params = list(compiled.parameters())
+    peaks = [_step(compiled, params, x, target, loss=F.mse_loss) - target.nbytes
+             for _ in range(3)]
+    assert max(peaks) <= refused.value.minimum_bytes, peaks
+    room_free = refused.value.room_free_minimum_bytes
+    assert room_free is not None and room_free < refused.value.minimum_bytes
+    compiled = memopt.compile(copy.deepcopy(model), budget=room_free)
+    params = list(compiled.parameters())
+    labels = torch.randint(0, 128, (B,), generator=g)
+    peaks = [_step(compiled, params, x, labels) for _ in range(3)]
+    assert max(peaks) <= room_free, peaks
