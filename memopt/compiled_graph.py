@@ -463,11 +463,14 @@ class CompiledGraph:
         lowest-peak plan fits after all, which it then runs (a plan made again as the
         user's allocation_peak closed, measured where the first could not, missed where
         the lowest-peak plan fit: an AssertionError here, a CTC model's BiLSTM, found from
-        outside)."""
+        outside). Traced in the autocast regions it was captured in (``replan``): called
+        as the user's allocation_peak closed, outside their torch.autocast, it named a
+        bf16 CNN's float32 minimum, 1.91x what the step needed (found from outside)."""
         before = self.plan
         try:
-            self.compile(self.fakes, self.outside, ReplanPolicy.LOWEST, self.backend.budget,
-                         self.step_baseline)
+            with in_autocast_regions(self.autocast):
+                self.compile(self.fakes, self.outside, ReplanPolicy.LOWEST,
+                             self.backend.budget, self.step_baseline)
         except BudgetError as err:
             return err
         if self.backend.plan_log.last is before:

@@ -360,6 +360,31 @@ def test_a_plan_made_again_as_the_measurement_closes_keeps_the_autocast_it_was_c
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-3)
 
 
+def test_a_refusal_made_as_the_measurement_closes_names_the_autocast_steps_minimum():
+    """A plan made again as the user's allocation_peak closes that misses its budget is
+    refused, naming the smallest budget (CompiledGraph.budget_error), after the user's
+    `torch.autocast` region has ended: traced there in float32, it named a bf16 CNN's
+    float32 minimum, 1.91x what the step needed (found from outside). It is traced in the
+    regions the graph was captured in: it names what it names inside them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 100))
+    compiled = memopt.compile(model, budget=0.9)
+    x, y = torch.randn(512, 64), torch.randint(0, 100, (512,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(compiled(x).float(), y)
+    loss.backward()
+    backend = compiled._memopt_backend
+    graph = backend.plan_log.graphs_built[0]
+    backend.budget = memopt.parse_budget(1000)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = graph.budget_error()
+    outside = graph.budget_error()  # as the profiler closes, after the user's autocast
+    assert inside is not None and outside is not None
+    assert (outside.minimum_bytes, outside.baseline_bytes) \
+        == (inside.minimum_bytes, inside.baseline_bytes)
+
+
 class _LayerNorm2d(nn.LayerNorm):
     """timm's channels LayerNorm: permute, normalize, permute back (channels-last out)."""
 
