@@ -35,8 +35,8 @@ from .memory_plan import GraphBreak, MemoryPlan
 from .planner import PlanRequest, plan_joint
 from .dropped import DroppedOutputs
 from .graph_facts import (checked_backward, ddp_fields, grad_sink, optimizer_fields,
-                          primal_kinds, refuse_double_backward, view_grads,
-                          warn_parallel_scan)
+                          primal_kinds, refuse_double_backward, refuse_sparse_values,
+                          view_grads, warn_parallel_scan)
 from .steps import Outside, aliased_output_grad_bytes, kept_input_positions
 from .stepper import Stepping, stepping_for
 
@@ -197,6 +197,7 @@ class CompiledGraph:
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             captured = plans.capture_seconds()
+            refuse_sparse_values(joint)
             self.view_grads = view_grads(joint, num_fwd_outputs)
             request = PlanRequest(
                 joint, num_fwd_outputs, budget, primal_kinds=self.kinds, options=options,

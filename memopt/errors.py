@@ -241,3 +241,21 @@ def opaque_backward_error(names: set[str], budget: object) -> InputError:
         f"the budget {budget} cannot be held. Compile with budget=None, or let dynamo "
         f"trace the Function (remove what breaks the graph inside it: "
         f"TORCH_LOGS=graph_breaks names it).")
+
+
+def data_dependent_message(err: BaseException) -> str:
+    """Why a graph whose sizes depend on tensor values cannot be planned, and what to do
+    (a graph captured whole, by memopt.plan or ``fullgraph=True``, with a top-2 MoE's
+    ``torch.where`` routing raised a PassError over torch's GuardOnDataDependentSymNode,
+    found from outside)."""
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    return (
+        f"memopt cannot plan a graph whose sizes depend on tensor values ({type(err).__name__}: "
+        f"{first}): an op such as torch.nonzero, torch.where(mask), boolean-mask indexing "
+        f"or .item() makes a size known only when the step runs, and a plan counts every "
+        f"tensor's bytes before it. memopt.plan and memopt.compile(..., fullgraph=True) "
+        f"need the whole forward as one graph of known sizes; memopt.compile without "
+        f"fullgraph lets dynamo break the graph at such an op and plans the graphs around "
+        f"it (keep the op out of a for loop, whose break runs the whole loop eagerly), or "
+        f"route with fixed capacities (GShard's), whose sizes are known.")

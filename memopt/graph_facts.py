@@ -151,3 +151,18 @@ def grad_sink(kinds: dict[str, str], inputs: Sequence[Any]) -> tuple[GradSink, E
     sink = GradSink(slots)
     nbytes = {name: inputs[i].numel() * inputs[i].element_size() for name, i in slots.items()}
     return sink, ExistingGrads(nbytes=nbytes, add=sink.add)
+
+
+def refuse_sparse_values(joint: Any) -> None:
+    """A joint graph with a sparse tensor in it (``F.embedding(ids, w, sparse=True)``:
+    ``refuse_sparse_gradients`` sees modules only) is refused by name: the step model
+    failed over torch's "Cannot access storage of SparseTensorImpl" (a PassError, found
+    from outside)."""
+    for node in joint.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise InputError(
+                f"the training graph makes a {value.layout} tensor ({node.name}: a sparse "
+                f"gradient, as F.embedding(..., sparse=True) gives its weight): memopt "
+                f"plans dense tensors (a sparse one has no storage to count or share). "
+                f"Pass sparse=False (the default), or train it without memopt.")

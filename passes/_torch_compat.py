@@ -466,12 +466,27 @@ def dynamo_error_lines(err: BaseException) -> tuple[str, str]:
     """(the first line of dynamo's error, the innermost user-code frame it points at: ""
     when it names none). Dynamo's message format is not an API: read here only."""
     text = str(err).strip()
-    first = text.splitlines()[0] if text else type(err).__name__
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = lines[0] if lines else type(err).__name__
+    if first.endswith("raised:") and len(lines) > 1:  # a backend's error: what it raised
+        first = f"{first} {lines[1]}"
     frames = []
     if "from user code:" in text:
         frames = [ln.strip() for ln in text.split("from user code:", 1)[1].splitlines()
                   if ln.strip().startswith("File ")]
     return first, frames[-1] if frames else ""
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """What torch raises where a graph's size depends on tensor values it cannot know
+    while tracing (an unbacked symbol ``u0`` from ``nonzero``, ``torch.where(mask)``,
+    boolean-mask indexing, ``.item()``): a guard on it, or an op whose output size is
+    data-dependent under FakeTensors."""
+    from torch._subclasses.fake_tensor import (  # noqa: PLC0415
+        DataDependentOutputException, DynamicOutputShapeException)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: PLC0415
+    return (GuardOnDataDependentSymNode, DynamicOutputShapeException,
+            DataDependentOutputException)
 
 
 #: A tensor subclass's `__torch_function__` that leaves ops to `__torch_dispatch__`

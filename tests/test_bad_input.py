@@ -17,6 +17,7 @@ import pydantic
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import memopt
 from memopt.budget import Budget
@@ -222,6 +223,74 @@ def test_compile_refuses_a_sparse_gradient_by_name(layer: nn.Module) -> None:
     out = compiled(ids if isinstance(layer, nn.EmbeddingBag) else ids[:, 0])
     out.square().mean().backward()
     assert not layer.weight.grad.is_sparse
+
+
+class _FunctionalSparse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(100, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(F.embedding(ids, self.weight, sparse=True))
+
+
+def test_a_sparse_gradient_made_by_a_function_is_refused_by_name() -> None:
+    """``F.embedding(..., sparse=True)`` has no module to find: the graph's sparse
+    gradient is refused by name as it is planned, the model unchanged (a PassError over
+    torch's "Cannot access storage of SparseTensorImpl" before, found from outside)."""
+    model = _FunctionalSparse()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memopt.InputError, match="sparse"):
+        memopt.compile(model, budget=0.5)(torch.randint(0, 100, (8,)))
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+class _Routed(nn.Module):
+    """Top-1 routing by ``torch.where``: sizes known only when the step runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.expert = nn.Linear(16, 2), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, = torch.where(self.gate(x).argmax(-1) == 0)
+        return x.index_add(0, rows, self.expert(x[rows]))
+
+
+@pytest.mark.parametrize("how", ["plan", "fullgraph"])
+def test_sizes_that_depend_on_the_data_are_a_capture_error(how: str) -> None:
+    """A graph captured whole with a size known only at run time (an unbacked ``u0``)
+    is a CaptureError that says why and what to do, not a PassError over torch's
+    GuardOnDataDependentSymNode (found from outside on a top-2 MoE)."""
+    x = torch.randn(32, 16)
+    with pytest.raises(memopt.CaptureError, match="depend on tensor values"):
+        if how == "plan":
+            memopt.plan(_Routed(), x, budget=0.5)
+        else:
+            memopt.compile(_Routed(), budget=0.5, fullgraph=True)(x).sum().backward()
+
+
+class _SavedThenChanged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        y = h.sigmoid()
+        y.add_(1)  # sigmoid's backward reads the output it saved: eager raises too
+        return y
+
+
+def test_a_backend_failure_says_what_it_raised() -> None:
+    """A failure inside the backend (AOTAutograd tracing the user's forward) names what
+    was raised: dynamo's message ends in "raised:" and the error on its next line was
+    cut off (found from outside)."""
+    with pytest.raises(memopt.CaptureError, match="modified by an inplace operation"):
+        memopt.compile(_SavedThenChanged(), fullgraph=True)(torch.randn(4, 8)).sum().backward()
 
 
 def test_plan_plans_a_meta_model_on_meta_inputs() -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from memopt.allocator import Interval, peak_live_bytes
+from memopt.passes._torch_compat import data_dependent_errors
 from memopt.passes.fusion import relaid_args
 from memopt.passes.gradients import accumulate_in_place, save_parameters
 from memopt.passes.inplace import InplaceResult, reinplace
@@ -30,7 +31,7 @@ from memopt.passes.shared_saves import duplicates, saved_pairs, share_saved
 from memopt.passes.simulate import Simulated
 from memopt.passes.workspace import WorkspaceCache, measure_workspaces
 
-from ..errors import BudgetError, PassError
+from ..errors import BudgetError, CaptureError, PassError, data_dependent_message
 from ..memory_plan import InplaceRecord, RecomputedNode
 from .request import StepContext
 
@@ -68,6 +69,8 @@ def stage(name: str, done: list[str]) -> Iterator[None]:
         yield
     except (BudgetError, PassError):
         raise
+    except data_dependent_errors() as exc:
+        raise CaptureError(data_dependent_message(exc)) from exc
     except Exception as exc:
         raise PassError(name, tuple(done), exc) from exc
     done.append(name)
