@@ -122,10 +122,16 @@ class CompiledModule(nn.Module):
         backend, model = self._memopt_backend, self._memopt_model
         backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit
         tensors, grads, pending = self._memopt_tensors, None, (0, [])
+        hooked = 0
         if torch.is_grad_enabled():  # a training step: its parameters' state, cheaply
             tensors.refresh()
             grads = tensors.grad_state()
             pending = self._memopt_pending.check()
+            hooked = tensors.hooked_grad_bytes()
+            if hooked and backend.budget is not None \
+                    and not self.__dict__.get("_memopt_hooks_said"):
+                self.__dict__["_memopt_hooks_said"] = True  # once per module
+                warnings.warn(HOOKED_GRADIENTS, UserWarning, stacklevel=2)
         existing = grads is not None and _has_grads(grads)
         compiled = self._memopt_compiled.get(existing)
         if compiled is None:
@@ -145,7 +151,8 @@ class CompiledModule(nn.Module):
         # FSDP2 swaps its shards in and out itself (counted in unit.held and shards)
         held = unit.held if unit else () if shards is not None else tensors.displaced()
         backend.forward_begins(tensors, grads, args, kwargs, ddp=buckets_of(self, model),
-                               held=held, after_backward=unit.after_backward if unit else 0,
+                               held=held,
+                               after_backward=(unit.after_backward if unit else 0) + hooked,
                                shards=shards, pending=pending)
         try:
             out = run_captured(compiled, args, kwargs, backend, model,
@@ -221,6 +228,15 @@ class CompiledModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"memopt: {self._memopt_backend!r}"
+
+
+#: said once per module whose parameters have tensor hooks, under a budget
+HOOKED_GRADIENTS = (
+    "memopt: parameters of this module have gradient hooks (Tensor.register_hook). Their "
+    "gradients go back to autograd, which runs each hook as the backward ends; the plan "
+    "holds one new gradient of the largest hooked parameter for what a hook returns. "
+    "What a hook allocates beyond that (random noise, clones kept in a list) is not "
+    "counted, and the step can exceed the budget by it.")
 
 
 def _with_fsdp(plan: MemoryPlan | StepPlan | None,

@@ -108,6 +108,17 @@ class ModelTensors:
         if len(now) != len(self._entries) or any(map(is_not, now, self._entries)):
             self._list()
 
+    def hooked_grad_bytes(self) -> int:
+        """Bytes of the largest gradient of a parameter with a tensor hook
+        (``register_hook``): such a gradient goes back to autograd (memopt.grads), whose
+        AccumulateGrad runs the hook on it as the backward ends, and a hook that returns a
+        new tensor (``g * 2``, added noise) holds it beside the gradient, one parameter at
+        a time: an MLP at its minimum measured 1.032x its budget with ``g * 2`` on every
+        parameter (found from outside). What a hook allocates beyond that one tensor is
+        not counted (said once per module: memopt.api)."""
+        return max((p.numel() * p.element_size() for p in self.params
+                    if p.requires_grad and p._backward_hooks), default=0)
+
     def grad_state(self) -> list[int]:
         """Per parameter: 1 if it holds a `.grad`, plus 2 if it requires grad (3: a kept
         gradient, what makes a step run with existing gradients, memopt.grads)."""
