@@ -316,8 +316,9 @@ class MemoptBackend:
                 f"{f' (its guard failed: {reason})' if reason else ''}: Python state the "
                 "forward reads changes between calls, typically a list or dict it appends "
                 "to, or a value it reads with .item() and branches on. memopt reuses its "
-                "plan, so memory and gradients are unaffected, but each call pays dynamo's "
-                "tracing time: keep such state and branches outside forward.",
+                "plan, so gradients are unaffected, but each call pays dynamo's tracing "
+                "time, and the memory that tracing holds during the call (kilobytes) is in "
+                "no plan: keep such state and branches outside forward.",
                 UserWarning, stacklevel=2)
 
     def forward_begins(self, tensors: ModelTensors, grads: list[int] | None, args: tuple,

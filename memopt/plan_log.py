@@ -189,13 +189,14 @@ def sizes_from_eager_code(code: Any) -> str:
     mask, which dynamo cannot capture, so the frame around it runs eagerly)."""
     name = getattr(code, "co_qualname", None) or getattr(code, "co_name", "?")
     return (f" The graph of {name} is called from code dynamo runs eagerly, which made that "
-            f"size: a size that depends on the data, such as the tokens an MoE routes to "
-            f"each expert (torch.where, nonzero or a boolean mask in a loop over the "
-            f"experts), changes at every step, and memopt plans fixed shapes. Give the "
-            f"experts fixed shapes: a capacity per expert (tokens over it dropped or "
-            f"padded, as GShard and Switch Transformer do), or every token through every "
-            f"expert weighted by the router; see docs/limits.md, \"Sizes made by the "
-            f"data\".")
+            f"size: a size that depends on the data changes at every step, and memopt "
+            f"plans fixed shapes. A PackedSequence's batch sizes follow the lengths: pad "
+            f"to a few fixed lengths (buckets) to reuse their plans. The tokens an MoE "
+            f"routes to each expert (torch.where, nonzero or a boolean mask in a loop over "
+            f"the experts): give the experts fixed shapes, a capacity per expert (tokens "
+            f"over it dropped or padded, as GShard and Switch Transformer do), or every "
+            f"token through every expert weighted by the router; see docs/limits.md, "
+            f"\"Sizes made by the data\".")
 
 
 def _first_line(reason: str) -> str:
