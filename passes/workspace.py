@@ -237,11 +237,17 @@ def workspace_bytes_of(calls: Sequence[Call], cache: WorkspaceCache) -> list[int
 #: convolution and native_batch_norm_backward 1x, and its profiled first step measured
 #: 1.16x its budget with none of them counted; an MLP with dropout: native_dropout and
 #: its backward 1x, the backward's ``out=`` variant 2x, a multiply by the boolean mask 1x).
+#: ``linalg_matrix_exp`` (its Pade terms and squarings) measured up to 12x its input, 8x
+#: on a small norm, on 16 to 256 rows; ``nn.utils.parametrizations.orthogonal``'s backward
+#: runs it on a matrix twice the size, and a minimum named inside the user's profiler,
+#: with it charged nothing, was 4.2x too low (found from outside, 2026-12-01);
+#: ``_linalg_solve_ex`` (``torch.linalg.solve``) factors a copy of A: 1x.
 #: An ``out=`` variant with no kernel of its own computes aside and copies: 2x; an op
 #: whose tensor arguments differ in dtype converts one: 1x. Other ops are charged nothing.
 _ESTIMATED = {"convolution_backward": 2, "convolution": 1, "native_batch_norm_backward": 1,
               "native_layer_norm_backward": 1, "native_group_norm_backward": 1,
-              "native_dropout": 1, "native_dropout_backward": 1, "_safe_softmax": 1}
+              "native_dropout": 1, "native_dropout_backward": 1, "_safe_softmax": 1,
+              "linalg_matrix_exp": 12, "_linalg_solve_ex": 1}
 #: CPU's flash attention, in multiples of its first argument (the queries; the output's
 #: gradient), for every two threads (its blocks are per thread: the forward measured
 #: 0.31, 0.63 and 1.25 times the queries on 1, 2 and 4 threads). A Perceiver's

@@ -385,6 +385,45 @@ def test_a_refusal_made_as_the_measurement_closes_names_the_autocast_steps_minim
         == (inside.minimum_bytes, inside.baseline_bytes)
 
 
+class _Orthogonal(nn.Module):
+    """A Linear whose weight is kept orthogonal (``matrix_exp`` of a skew matrix; its
+    backward runs ``matrix_exp`` on a matrix twice the size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.parametrizations.orthogonal(nn.Linear(32, 32))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(x)))
+
+
+def test_a_minimum_named_inside_the_profiler_holds_a_matrix_exponential() -> None:
+    """Inside the user's allocation_peak planning estimates kernel workspaces; a
+    ``matrix_exp`` was charged nothing, 12x its input measured: an orthogonal
+    parametrization's minimum named there was 4.2x too low, its first step ran 3.07x it
+    and the next refused it (found from outside, 2026-12-01). The minimum named inside
+    the profiler holds at every step there, the first included."""
+    torch.manual_seed(0)
+    model = _Orthogonal()
+    x, y = torch.randn(8, 32), torch.randint(0, 4, (8,))
+    resident = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), x))
+
+    def step(module: nn.Module) -> int:
+        for p in module.parameters():
+            p.grad = None
+        with allocation_peak("cpu") as seen:
+            F.cross_entropy(module(x), y).backward()
+        return seen.peak + resident
+
+    with pytest.raises(memopt.BudgetError) as refused:
+        step(memopt.compile(copy.deepcopy(model), budget=0.01))
+    named = refused.value.minimum_bytes
+    compiled = memopt.compile(model, budget=named)
+    peaks = [step(compiled) for _ in range(3)]
+    assert max(peaks) <= named, (peaks, named)
+
+
 class _LayerNorm2d(nn.LayerNorm):
     """timm's channels LayerNorm: permute, normalize, permute back (channels-last out)."""
 
