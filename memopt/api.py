@@ -33,7 +33,8 @@ from .blocks import find_blocks, loop_codes, mark_blocks
 from .capture import run_captured
 from .compiled_graph import PlanOnly
 from .ddp import buckets_of
-from .errors import InputError
+from .errors import InputError, MemoptError
+from .first_call import FirstCall
 from .fsdp import fsdp_sharded_params, fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .fsdp_blocks import block_shards, check_sharded_blocks, fsdp_units
 from .input_checks import (check_options, refuse_meta, refuse_sparse_gradients,
@@ -154,13 +155,22 @@ class CompiledModule(nn.Module):
                                held=held,
                                after_backward=(unit.after_backward if unit else 0) + hooked,
                                shards=shards, pending=pending)
+        first = FirstCall(model) if grads is not None and backend.budget is not None \
+            and not backend.plan_log.traced else None  # put back where it is refused
         try:
             out = run_captured(compiled, args, kwargs, backend, model,
                                 bool(self._memopt_blocks), self._memopt_loops)
-        except BaseException:
+        except BaseException as err:
             backend.forward_aborted()
+            if first is not None and isinstance(err, MemoptError):
+                first.restore()
             raise
-        backend.forward_ends(out)
+        try:
+            backend.forward_ends(out)
+        except MemoptError:
+            if first is not None:
+                first.restore()
+            raise
         if grads is not None:
             self._memopt_pending.watch(out, (args, kwargs))
             backend.forward_returned()
