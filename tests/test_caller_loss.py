@@ -413,8 +413,13 @@ def test_a_minimum_named_at_the_first_step_holds_an_mse_loss_outside(outputs: in
     step, the first included, and a cross-entropy is accepted from the smaller minimum
     the refusal says, and holds it."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(D, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
-                          nn.Linear(256, outputs))
+    _both_minimums_hold(nn.Sequential(nn.Linear(D, 256), nn.GELU(), nn.Linear(256, 256),
+                                      nn.GELU(), nn.Linear(256, outputs)), outputs)
+
+
+def _both_minimums_hold(model: nn.Module, outputs: int) -> None:
+    """The minimum a refusal names holds an MSE loss outside at every step, and its
+    room-free minimum, smaller, a cross-entropy."""
     g = torch.Generator().manual_seed(1)
     x, target = torch.randn(B, D, generator=g), torch.randn(B, outputs, generator=g)
     with pytest.raises(memopt.BudgetError) as refused:
@@ -457,20 +462,4 @@ def test_a_minimum_named_with_graph_breaks_holds_an_mse_loss_outside() -> None:
     (replanned_without_room): the minimum named holds at every step, the first included,
     and a cross-entropy is accepted from the smaller minimum the refusal says."""
     torch.manual_seed(0)
-    model = _Broken(128)
-    g = torch.Generator().manual_seed(1)
-    x, target = torch.randn(B, D, generator=g), torch.randn(B, 128, generator=g)
-    with pytest.raises(memopt.BudgetError) as refused:
-        memopt.compile(copy.deepcopy(model), budget=0.01)(x)
-    compiled = memopt.compile(copy.deepcopy(model), budget=refused.value.minimum_bytes)
-    params = list(compiled.parameters())
-    peaks = [_step(compiled, params, x, target, loss=F.mse_loss) - target.nbytes
-             for _ in range(3)]
-    assert max(peaks) <= refused.value.minimum_bytes, peaks
-    room_free = refused.value.room_free_minimum_bytes
-    assert room_free is not None and room_free < refused.value.minimum_bytes
-    compiled = memopt.compile(copy.deepcopy(model), budget=room_free)
-    params = list(compiled.parameters())
-    labels = torch.randint(0, 128, (B,), generator=g)
-    peaks = [_step(compiled, params, x, labels) for _ in range(3)]
-    assert max(peaks) <= room_free, peaks
+    _both_minimums_hold(_Broken(128), 128)

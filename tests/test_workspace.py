@@ -385,6 +385,17 @@ def test_a_refusal_made_as_the_measurement_closes_names_the_autocast_steps_minim
         == (inside.minimum_bytes, inside.baseline_bytes)
 
 
+def _named_minimum_holds(model: nn.Module, step: Any) -> None:
+    """The minimum a refusal names inside the profiler (each `step(module)` measured in
+    allocation_peak) holds at every step there, the first included."""
+    with pytest.raises(memopt.BudgetError) as refused:
+        step(memopt.compile(copy.deepcopy(model), budget=0.01))
+    named = refused.value.minimum_bytes
+    compiled = memopt.compile(model, budget=named)
+    peaks = [step(compiled) for _ in range(3)]
+    assert max(peaks) <= named, (peaks, named)
+
+
 class _Orthogonal(nn.Module):
     """A Linear whose weight is kept orthogonal (``matrix_exp`` of a skew matrix; its
     backward runs ``matrix_exp`` on a matrix twice the size)."""
@@ -416,12 +427,7 @@ def test_a_minimum_named_inside_the_profiler_holds_a_matrix_exponential() -> Non
             F.cross_entropy(module(x), y).backward()
         return seen.peak + resident
 
-    with pytest.raises(memopt.BudgetError) as refused:
-        step(memopt.compile(copy.deepcopy(model), budget=0.01))
-    named = refused.value.minimum_bytes
-    compiled = memopt.compile(model, budget=named)
-    peaks = [step(compiled) for _ in range(3)]
-    assert max(peaks) <= named, (peaks, named)
+    _named_minimum_holds(model, step)
 
 
 class _LayerNorm2d(nn.LayerNorm):
@@ -511,9 +517,4 @@ def test_a_minimum_named_inside_the_profiler_holds_an_embedding_bags_sort() -> N
             F.binary_cross_entropy_with_logits(module(dense, idx, offsets), y.float()).backward()
         return seen.peak + resident
 
-    with pytest.raises(memopt.BudgetError) as refused:
-        step(memopt.compile(copy.deepcopy(model), budget=0.01))
-    named = refused.value.minimum_bytes
-    compiled = memopt.compile(model, budget=named)
-    peaks = [step(compiled) for _ in range(3)]
-    assert max(peaks) <= named, (peaks, named)
+    _named_minimum_holds(model, step)
