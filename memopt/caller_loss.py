@@ -78,9 +78,10 @@ from memopt.allocator.timeline import other_lowered
 from memopt.passes._torch_compat import (current_autograd_node, pop_saved_tensor_hooks,
                                           push_saved_tensor_hooks, pytree,
                                           saved_tensor_hooks_free,
-                                          saved_tensor_pack_hook_on_top, storage_ref)
+                                          saved_tensor_pack_hook_on_top, sequence_nr,
+                                          storage_ref)
 
-from .eager_reads import eager_nodes, gradient_edges, node_bytes, node_kind, sequence_nr
+from .eager_reads import eager_nodes, gradient_edges, node_bytes, node_kind
 from .storages import StorageId, holds_memory, storage_id
 
 if TYPE_CHECKING:  # pragma: no cover

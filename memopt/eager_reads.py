@@ -239,15 +239,6 @@ def gradient_bytes(node: Any) -> int:
         + int(BACKWARD_TEMPORARIES.get(node_kind(node), 0) * largest)
 
 
-def sequence_nr(node: Any) -> int | None:
-    """Autograd node `node`'s sequence number (made later in the forward: higher; its
-    backward runs earlier), None where it has none."""
-    try:
-        return int(node._sequence_nr())
-    except (AttributeError, RuntimeError, TypeError):
-        return None
-
-
 def gradient_edges(node: Any) -> list[tuple[tuple[int, int], int]]:
     """Where eager autograd node `node`'s backward sends its gradients, but into a
     parameter's AccumulateGrad: ((id of the next node, its input), bytes of that

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
+
+from memopt.passes._torch_compat import norm_with_running_stats
 
 
 class FirstCall:
@@ -27,8 +28,7 @@ class FirstCall:
     def __init__(self, model: nn.Module) -> None:
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.buffers = [(b, b.clone()) for m in model.modules()
-                        if isinstance(m, _NormBase) and m.track_running_stats
+        self.buffers = [(b, b.clone()) for m in model.modules() if norm_with_running_stats(m)
                         for b in m.buffers(recurse=False) if b is not None]
 
     def restore(self) -> None:

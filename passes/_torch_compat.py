@@ -477,6 +477,22 @@ def dynamo_error_lines(err: BaseException) -> tuple[str, str]:
     return first, frames[-1] if frames else ""
 
 
+def sequence_nr(node: Any) -> int | None:
+    """Autograd node `node`'s sequence number (made later in the forward: higher; its
+    backward runs earlier), None where it has none."""
+    try:
+        return int(node._sequence_nr())
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def norm_with_running_stats(module: torch.nn.Module) -> bool:
+    """Whether `module` is a BatchNorm / InstanceNorm layer that tracks running statistics
+    (torch's shared base class of those layers)."""
+    from torch.nn.modules.batchnorm import _NormBase  # noqa: PLC0415
+    return isinstance(module, _NormBase) and bool(module.track_running_stats)
+
+
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """What torch raises where a graph's size depends on tensor values it cannot know
     while tracing (an unbacked symbol ``u0`` from ``nonzero``, ``torch.where(mask)``,
