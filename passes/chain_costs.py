@@ -152,12 +152,28 @@ class ChunkCosts:
                    for n, s in zip(runs, sizes)) / 1e9
 
 
-def chunk_costs(joint: fx.GraphModule, site: ChainSite, room: int | None = None) -> ChunkCosts:
+@dataclass(frozen=True)
+class FractionRoom:
+    """The room a fraction budget leaves a chunk's measurement, before the step's baseline
+    is known: the fraction of a lower bound on that baseline, what is live as the first
+    call plans (``live``) and the chain's steps, each holding what the 1-step chunk saved
+    (with no budget one chunk holds every step). A UT block applied 6 times measured
+    its whole chain inside the first step at a 0.5 budget: 2.0x the budget there."""
+
+    fraction: float
+    live: int
+
+    def nbytes(self, steps: int, one: list[int]) -> int:
+        return max(0, int(self.fraction * (self.live + steps * one[0])) - self.live)
+
+
+def chunk_costs(joint: fx.GraphModule, site: ChainSite,
+                room: int | FractionRoom | None = None) -> ChunkCosts:
     """Measured at two chunk lengths, 2 and 16 steps (fewer when T is shorter), on zeros
     of the real shapes on the real device; long chunks are not run (on FakeTensors the
     fused RNN op decomposes into per-step ops: slow to trace, and the wrong bytes).
     ``room``: the bytes the measurement may allocate (a byte budget less what is live as
-    the first call plans), None for any: the runs are inside the user's first step, and
+    the first call plans; a fraction's ``FractionRoom``), None for any: the runs are inside the user's first step, and
     a chunk of 12 steps of an nn.LSTM, the whole chain, measured 1.68x the budget there
     (found from outside). The longer chunk is then the longest whose bytes, priced on
     the 1-step chunk measured first (``_longest_within``), fit in it, 2 steps at least.
@@ -184,10 +200,15 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite, room: int | None = None)
         say_untracked("chains", " chain %s (a profiler is recording); its kernels' "
                       "temporaries are those last measured for the same chunk, or none",
                       site.name)
+    key = (site.chain, site.steps, str(device), tracked)
+    if key in _COSTS:
+        return _COSTS[key]
     with real_tensors():
         rng_before = _rng_state(device)
         one = _chunk_bytes(_chunk_run(joint, site, 1), device, tracked) if long > 2 else None
         if one is not None and room is not None:
+            if isinstance(room, FractionRoom):
+                room = room.nbytes(site.steps, one)
             long = _longest_within(long, site.steps, one, room)
         lengths = (min(2, long - 1) if long > 1 else 1, long)
         if lengths[0] == 1:
@@ -208,11 +229,14 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite, room: int | None = None)
     if one is not None:  # bytes: the lines raised to lie above the 1-step chunk's
         lines[:3] = [line.above(1, v) for line, v in zip(lines, one)]
     lines[3:] = [line.at_least_proportional(lengths[1], v) for line, v in zip(lines[3:], long[3:])]
-    return ChunkCosts(*lines,
-                      rng_state_bytes=state_bytes, random=replays and random,
-                      unsaved=sliced[-1][0], xs_unsaved=xs_unsaved,
-                      sliced_saved=Linear.through((lengths[0], sliced[0][1]),
-                                                  (lengths[1], sliced[1][1])))
+    if len(_COSTS) >= _TRANSIENTS_KEPT:
+        _COSTS.clear()
+    _COSTS[key] = ChunkCosts(*lines,
+                             rng_state_bytes=state_bytes, random=replays and random,
+                             unsaved=sliced[-1][0], xs_unsaved=xs_unsaved,
+                             sliced_saved=Linear.through((lengths[0], sliced[0][1]),
+                                                         (lengths[1], sliced[1][1])))
+    return _COSTS[key]
 
 
 #: a chunk's bytes over what its 1-step measurement says per step, allowed for in
@@ -302,6 +326,11 @@ def _chunk_run(joint: fx.GraphModule, site: ChainSite, chunk: int) -> _ChunkRun:
 #: a chunk's measured transients, forward and backward, by what it runs (`_run_key`): a
 #: chunk planned where allocations cannot be tracked takes them from here
 _TRANSIENTS: dict[tuple, tuple[int, int]] = {}
+#: A chain's costs by (its registered step, its length, the device, whether tracked),
+#: measured once: a forward with graph breaks plans its graphs again as it ends, while its
+#: tensors are live, and a chunk run there measured a hooked LSTM's first step at 2.4x
+#: its budget (found from outside)
+_COSTS: dict[tuple, ChunkCosts] = {}
 _TRANSIENTS_KEPT = 512
 
 

@@ -451,7 +451,7 @@ class PackedIn(nn.Module):
 def test_packed_lengths_with_no_budget_plan_no_new_kind_of_step(packs, one_thread):
     """With no budget the packed rows leave the RNN as its own call made them, so the
     graph after it (the head over the rows) is captured anew for each total length.
-    Those graphs resume the forward after eager code (memopt.backend._resumed): they are
+    Those graphs resume the forward after eager code (memopt.plan_log.resumed): they are
     not new kinds of step, and twelve batches of different total lengths (more than
     dynamo's recompile limit of 8), packed in the model or by the loader (the packed
     labels an input too), train with eager's losses, where before the ninth raised
@@ -522,7 +522,7 @@ def _hooked_tagger() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("budget", [None, 0.6], ids=["no_budget", "budget_0.6"])
+@pytest.mark.parametrize("budget", [None, 0.75], ids=["no_budget", "budget_0.75"])
 def test_an_rnns_forward_hooks_run_as_in_eager(budget):
     """The forward pre-hook and hook of an nn.LSTM run around its chains (the wrapped
     module is not called as a module: they were skipped, another loss and gradients,

@@ -25,6 +25,7 @@ from memopt.allocator.caching import reserved_for
 from memopt.allocator.timeline import other_lowered
 from memopt.allocator.offload import Link
 from memopt.link import measured
+from memopt.passes.chain_costs import FractionRoom
 from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops, user_checkpointed
@@ -224,19 +225,23 @@ class _Planning:
                                 room=self._measuring_room())
             self.found[family] = found
 
-    def _measuring_room(self) -> int | None:
+    def _measuring_room(self) -> int | FractionRoom | None:
         """The bytes a measurement run while pricing an op family may allocate: a byte
         budget less the graph's inputs and parameters, live as the first call plans (a
         chain's chunks run on real tensors inside the user's first step: an nn.LSTM over
-        12 tokens measured 1.68x its budget at that step, found from outside). None for
-        no budget or a fraction, whose bytes are known only after the baseline."""
-        budget = self.request.budget
-        if budget is None or budget.nbytes is None:
+        12 tokens measured 1.68x its budget at that step, found from outside). A
+        fraction's bytes are known only after the baseline: its room is the fraction of a
+        lower bound on it (passes.chain_costs.FractionRoom). None for no budget."""
+        budget = self.request.budget or self.request.measure_within
+        if budget is None:
             return None
         inputs = sum(t.untyped_storage().nbytes() for n in self.joint.graph.nodes
                      if n.op == "placeholder" and not n.name.startswith("tangents")
                      for t in value_tensors(fake_value(n)))
-        return max(0, budget.nbytes - inputs)
+        if budget.nbytes is None and self.request.step_baseline is None:
+            return FractionRoom(budget.fraction, inputs)
+        # a fraction of the whole step's baseline (graph breaks) is known
+        return max(0, budget.resolve(self.request.step_baseline or 0) - inputs)
 
     def found_sites(self) -> bool:
         """Whether any op family found a site (Step 5 has choices to make)."""

@@ -168,6 +168,10 @@ class PlanRequest:
     #: measured (memopt.caller_loss.assumed_through): planned for, but not part of the
     #: baseline a fraction budget is of (the same with and without a budget)
     room_bytes: int = 0
+    #: the module's budget where this plan is made without one (a forward with graph
+    #: breaks plans its first graphs before its step's baseline is known): what a
+    #: measurement made while planning may allocate (planner.plan._measuring_room)
+    measure_within: Budget | None = None
     step: StepContext = field(init=False)
 
     def __post_init__(self) -> None:
