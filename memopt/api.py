@@ -145,9 +145,10 @@ class CompiledModule(nn.Module):
             if backend.optimizer_source is not None and backend.optimizer is None:
                 _check_sharded_optimizer(backend.optimizer_source, fsdp_sharded_params(self))
             self.__dict__["_memopt_fsdp"] = unit.record
-        if grads is not None and backend.optimizer_source is not None \
-                and backend.optimizer is None:
-            _count_optimizer(backend, model)
+        if grads is not None and backend.optimizer_source is not None:
+            if backend.optimizer is None:
+                _count_optimizer(backend, model)
+            backend.optimizer_grew()
         shards = block_shards(model, self._memopt_blocks)
         # FSDP2 swaps its shards in and out itself (counted in unit.held and shards)
         held = unit.held if unit else () if shards is not None else tensors.displaced()

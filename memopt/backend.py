@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import importlib.util
 import logging
-import re
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -40,7 +39,7 @@ from . import nn as _reversible_runtime  # noqa: F401
 from .recurrent import modules as _chain_runtime  # noqa: F401
 
 from memopt.passes._torch_compat import (CompilingFrame, autocast_regions, compiling_frame,
-                                         last_guard_failure, pytree, storage_key)
+                                         last_guard_failure, pytree)
 from .budget import Budget, parse_budget
 from .compiled_graph import CompiledGraph
 from .ddp import DDPBuckets
@@ -51,9 +50,9 @@ from .graph_breaks import (ReplanPolicy, earlier_calls, replan_forward, required
 from .run_plans import split_later_runs
 from .kernels import Kernels
 from .memory_plan import MemoryPlan, StepPlan
-from .optimizer import OptimizerBytes
+from .optimizer import OptimizerBytes, optimizer_bytes, params_of
 from .optimizer_step import ChunkedStep
-from .plan_log import PlanLog
+from .plan_log import PlanLog, graph_key, loss_key, resumed
 from .allocator.offload import Link
 from .planner import Options
 from .settled import ModelTensors, StepCall, settle
@@ -237,19 +236,19 @@ class MemoptBackend:
         if seen is not None and seen.plan is not None:  # planned before: keep its plan
             self._retraced(frame)
             return seen.run
-        if position == 0 and not _resumed(frame):
+        if position == 0 and not resumed(frame):
             # a new entry into the step: a graph after a break, or after eager code that
             # began the forward, is no new one (it may be captured for each shape of what
             # that code made: a PackedSequence's rows after an RNN's eager call)
             self.plan_log.count_graph(self.existing_grads, frame.code)
-        elif _resumed(frame):
+        elif resumed(frame):
             self.plan_log.count_resumed(frame.code, key[1:])
         remove_identity_dropouts(gm)  # as eager: no copy saved beside the input
         drop_constant_masks(gm)  # as eager: SDPA's fused kernel, no attention matrix
         if self.kernels is Kernels.ATEN:
             fuse_upsampling(gm)  # as eager: ATen's upsampling kernels, forward and backward
         graph = CompiledGraph(self, gm, example_inputs, frame, index=position, alone=alone)
-        graph.loss_key = (_MEMOPT_OP_IDS.sub(r"\1", key[0]),) + key[1:6] + key[7:]  # .grad or not
+        graph.loss_key = loss_key(key)
         graph.loss_identity = caller_loss.identity(
             v for v in [*gm.parameters(), *example_inputs] if isinstance(v, torch.nn.Parameter))
         measured = caller_loss.known(graph.loss_key, graph.loss_identity)
@@ -432,14 +431,44 @@ class MemoptBackend:
         if not self.plan_log.untracked:
             return
         self.plan_log.untracked = False
+        state, step = self._count_optimizer_again(graphs)
         for graph in graphs:
             graph.settled, before = None, graph.plan
             outside, _ = caller_loss.taken(graph)  # measured since: memopt.caller_loss
+            outside = dataclasses.replace(
+                outside, forward=outside.forward + state, backward=outside.backward + state,
+                after_backward=max(0, outside.after_backward + step))
             graph.replan(outside, graph.policy, graph.step_baseline)
             if self.plan_log.last is before:  # the plan the next step runs
                 self.plan_log.last = graph.plan
             if not graph.plan.fits and self.plan_log.pending is None:
                 self.plan_log.pending = graph.budget_error()
+
+    def _count_optimizer_again(self, graphs: list[CompiledGraph]) -> tuple[int, int]:
+        """An optimizer counted while a profiler recorded charged its step its state's
+        bytes, 2 per byte of a parameter stepped alone (memopt.optimizer): counted again,
+        measured (an Adam with maximize=True, stepped in the backward, needs 3: its plans
+        measured 1.07x the minimum named at every step, found from outside); so is one
+        that gained parameters (`optimizer_grew`). Returns how many bytes more its state
+        and its step hold."""
+        old, source = self.optimizer, self.optimizer_source
+        if old is None or source is None or not old.recount:
+            return 0, 0
+        self.optimizer = new = optimizer_bytes(source, graphs[0].plan.device)
+        for graph in graphs:  # the per-parameter step bytes of a step in the backward
+            grads = getattr(graph.stepping, "grads", None)
+            if grads is not None and grads.step_bytes is not None:
+                grads.step_bytes.update({n: new.alone_bytes(b) for n, b in grads.nbytes.items()})
+        return new.state_bytes - old.state_bytes, new.step_bytes - old.step_bytes
+
+    def optimizer_grew(self) -> None:
+        """A training call begins: where the optimizer steps more parameters than when
+        it was counted (`add_param_group`), count it again and plan every graph again as
+        this forward ends, for the steps after it (memopt.optimizer.params_of)."""
+        opt, source = self.optimizer, self.optimizer_source
+        if opt is not None and source is not None and params_of(source) != opt.counted_params:
+            self.optimizer = dataclasses.replace(opt, recount=True)
+            self.plan_log.untracked = True
 
     def forward_ends(self, returned: Any) -> None:
         """The forward of a memopt module returned (memopt.api): with every graph of it
@@ -532,44 +561,6 @@ class MemoptBackend:
             return replan_forward(list(runs), bases, None, refine=split_later_runs)
         finally:
             self.budget = kept
-
-
-def _resumed(frame: CompilingFrame) -> bool:
-    """Whether dynamo compiles the rest of a frame after a graph break in it (it names
-    that code ``torch_dynamo_resume_in_<function>_at_<line>``)."""
-    name = getattr(frame.code, "co_name", "") or ""
-    return name.startswith("torch_dynamo_resume_in_")
-
-
-#: the first argument of memopt's own ops in a graph's code: a chain's or head's id, new at
-#: each compile (memopt.caller_loss keys a graph by its code without them)
-_MEMOPT_OP_IDS = re.compile(r"(torch\.ops\.memopt\.\w+\()\d+")
-
-
-def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], frame: CompilingFrame,
-               position: int, alone: bool, existing_grads: bool) -> tuple:
-    """What decides a graph's plan, as a hashable value: its code, every input's type,
-    shape, strides, dtype, device, requires_grad and storage (which inputs alias which),
-    the module state it holds, where it sits in the step and where it ends, and the
-    grad and autocast modes AOTAutograd traces under. Dynamo guards on more (Python
-    values the forward reads); two graphs equal here get the same plan."""
-    storages: dict[Any, int] = {}
-
-    def describe(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return (type(value).__name__, repr(value))
-        where = storages.setdefault(storage_key(value), len(storages))
-        return (isinstance(value, torch.nn.Parameter), tuple(value.shape), tuple(value.stride()),
-                value.storage_offset(), value.dtype, str(value.device), value.requires_grad,
-                where)
-
-    state = tuple((describe(t), t.untyped_storage().data_ptr())
-                  for t in [*gm.parameters(), *gm.buffers()])
-    inputs = tuple(describe(v) for v in example_inputs)
-    modes = (torch.is_grad_enabled(),) + tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    ends = (frame.graph_break, frame.filename, frame.lineno, frame.reason)
-    return (gm.code, state, inputs, ends, position, alone, existing_grads, modes)
 
 
 def _needs_grad(value: Any) -> bool:

@@ -92,7 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _LOCAL = threading.local()  # .watch: the _Watch whose hooks are on this thread's stack
 
-#: what graph a caller's loss was measured after (memopt.backend.graph_key, but whether
+#: what graph a caller's loss was measured after (memopt.plan_log.graph_key, but whether
 #: `.grad` exists) -> (its bytes, the weak storage reference and data pointer of each of
 #: the graph's parameters, its bytes held through the backward): a module compiled again
 #: over the same parameters starts from it (``known``)

@@ -38,6 +38,7 @@ from .graph_facts import (checked_backward, ddp_fields, grad_sink, optimizer_fie
                           primal_kinds, refuse_double_backward, refuse_sparse_values,
                           view_grads, warn_parallel_scan)
 from .steps import Outside, aliased_output_grad_bytes, kept_input_positions
+from .optimizer_step import in_parts
 from .stepper import Stepping, stepping_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,7 +86,8 @@ class CompiledGraph:
                 backend.optimizer_source, backend.optimizer, self.kinds,
                 [*self.attributes, *example_inputs], alone=alone,
                 ddp=backend.plan_log.ddp is not None,
-                kernels_inductor=backend.kernels is Kernels.INDUCTOR)
+                kernels_inductor=backend.kernels is Kernels.INDUCTOR,
+                asked=backend.step_in_backward is True)
         self.steps_in_backward = False
         self.outside_grads = aliased_output_grad_bytes(gm)
         #: the same for a tensor the forward returns more than once, which only the
@@ -207,7 +209,8 @@ class CompiledGraph:
                 lowest_peak=policy == ReplanPolicy.LOWEST, step_baseline=step_baseline,
                 must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
                 fraction_floor=plans.fraction_floor if self.alone else 0,
-                reserve_bytes=reserve[0], room_bytes=caller_loss.room(self, used[0]))
+                reserve_bytes=reserve[0], room_bytes=caller_loss.room(self, used[0]),
+                measure_within=backend.budget if budget is None else None)
             requests.append(request)
             try:
                 fw, bw, plan = self._plan_joint(request)
@@ -331,7 +334,8 @@ class CompiledGraph:
         step is lower by what the budget lacked; then the smallest (one parameter's). Raises
         the last BudgetError where neither fits."""
         opt = self.backend.optimizer
-        if opt is None or self.backend.optimizer_source is None:
+        if opt is None or self.backend.optimizer_source is None \
+                or in_parts(self.backend.optimizer_source) is not None:
             return None
         lean = opt.chunked_step_bytes(opt.largest_param)
         if opt.chunk_for(lean) is None or lean >= opt.step_bytes:

@@ -42,7 +42,7 @@ import torch
 from .budget import format_bytes
 from .errors import InputError
 from .fsdp import local_tensor
-from .passes.allocated import allocation_peak, can_track, say_untracked
+from .passes.allocated import allocation_peak, can_track, note_unmeasured, say_untracked
 
 log = logging.getLogger("memopt")
 
@@ -67,6 +67,12 @@ class OptimizerBytes:
     parts: tuple[tuple[float, int, int], ...] = ()
     #: the largest parameter's bytes: the smallest chunk a chunked step can take
     largest_param: int = 0
+    #: to be counted again (memopt.backend): counted while a profiler recorded (the step
+    #: charged its state's bytes), or the optimizer has gained parameters since
+    #: (`add_param_group`: `params_of`)
+    recount: bool = False
+    #: (groups, parameters) of the optimizer when counted
+    counted_params: tuple[int, int] = (0, 0)
 
     def alone_bytes(self, nbytes: int) -> int:
         """What stepping one parameter of `nbytes` alone allocates above its state."""
@@ -112,6 +118,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> O
     """The state and step bytes of `optimizer` for its parameters on `device`."""
     device = torch.device(device)
     state, predicted, step, alone, parts, largest = 0, False, 0, 0.0, [], 0
+    recount = False
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if _on(p, device)]
         if not params:
@@ -128,11 +135,20 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> O
         largest = max([largest, *(p.untyped_storage().nbytes() for p in params)])
         measured = _step_bytes(optimizer, group, params, device)
         if measured is None:  # not trackable: charged the state's bytes (Adam's two moments)
-            measured = (mine, 2.0, ())
+            measured, recount = (mine, 2.0, ()), True
+            note_unmeasured()
         step, alone = max(step, measured[0]), max(alone, measured[1])
         parts.extend(measured[2])
     return OptimizerBytes(type(optimizer).__name__, state, step, predicted, alone,
-                          tuple(parts), largest)
+                          tuple(parts), largest, recount, params_of(optimizer))
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """How many parameter groups and parameters `optimizer` steps: a group added since it
+    was counted (progressive unfreezing) holds state the plans do not count (1.17x a
+    budget at every step after it, found from outside)."""
+    groups = optimizer.param_groups
+    return len(groups), sum(len(g["params"]) for g in groups)
 
 
 def _on(p: torch.Tensor, device: torch.device) -> bool:

@@ -14,16 +14,46 @@ Two users of the same mechanism (`SubsetStep`):
 How a subset is stepped: the optimizer's own class steps a shadow of it (the same state,
 hyperparameters and defaults, no hooks) whose group lists only the subset, with the class's
 `step` below torch's hook wrapper, so the user's step hooks and an LR scheduler's step
-counter see one step. Elementwise optimizers (every torch.optim one but LBFGS) update each
-parameter from its own gradient and state only, so a subset's update is exactly the one the
-whole step makes (foreach kernels act tensor by tensor).
+counter see one step. Elementwise optimizers (torch.optim's but LBFGS and SparseAdam) update
+each parameter from its own gradient and state only, so a subset's update is exactly the one
+the whole step makes (foreach kernels act tensor by tensor). Another class's step (a subclass
+that overrides it too) may not: a global gradient norm, or a counter kept in the parameter
+group, counted once per subset (an Adam whose group["step"] went to 27 in 3 steps, found from
+outside). memopt steps those whole (`in_parts`), unless the user asks for the step inside
+the backward by name.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+
+from memopt.passes._torch_compat import step_pre_hook_last, step_pre_hooks_after
+
+
+#: torch.optim's optimizers whose step updates each parameter from its own gradient and
+#: state alone (by name: a class this torch lacks is left out)
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
+    "ASGD", "Rprop", "Adafactor") if hasattr(torch.optim, name))
+
+
+def in_parts(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `optimizer`'s step cannot be run on part of its parameters at a time (the module
+    docstring), or None where it can."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return "LBFGS needs a closure over the whole model"
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        return "SparseAdam steps sparse gradients, which memopt's graphs do not make"
+    if any(isinstance(optimizer, cls) and type(optimizer).step is cls.step
+           for cls in ELEMENTWISE):
+        return None
+    return (f"{type(optimizer).__name__} is not one of torch.optim's elementwise optimizers, "
+            f"so its step may not update each parameter from its own gradient and state "
+            f"alone (a global gradient norm, a counter in its parameter group); pass "
+            f"step_in_backward=True to memopt.compile if it does")
 
 
 class SubsetStep:
@@ -82,6 +112,7 @@ class ChunkedStep:
         self.steps = 0  # optimizer steps run in chunks (tests, evidence)
         self._subset = SubsetStep(optimizer)
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._last, self._warned = False, False  # a pre-hook registered after this one
         self._handles = (optimizer.register_step_pre_hook(self._before),
                          optimizer.register_step_post_hook(self._after))
 
@@ -97,6 +128,19 @@ class ChunkedStep:
         # torch passes the step's own arguments, `self` first (accelerate passes closure=None)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is not None:  # the step re-evaluates the model: it runs whole
+            return
+        if step_pre_hooks_after(opt, self._handles[0]):
+            # a pre-hook registered since runs after this one (one scaling the gradients
+            # was skipped, silently; found from outside): this step runs whole, after it,
+            # and from the next one this hook runs last
+            self._last = True
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "a step pre-hook was registered on the optimizer after memopt's: this "
+                    "optimizer.step() runs whole, not in chunks, and can exceed the plan by "
+                    "its foreach temporaries; from the next step memopt's chunks run after "
+                    "the hook.", UserWarning, stacklevel=2)
             return
         stepped = False
         for group in opt.param_groups:
@@ -118,3 +162,6 @@ class ChunkedStep:
         for p, grad in self._hidden:
             p.grad = grad
         self._hidden = []
+        if self._last:
+            self._last = False
+            step_pre_hook_last(opt, self._handles[0])

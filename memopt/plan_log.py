@@ -8,19 +8,25 @@ methods (the capture clock, the forward's code, a pending BudgetError), never by
 from __future__ import annotations
 
 import copy
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
-from memopt.passes._torch_compat import recompile_reasons
+import torch
+from torch import fx
+
+from memopt.passes._torch_compat import recompile_reasons, storage_key
 from memopt.passes.allocated import UNMEASURED
 
 from .errors import BudgetError, CaptureError, InputError
 from .memory_plan import MemoryPlan
 
 if TYPE_CHECKING:  # pragma: no cover
+    from memopt.passes._torch_compat import CompilingFrame
     from .compiled_graph import CompiledGraph
     from .ddp import DDPBuckets
     from .settled import StepCall
@@ -56,11 +62,11 @@ class PlanLog:
     #: a plan saved levels of a parallel scan (passes.scans): said once
     warned_scan: bool = False
     #: every graph built, by what makes two of dynamo's graphs the same step to plan
-    #: (memopt.backend.graph_key), and how many times dynamo handed over one already built
+    #: (memopt.plan_log.graph_key), and how many times dynamo handed over one already built
     by_key: dict[tuple, CompiledGraph] = field(default_factory=dict)
     retraced: int = 0
     #: graphs captured for each code after a graph break (dynamo's resume functions) with
-    #: the same inputs, place and modes (all of memopt.backend.graph_key but the graph)
+    #: the same inputs, place and modes (all of graph_key but the graph)
     resumed: dict[tuple, int] = field(default_factory=dict)
     #: forwards that ended traced (the others ran a settled graph: memopt.settled)
     traced: int = 0
@@ -204,3 +210,47 @@ def _first_line(reason: str) -> str:
     the source comment, hint and user stack dynamo appends (its hint, to make such an int
     dynamic, does not apply: memopt captures with dynamic=False)."""
     return reason.strip().splitlines()[0].split("#")[0].strip() if reason.strip() else ""
+
+
+def resumed(frame: CompilingFrame) -> bool:
+    """Whether dynamo compiles the rest of a frame after a graph break in it (it names
+    that code ``torch_dynamo_resume_in_<function>_at_<line>``)."""
+    name = getattr(frame.code, "co_name", "") or ""
+    return name.startswith("torch_dynamo_resume_in_")
+
+
+#: the first argument of memopt's own ops in a graph's code: a chain's or head's id, new at
+#: each compile (memopt.caller_loss keys a graph by its code without them)
+_MEMOPT_OP_IDS = re.compile(r"(torch\.ops\.memopt\.\w+\()\d+")
+
+
+def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], frame: CompilingFrame,
+               position: int, alone: bool, existing_grads: bool) -> tuple:
+    """What decides a graph's plan, as a hashable value: its code, every input's type,
+    shape, strides, dtype, device, requires_grad and storage (which inputs alias which),
+    the module state it holds, where it sits in the step and where it ends, and the
+    grad and autocast modes AOTAutograd traces under. Dynamo guards on more (Python
+    values the forward reads); two graphs equal here get the same plan."""
+    storages: dict[Any, int] = {}
+
+    def describe(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return (type(value).__name__, repr(value))
+        where = storages.setdefault(storage_key(value), len(storages))
+        return (isinstance(value, torch.nn.Parameter), tuple(value.shape), tuple(value.stride()),
+                value.storage_offset(), value.dtype, str(value.device), value.requires_grad,
+                where)
+
+    state = tuple((describe(t), t.untyped_storage().data_ptr())
+                  for t in [*gm.parameters(), *gm.buffers()])
+    inputs = tuple(describe(v) for v in example_inputs)
+    modes = (torch.is_grad_enabled(),) + tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    ends = (frame.graph_break, frame.filename, frame.lineno, frame.reason)
+    return (gm.code, state, inputs, ends, position, alone, existing_grads, modes)
+
+
+def loss_key(key: tuple) -> tuple:
+    """A `graph_key` without memopt's op ids and whether `.grad` exists: what a caller's
+    loss was measured after (memopt.caller_loss)."""
+    return (_MEMOPT_OP_IDS.sub(r"\1", key[0]),) + key[1:6] + key[7:]

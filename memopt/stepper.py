@@ -46,13 +46,14 @@ from typing import Any
 
 import torch
 
-from memopt.passes._torch_compat import engine_will_accumulate, foreach_zero_, pytree
+from memopt.passes._torch_compat import (engine_will_accumulate, foreach_zero_, pytree,
+                                         step_pre_hook_last, step_pre_hooks_after)
 
 from .errors import InputError
 from .grads import GradSink, parameter_slots
 from .markers import Memoryless
 from .optimizer import OptimizerBytes
-from .optimizer_step import SubsetStep
+from .optimizer_step import SubsetStep, in_parts
 from .planner import ExistingGrads
 
 
@@ -180,8 +181,9 @@ class ParamStepper(GradSink):
     def check_forward(self) -> None:
         """A training forward begins: raise where the last forward's output still waits
         for its backward (two forwards, one backward: a loss summed over micro-batches),
-        or the last backward's consumed gradients are still in `.grad` (no
-        optimizer.step() or zero_grad() since: accumulation)."""
+        or no optimizer.step() ran since the last backward (its consumed gradients still
+        in `.grad`: accumulation; or set to None by zero_grad(): a skipped step, which
+        the backward applied all the same, found from outside)."""
         if any(ref() is not None for ref in self._pending):
             self._pending = []
             raise GradientConsumedError(
@@ -192,18 +194,26 @@ class ParamStepper(GradSink):
                 "loss summed over several forwards). Pass step_in_backward=False to "
                 "memopt.compile, or run backward before the next forward (or drop an output "
                 "that will never be differentiated before the next forward).")
-        if not self._marked:
-            return
-        if any(isinstance(getattr(ref(), "grad", None), ConsumedGradient)
-               for ref in self._marked):
+        if self._hook is not None:  # a step pre-hook added since runs before it
+            step_pre_hook_last(self.optimizer, self._hook)
+        marked = [ref() for ref in self._marked]
+        if any(isinstance(getattr(p, "grad", None), ConsumedGradient) for p in marked):
             raise GradientConsumedError(
                 "a training forward began while the parameters memopt stepped inside the "
                 "last backward still hold their consumed gradients: no optimizer.step() or "
-                "zero_grad() since that backward. Gradient accumulation cannot step in the "
-                "backward (the first micro-step's update was applied): pass "
-                "step_in_backward=False to memopt.compile, or call optimizer.step() and "
+                "zero_grad(set_to_none=True) since that backward. Gradient accumulation "
+                "cannot step in the backward (the first micro-step's update was applied): "
+                "pass step_in_backward=False to memopt.compile, or call optimizer.step() and "
                 "zero_grad() after every backward.")
         self._marked = []
+        if any(p is not None for p in marked):  # their markers set to None: zero_grad()
+            raise GradientConsumedError(
+                "a training forward began with no optimizer.step() since the last backward, "
+                "which memopt stepped the optimizer inside: that update was applied as the "
+                "gradients completed, so a step the loop skips (a guard against a NaN or a "
+                "loss spike: zero_grad() and continue) was not skipped. Pass "
+                "step_in_backward=False to memopt.compile, or call optimizer.step() after "
+                "every backward.")
 
     def _step_one(self, param: torch.Tensor, group: dict, grad: torch.Tensor) -> None:
         param.grad = grad
@@ -232,7 +242,17 @@ class ParamStepper(GradSink):
 
     def _clear(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
         """Before the user's optimizer.step(): the consumed gradients become None, so that
-        the step skips these parameters (already stepped in the backward)."""
+        the step skips these parameters (already stepped in the backward). A step pre-hook
+        runs before it (moved last at each training forward), where reading a consumed
+        gradient raises; one registered since the forward would run after it and find
+        no gradient (a hook scaling them was skipped, silently; found from outside)."""
+        if step_pre_hooks_after(self.optimizer, self._hook):
+            raise GradientConsumedError(
+                "a step pre-hook was registered on the optimizer after this step's forward "
+                "began, and memopt stepped the optimizer inside the backward: the hook would "
+                "find no gradient to act on. Register it before the forward (it then sees "
+                "the consumed gradients, and raises if it reads them), or pass "
+                "step_in_backward=False to memopt.compile.")
         for ref in self._marked:
             p = ref()
             if p is not None and isinstance(p.grad, ConsumedGradient):
@@ -252,13 +272,20 @@ class ParamStepper(GradSink):
 
 
 
-def can_step_in_backward(optimizer: Any) -> str | None:
+def can_step_in_backward(optimizer: Any, asked: bool = False) -> str | None:
     """Why `optimizer` cannot be stepped one parameter at a time inside the backward, or
-    None where it can."""
-    if isinstance(optimizer, torch.optim.LBFGS):
-        return "LBFGS needs a closure over the whole model"
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        return "SparseAdam steps sparse gradients, which memopt's graphs do not make"
+    None where it can (memopt.optimizer_step.in_parts). A class that is not one of
+    torch.optim's elementwise optimizers is stepped there only where the user asks by
+    name (`asked`: step_in_backward=True), with a warning saying what its step must do."""
+    reason = in_parts(optimizer)
+    if reason is None or not asked or isinstance(
+            optimizer, (torch.optim.LBFGS, torch.optim.SparseAdam)):
+        return reason
+    warnings.warn(
+        f"memopt steps {type(optimizer).__name__} one parameter at a time inside the "
+        f"backward, as step_in_backward=True asks: its step must update each parameter from "
+        f"its own gradient and state alone (no global gradient norm, no counter kept in the "
+        f"parameter group), or the parameters will differ from eager's.", stacklevel=2)
     return None
 
 
@@ -276,11 +303,11 @@ class Stepping:
 
 def stepping_for(optimizer: torch.optim.Optimizer, counted: OptimizerBytes,
                  kinds: dict[str, str], inputs: Sequence[Any], *, alone: bool,
-                 ddp: bool, kernels_inductor: bool) -> Stepping | str:
+                 ddp: bool, kernels_inductor: bool, asked: bool = False) -> Stepping | str:
     """The Stepping of a captured graph whose primal `primals_{i+1}` is `inputs[i]`
     (`kinds`: parameter / buffer / input), or why its optimizer cannot step inside its
-    backward."""
-    reason = can_step_in_backward(optimizer)
+    backward (`asked`: step_in_backward=True)."""
+    reason = can_step_in_backward(optimizer, asked)
     if reason is not None:
         return reason
     if not alone:

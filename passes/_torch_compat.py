@@ -594,3 +594,20 @@ def in_autocast_regions(regions: dict[str, torch.dtype]) -> Iterator[None]:
             elif torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
         yield
+
+
+def step_pre_hooks_after(optimizer: Any, handle: Any) -> list[Callable]:
+    """`optimizer`'s own step pre-hooks that run after the one `handle` registered
+    (registered since: torch runs them in order), but memopt's."""
+    hooks = list(optimizer._optimizer_step_pre_hooks.items())
+    at = next((i for i, (key, _) in enumerate(hooks) if key == handle.id), len(hooks))
+    return [hook for _, hook in hooks[at + 1:]
+            if not getattr(hook, "__module__", "").startswith("memopt.")]
+
+
+def step_pre_hook_last(optimizer: Any, handle: Any) -> None:
+    """Run the step pre-hook `handle` registered after every other of `optimizer`'s (not
+    while the optimizer iterates its hooks)."""
+    hooks = optimizer._optimizer_step_pre_hooks
+    if handle.id in hooks:
+        hooks.move_to_end(handle.id)

@@ -214,3 +214,43 @@ def test_accumulation_step_with_optimizer_within_its_plan():
     assert plan.existing_grad_bytes > 0 and plan.optimizer_state_bytes == _real_state(opt)
     assert resident + seen.peak <= plan.predicted_peak_bytes + 1024
     assert resident + seen.peak <= plan.budget_bytes
+
+
+def test_a_group_added_later_is_counted_from_the_next_step():
+    """`add_param_group` after the optimizer was counted (progressive unfreezing): its
+    state is counted again as that forward ends and the plans are made again, so the steps
+    after it are predicted with the new state, and a budget it no longer fits is refused
+    naming a larger minimum (its state went uncounted: 1.17x the budget at every step after
+    it, found from outside)."""
+    torch.manual_seed(0)
+    model = Blocks(width=128, depth=2)
+    x = torch.randn(64, 128)
+    later = list(model.layers[1].parameters())
+    opt = torch.optim.Adam(model.layers[0].parameters(), lr=1e-3)
+    compiled = memopt.compile(model, optimizer=opt)
+    resident = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
+    _train(compiled, opt, x, 2)
+    before = compiled.memopt_plan.optimizer_state_bytes
+    opt.add_param_group({"params": later, "lr": 1e-3})
+    peaks = _train(compiled, opt, x, 2)
+    plan = compiled.memopt_plan
+    assert plan.optimizer_state_bytes == _real_state(opt) > before
+    whole = resident + peaks[-1] + plan.optimizer_state_bytes
+    assert whole <= plan.predicted_peak_bytes * 1.01, (whole, plan.predicted_peak_bytes)
+
+    torch.manual_seed(0)
+    model = Blocks(width=128, depth=2)
+    opt = torch.optim.Adam(model.layers[0].parameters(), lr=1e-3)
+    probe = copy.deepcopy(model)
+    with pytest.raises(memopt.BudgetError) as err:
+        memopt.compile(probe, budget=1,
+                       optimizer=torch.optim.Adam(probe.layers[0].parameters()))(x)
+    compiled = memopt.compile(model, budget=err.value.minimum_bytes, optimizer=opt)
+    with pytest.raises(memopt.BudgetError) as larger:
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": list(model.layers[1].parameters())})
+            compiled(x).backward()
+            opt.step()
+            model.zero_grad(set_to_none=True)  # the layers not yet the optimizer's too
+    assert step == 3 and larger.value.minimum_bytes > err.value.minimum_bytes

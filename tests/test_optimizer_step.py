@@ -120,3 +120,40 @@ def test_a_step_given_a_closure_runs_whole():
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p, q)
     chunked.remove()
+
+
+def test_a_step_pre_hook_registered_later_runs_before_the_chunks():
+    """A pre-hook registered after memopt's chunked step's (one scaling the gradients)
+    ran after the chunks had stepped and hidden the gradients: skipped, silently (found
+    from outside). That step now runs whole, with a warning, and from the next one the
+    chunks run after the hook: eager's parameters."""
+    torch.manual_seed(0)
+    model = Blocks(width=64, depth=2)
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
+    chunked = ChunkedStep(opt, 1)
+
+    def scale(o, args, kwargs):
+        for group in o.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.1)
+
+    for step in range(3):
+        if step == 1:
+            opt.register_step_pre_hook(scale)
+            eager_opt.register_step_pre_hook(scale)
+        for module, o in ((model, opt), (eager, eager_opt)):
+            module(x).backward()
+            if step == 1 and o is opt:
+                with pytest.warns(UserWarning, match="runs whole"):
+                    o.step()
+            else:
+                o.step()
+            o.zero_grad()
+    assert chunked.steps == 2  # the first and the last
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q)
+    chunked.remove()

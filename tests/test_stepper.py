@@ -150,23 +150,134 @@ def _stepping(width: int = 32):
 def test_gradient_accumulation_is_refused():
     """A training forward after a backward that stepped, before optimizer.step() or
     zero_grad(), raises; so does a second training forward before the first one's
-    backward; a loop that only calls zero_grad() between steps trains."""
+    backward."""
     model, opt, compiled = _stepping()
     x = torch.randn(8, 32)
     compiled(x).backward()
     with pytest.raises(GradientConsumedError, match="accumulation"):
         compiled(x)
+    opt.step()
     opt.zero_grad()
     compiled(x).backward()
+    opt.step()
     opt.zero_grad()
     first = compiled(x)
     with pytest.raises(GradientConsumedError, match="waits for its backward"):
         compiled(x)  # two forwards, then their backwards: accumulation
     first.backward()
+    opt.step()
     opt.zero_grad()
     del first
     compiled(x)  # a forward never differentiated does not hold the next one back
     compiled(x).backward()
+
+
+def test_a_skipped_step_is_refused():
+    """A loop that skips optimizer.step() for a batch (a guard against a NaN or a loss
+    spike: zero_grad() and continue) cannot skip an update the backward applied: the
+    next training forward raises (it trained on the skipped batch silently, found from
+    outside)."""
+    model, opt, compiled = _stepping()
+    x = torch.randn(8, 32)
+    compiled(x).backward()
+    opt.step()
+    opt.zero_grad()
+    compiled(x).backward()
+    opt.zero_grad()  # the step skipped
+    with pytest.raises(GradientConsumedError, match="skips"):
+        compiled(x)
+
+
+def _scale_grads(opt, args, kwargs):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(0.1)
+
+
+def test_a_step_pre_hook_registered_later_sees_the_consumed_gradients():
+    """A step pre-hook registered after the first step runs before memopt's (moved last
+    at each training forward), so a hook that scales the gradients raises as one
+    registered before compile does; one registered after the forward raises at the step.
+    memopt's ran first and the hook found no gradient, silently (found from outside)."""
+    model, opt, compiled = _stepping()
+    x = torch.randn(8, 32)
+    compiled(x).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.register_step_pre_hook(_scale_grads)
+    compiled(x).backward()
+    with pytest.raises(GradientConsumedError):
+        opt.step()
+    model, opt, compiled = _stepping()
+    compiled(x).backward()
+    opt.register_step_pre_hook(lambda o, a, k: None)
+    with pytest.raises(GradientConsumedError, match="after this step's forward"):
+        opt.step()
+
+
+class _GroupStepAdam(torch.optim.Optimizer):
+    """Adam whose step counter lives in the parameter group (as Adan's reference code
+    keeps group["step"]): not elementwise, its bias correction counts steps."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = t = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"], st["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                st["m"].lerp_(p.grad, 0.1)
+                st["v"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                denom = (st["v"] / (1 - 0.999 ** t)).sqrt().add_(1e-8)
+                p.addcdiv_(st["m"] / (1 - 0.9 ** t), denom, value=-group["lr"])
+
+
+class _SteppedAdam(torch.optim.Adam):
+    def step(self, closure=None):  # overridden: memopt cannot know what it does
+        return super().step(closure)
+
+
+def test_an_optimizer_not_known_elementwise_is_stepped_whole():
+    """Only torch.optim's elementwise optimizers are stepped a part at a time (inside the
+    backward, or in chunks) unless step_in_backward=True asks, with a warning: an Adam
+    whose counter is in its parameter group counted 27 steps in 3 there, and trained away
+    from eager's parameters, silently (found from outside)."""
+    from memopt.optimizer_step import in_parts
+    from memopt.stepper import can_step_in_backward
+    params = [nn.Parameter(torch.zeros(2))]
+    assert in_parts(torch.optim.Adam(params)) is None
+    assert in_parts(torch.optim.SGD(params, lr=0.1)) is None
+    assert "elementwise" in in_parts(_GroupStepAdam(params))
+    assert "elementwise" in in_parts(_SteppedAdam(params))
+    with pytest.warns(UserWarning, match="one parameter at a time"):
+        assert can_step_in_backward(_GroupStepAdam(params), asked=True) is None
+
+    torch.manual_seed(0)
+    base = Net(32)
+    x = torch.randn(64, 32)
+    probe = copy.deepcopy(base)
+    with pytest.raises(BudgetError) as err:
+        memopt.compile(probe, budget=1, optimizer=_GroupStepAdam(probe.parameters()))(x)
+    model, eager = copy.deepcopy(base), copy.deepcopy(base)
+    opt, eager_opt = _GroupStepAdam(model.parameters()), _GroupStepAdam(eager.parameters())
+    compiled = memopt.compile(model, budget=err.value.minimum_bytes, optimizer=opt)
+    for i in range(3):
+        for module, o in ((compiled, opt), (eager, eager_opt)):
+            torch.manual_seed(i)
+            module(x).backward()
+            o.step()
+            o.zero_grad()
+    assert not compiled.memopt_plan.steps_in_backward
+    assert opt.param_groups[0]["step"] == 3
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("reader", ["clip", "scaler", "norm", "add"])
