@@ -100,15 +100,21 @@ def test_a_for_loop_step_is_not_chunked():
     assert counted.chunk_for(counted.step_bytes // 2) is None
 
 
-def test_a_step_given_a_closure_runs_whole():
-    """A closure re-evaluates the model inside the step: the pre-hook leaves it alone."""
+def _chunked_pair():
+    """A small model and its eager copy, each with a foreach AdamW, the first stepped in
+    chunks of one parameter."""
     torch.manual_seed(0)
     model = Blocks(width=64, depth=2)
     eager = copy.deepcopy(model)
     x = torch.randn(8, 64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
-    chunked = ChunkedStep(opt, 1)
+    return model, eager, x, opt, eager_opt, ChunkedStep(opt, 1)
+
+
+def test_a_step_given_a_closure_runs_whole():
+    """A closure re-evaluates the model inside the step: the pre-hook leaves it alone."""
+    model, eager, x, opt, eager_opt, chunked = _chunked_pair()
     for module, o in ((model, opt), (eager, eager_opt)):
         def closure(module=module, o=o):
             o.zero_grad()
@@ -127,13 +133,7 @@ def test_a_step_pre_hook_registered_later_runs_before_the_chunks():
     ran after the chunks had stepped and hidden the gradients: skipped, silently (found
     from outside). That step now runs whole, with a warning, and from the next one the
     chunks run after the hook: eager's parameters."""
-    torch.manual_seed(0)
-    model = Blocks(width=64, depth=2)
-    eager = copy.deepcopy(model)
-    x = torch.randn(8, 64)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
-    chunked = ChunkedStep(opt, 1)
+    model, eager, x, opt, eager_opt, chunked = _chunked_pair()
 
     def scale(o, args, kwargs):
         for group in o.param_groups:
