@@ -254,3 +254,26 @@ def test_a_group_added_later_is_counted_from_the_next_step():
             opt.step()
             model.zero_grad(set_to_none=True)  # the layers not yet the optimizer's too
     assert step == 3 and larger.value.minimum_bytes > err.value.minimum_bytes
+
+
+def test_the_minimum_named_inside_a_profiler_is_the_smaller_of_whole_and_in_backward():
+    """A first call inside the user's profiler charges the optimizer's step its state's
+    bytes (memopt.optimizer), more in the backward than whole for a plain SGD: the
+    minimum named is the smaller of the two plans' (it was the step-in-the-backward
+    plan's, and 0.95x of it was accepted and held: found from outside)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 10))
+    x = torch.randn(128, 64)
+
+    def first_call(budget):
+        probe = copy.deepcopy(model)
+        opt = torch.optim.SGD(probe.parameters(), lr=0.05)
+        compiled = memopt.compile(probe, budget=budget, optimizer=opt)
+        with allocation_peak("cpu"):
+            compiled(x).square().mean().backward()
+
+    with pytest.raises(memopt.BudgetError) as err:
+        first_call(1)
+    with pytest.raises(memopt.BudgetError):
+        first_call(int(err.value.minimum_bytes * 0.97))
