@@ -586,6 +586,29 @@ def test_too_many_shapes_gives_a_clear_error() -> None:
             compiled(torch.randn(n, 4)).sum().backward()
 
 
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def test_a_code_torch_compile_gave_up_on_is_planned_by_a_new_module() -> None:
+    """Nine modules of one class under memopt.compile, then one under
+    torch.compile(backend="memopt"), which hits dynamo's recompile limit on the class's
+    forward: dynamo runs that code eagerly for good, and the next memopt.compile planned
+    nothing, with a warning that blamed a graph break in a loop (found from outside)."""
+    x = torch.randn(2, 4)
+    for _ in range(9):
+        memopt.compile(_Twice())(x).sum().backward()
+    torch.compile(_Twice(), backend="memopt")(x).sum().backward()
+    compiled = memopt.compile(_Twice(), budget="1GB")
+    compiled(x).sum().backward()
+    assert compiled.memopt_plan is not None
+
+
 class _Counting(nn.Module):
     def __init__(self) -> None:
         super().__init__()
