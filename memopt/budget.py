@@ -10,6 +10,7 @@ or the CUDA context.
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -81,8 +82,11 @@ def parse_budget(budget: object) -> Budget | None:
     """
     if budget is None:
         return None
-    if isinstance(budget, bool):
+    if isinstance(budget, bool) or type(budget).__name__ == "bool_":  # numpy's too
         raise BudgetFormatError(budget, "is a bool, not a memory budget", ACCEPTED)
+    if not isinstance(budget, (int, float)) and isinstance(budget, numbers.Real):
+        # a NumPy scalar (np.float32(0.5), np.int64(4e9)): its Python number
+        budget = int(budget) if isinstance(budget, numbers.Integral) else float(budget)
     if isinstance(budget, int):
         if budget <= 0:
             raise BudgetFormatError(budget, "must be a positive number of bytes", ACCEPTED)
@@ -95,9 +99,13 @@ def parse_budget(budget: object) -> Budget | None:
         return Budget(fraction=budget)
     if isinstance(budget, str) and _SIZE.match(budget):
         try:
-            nbytes = int(_BYTESIZE.validate_python(budget.strip()))
+            size = _BYTESIZE.validate_python(budget.strip())
         except ValidationError:
-            nbytes = None
-        if nbytes:
-            return Budget(nbytes=nbytes)
+            size = None
+        number, unit = re.match(r"\s*([\d.]+)\s*([a-zA-Z]*)", budget).groups()
+        if size is not None and unit.lower() in ("", "b") and "." in number \
+                and float(number) != int(float(number)):  # "1.5B": not a whole byte
+            raise BudgetFormatError(budget, "is not a whole number of bytes", ACCEPTED)
+        if size:
+            return Budget(nbytes=int(size))
     raise BudgetFormatError(budget, "is not understood", ACCEPTED)

@@ -6,6 +6,7 @@ the model."""
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -50,7 +51,32 @@ def input_mismatch(model: nn.Module, args: tuple, kwargs: dict,
             f"buffers are {short}. Cast the inputs (x.to(torch.{short})) or the model "
             f"(model.to(<dtype>)) so that they agree; memopt plans each dtype separately, so "
             f"either works, as does casting inside forward.", cause=err)
+    integer = {t.dtype for t in inputs if not t.is_floating_point() and not t.is_complex()
+               and t.dtype != torch.bool}
+    if len(model_dtypes) == 1 and integer and ("dtype" in first or "scalar type" in first):
+        (dtype,) = model_dtypes  # an int64 tensor into a Linear: torch's bare error before
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in integer))
+        short = str(dtype).replace("torch.", "")
+        return InputError(
+            f"{failed}: the inputs include {names} tensors, which the model's {short} layers "
+            f"cannot compute with (integer tensors are indices, e.g. for an nn.Embedding). "
+            f"Cast them (x.to(torch.{short})) before the call.", cause=err)
     return None
+
+
+def refuse_numpy(args: tuple, kwargs: dict) -> None:
+    """Raise InputError where an argument is a NumPy array: eager PyTorch refuses one
+    (TypeError in the first layer), dynamo converts it silently, and memopt trained on a
+    data pipeline's bug (found from outside)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return
+    for name, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, numpy.ndarray):
+            raise InputError(
+                f"argument {name!r} of the call is a numpy.ndarray: PyTorch modules take "
+                f"tensors (eager raises TypeError here). Convert it with torch.from_numpy(...) "
+                f"or torch.as_tensor(...) before the call.")
 
 
 def refuse_wrappers(model: nn.Module) -> None:

@@ -10,6 +10,8 @@ file and passes._inductor_compat (inductor's pieces) only.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -470,11 +472,19 @@ def dynamo_error_lines(err: BaseException) -> tuple[str, str]:
     first = lines[0] if lines else type(err).__name__
     if first.endswith("raised:") and len(lines) > 1:  # a backend's error: what it raised
         first = f"{first} {lines[1]}"
+    # an op that failed on FakeTensors: what it raised (a shape mismatch), which the first
+    # line does not say
+    inner = re.search(r"got (\w+)\((['\"])(.*?)\2\)\s*$",
+                      next((ln for ln in lines if ln.startswith("Explanation:")), ""))
+    if inner is not None:
+        first = f"{first}: {inner.group(1)}: {inner.group(3)}"
     frames = []
     if "from user code:" in text:
         frames = [ln.strip() for ln in text.split("from user code:", 1)[1].splitlines()
                   if ln.strip().startswith("File ")]
-    return first, frames[-1] if frames else ""
+    # the innermost frame of the user's code, not of torch's modules it called
+    own = [f for f in frames if f"{os.sep}torch{os.sep}" not in f]
+    return first, (own or frames)[-1] if frames else ""
 
 
 def sequence_nr(node: Any) -> int | None:

@@ -13,6 +13,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -267,6 +268,8 @@ def test_saved_tensors_carry_module_names(case_name: str) -> None:
     (1, Budget(nbytes=1)),
     (0.5, Budget(fraction=0.5)),
     (1.0, Budget(fraction=1.0)),
+    (np.float32(0.5), Budget(fraction=0.5)),  # NumPy scalars: refused until 2026-12-01
+    (np.int64(4096), Budget(nbytes=4096)),
 ])
 def test_parse_budget_valid(value: object, expected: Budget | None) -> None:
     assert memopt.parse_budget(value) == expected

@@ -74,7 +74,8 @@ def test_a_space_between_number_and_unit_is_accepted() -> None:
     assert memopt.plan(model, x, budget="4 GB").budget_bytes == 4 * 10**9
 
 
-BAD_BUDGETS = ["-1GB", "4XB", "", "   ", "4 G B", "0GB", 0, -1, -(10**12), 0.0, 1.5, -0.5,
+BAD_BUDGETS = ["-1GB", "4XB", "", "   ", "4 G B", "0GB", "1.5B", "0.4B", 0, -1, -(10**12),
+               0.0, 1.5, -0.5,
                math.nan, math.inf, -math.inf, True, False, b"4GB", [4], {"GB": 4}]
 
 
@@ -322,6 +323,38 @@ def test_a_call_refused_after_its_graphs_ran_leaves_the_model_as_it_was() -> Non
         memopt.compile(model, budget=1000)(x)
     assert_snapshot_equal(before, snapshot(model))
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_an_integer_tensor_into_a_float_layer_is_an_input_error() -> None:
+    """An int64 tensor where the model computes in float32: InputError naming both (torch's
+    bare RuntimeError came from 35 frames inside the compiled graph; found from outside)."""
+    compiled = memopt.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    with pytest.raises(memopt.InputError, match="int64 tensors.*float32"):
+        compiled(torch.arange(48).reshape(6, 8))
+
+
+def test_a_numpy_array_is_refused_as_eager_refuses_it() -> None:
+    """Eager raises TypeError for a NumPy input; dynamo converted it and memopt trained on
+    it, hiding a data pipeline's bug (found from outside)."""
+    np = pytest.importorskip("numpy")
+    compiled = memopt.compile(nn.Linear(8, 4))
+    with pytest.raises(memopt.InputError, match="numpy.ndarray.*torch.from_numpy"):
+        compiled(np.zeros((6, 8), dtype=np.float32))
+
+
+def test_a_shape_error_says_what_torch_said_and_where() -> None:
+    """A wrong input width: the CaptureError quotes the op's own error and the user's line,
+    not only dynamo's "RuntimeError when making fake tensor call" at torch's linear.py."""
+    class Narrow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    with pytest.raises(memopt.CaptureError, match=r"same reduction dim.*test_bad_input\.py"):
+        memopt.compile(Narrow())(torch.randn(6, 9))
 
 
 def test_plan_plans_a_meta_model_on_meta_inputs() -> None:
