@@ -37,8 +37,8 @@ from .errors import InputError, MemoptError
 from .first_call import FirstCall
 from .fsdp import fsdp_sharded_params, fsdp_unit, refuse_fsdp, refuse_sharded_inside
 from .fsdp_blocks import block_shards, check_sharded_blocks, fsdp_units
-from .input_checks import (check_options, refuse_meta, refuse_numpy,
-                           refuse_sparse_gradients, refuse_wrappers)
+from .input_checks import (check_options, refuse_meta, refuse_sparse_gradients,
+                           refuse_wrappers, warn_numpy)
 from .memory_plan import MemoryPlan, StepPlan
 from .optimizer import check_after_first_step, check_optimizer, optimizer_bytes
 from .pending import PendingBackwards
@@ -119,7 +119,7 @@ class CompiledModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         caller_loss.stop()  # the caller's code since the last forward is over
-        refuse_numpy(args, kwargs)
+        warn_numpy(args, kwargs)
         self._memopt_rnns.sync()  # train()/eval(), replaced modules: the user's model
         backend, model = self._memopt_backend, self._memopt_model
         backend.plan_log.raise_pending()  # a re-plan after graph breaks did not fit

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -64,19 +65,20 @@ def input_mismatch(model: nn.Module, args: tuple, kwargs: dict,
     return None
 
 
-def refuse_numpy(args: tuple, kwargs: dict) -> None:
-    """Raise InputError where an argument is a NumPy array: eager PyTorch refuses one
-    (TypeError in the first layer), dynamo converts it silently, and memopt trained on a
-    data pipeline's bug (found from outside)."""
+def warn_numpy(args: tuple, kwargs: dict) -> None:
+    """Warn where an argument is a NumPy array: eager PyTorch's layers refuse one
+    (TypeError), dynamo converts it silently, and memopt trained on a data pipeline's bug
+    (found from outside). A forward that converts it itself is legal, so it runs."""
     numpy = sys.modules.get("numpy")
     if numpy is None:
         return
     for name, value in [*enumerate(args), *kwargs.items()]:
         if isinstance(value, numpy.ndarray):
-            raise InputError(
-                f"argument {name!r} of the call is a numpy.ndarray: PyTorch modules take "
-                f"tensors (eager raises TypeError here). Convert it with torch.from_numpy(...) "
-                f"or torch.as_tensor(...) before the call.")
+            warnings.warn(
+                f"argument {name!r} of the call is a numpy.ndarray, which dynamo converts to a "
+                f"tensor; eager PyTorch's layers refuse one (TypeError). Convert it with "
+                f"torch.from_numpy(...) before the call unless the forward converts it.",
+                UserWarning, stacklevel=3)
 
 
 def refuse_wrappers(model: nn.Module) -> None:
