@@ -82,7 +82,7 @@ def parse_budget(budget: object) -> Budget | None:
     """
     if budget is None:
         return None
-    if isinstance(budget, bool) or type(budget).__name__ == "bool_":  # numpy's too
+    if isinstance(budget, bool):
         raise BudgetFormatError(budget, "is a bool, not a memory budget", ACCEPTED)
     if not isinstance(budget, (int, float)) and isinstance(budget, numbers.Real):
         # a NumPy scalar (np.float32(0.5), np.int64(4e9)): its Python number

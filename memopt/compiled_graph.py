@@ -37,8 +37,8 @@ from .dropped import DroppedOutputs
 from .graph_facts import (checked_backward, ddp_fields, grad_sink, optimizer_fields,
                           primal_kinds, refuse_double_backward, refuse_sparse_values,
                           view_grads, warn_parallel_scan)
-from .steps import Outside, aliased_output_grad_bytes, kept_input_positions
 from .optimizer_step import in_parts
+from .steps import Outside, aliased_output_grad_bytes, kept_input_positions
 from .stepper import Stepping, stepping_for
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -11,8 +11,8 @@ import copy
 import re
 import time
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 

@@ -155,10 +155,11 @@ class ChunkCosts:
 @dataclass(frozen=True)
 class FractionRoom:
     """The room a fraction budget leaves a chunk's measurement, before the step's baseline
-    is known: the fraction of a lower bound on that baseline, what is live as the first
-    call plans (``live``) and the chain's steps, each holding what the 1-step chunk saved
-    (with no budget one chunk holds every step). A UT block applied 6 times measured
-    its whole chain inside the first step at a 0.5 budget: 2.0x the budget there."""
+    is known: the fraction of an estimate of that baseline, what is live as the first call
+    plans (``live``) and the chain's steps, each holding what the 1-step chunk saved (with
+    no budget one chunk holds every step; the 1-step chunk's states make it high, and
+    ``_longest_within`` prices a step at the same bytes). A UT block applied 6 times
+    measured its whole chain inside the first step at a 0.5 budget: 2.0x the budget."""
 
     fraction: float
     live: int

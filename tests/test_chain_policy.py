@@ -408,7 +408,7 @@ def test_a_short_chains_first_step_holds_the_minimum_named():
 def test_a_short_chains_first_step_holds_a_fraction_budget():
     """A fraction's bytes are known only after the baseline, which needs the chain's
     measured chunks: the longer chunk measured is the longest that fits in the fraction of
-    a lower bound on the baseline (passes.chain_costs.FractionRoom). The first step,
+    an estimate of the baseline (passes.chain_costs.FractionRoom). The first step,
     planning included, holds at 0.6 (1.34x with the whole chain measured: a Universal
     Transformer's 6 steps measured 2.0x, found from outside)."""
     torch.manual_seed(0)

@@ -230,8 +230,8 @@ class _Planning:
         budget less the graph's inputs and parameters, live as the first call plans (a
         chain's chunks run on real tensors inside the user's first step: an nn.LSTM over
         12 tokens measured 1.68x its budget at that step, found from outside). A
-        fraction's bytes are known only after the baseline: its room is the fraction of a
-        lower bound on it (passes.chain_costs.FractionRoom). None for no budget."""
+        fraction's bytes are known only after the baseline: its room is the fraction of an
+        estimate of it (passes.chain_costs.FractionRoom). None for no budget."""
         budget = self.request.budget or self.request.measure_within
         if budget is None:
             return None
