@@ -538,6 +538,11 @@ class StepPlan(BaseModel):
         kinds = {g.kernels for g in self.graphs}
         return kinds.pop() if len(kinds) == 1 else "aten and inductor"
 
+    # per-step bytes each graph counts alike (DDP's buckets, the optimizer's state)
+    ddp_bucket_bytes = property(lambda s: max(g.ddp_bucket_bytes for g in s.graphs))
+    ddp_bucket_counted_bytes = property(lambda s: max(g.ddp_bucket_counted_bytes for g in s.graphs))
+    optimizer_state_bytes = property(lambda s: max(g.optimizer_state_bytes for g in s.graphs))
+
     @property
     def peak_graph(self) -> int:
         """Index into `graphs` of the graph whose plan sets the step's peak."""

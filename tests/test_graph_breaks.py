@@ -189,6 +189,10 @@ def test_the_plan_shows_every_graph_and_where_each_break_is() -> None:
     # what a one-graph plan says, for the step: code reading a plan works either way
     assert plan.forward_flops == first.forward_flops + second.forward_flops > 0
     assert plan.recompute_flops == 0 and plan.heads == () and plan.kernels == "aten"
+    # DDP's buckets and the optimizer's state, which every graph counts (an AttributeError
+    # on a StepPlan before, found from outside under DDP)
+    assert plan.ddp_bucket_bytes == plan.ddp_bucket_counted_bytes == 0
+    assert plan.optimizer_state_bytes == 0
     text = plan.summary()
     assert f"{__file__}:{BREAK_LINE}" in text and "graph 2" in text
     assert StepPlan.from_json(plan.to_json()) == plan
