@@ -55,13 +55,14 @@ def run_captured(fn: Any, args: tuple, kwargs: dict, backend: MemoptBackend,
     `loops`, the forwards that loop over the blocks, run eagerly (blocks.loop_codes)."""
     backend.graph_limit = recompile_limit()  # the user's setting, read outside the patch
     backend.plan_log.start_clock()  # a plan's capture time counts from here
-    code = getattr(type(model).forward, "__code__", None)
-    if not backend.plan_log.traced and code is not None:
+    if not backend.plan_log.traced:
         # dynamo runs a code eagerly for good once a torch.compile of it hit the recompile
         # limit: 9 modules of one class under memopt.compile, then one under
         # torch.compile(backend="memopt"), and memopt planned nothing for the next ones
         # (found from outside); under memopt's limits it is compiled again
-        set_frame_skipped(code, False)
+        code = getattr(type(model).forward, "__code__", None)
+        if code is not None:
+            set_frame_skipped(code, False)
     try:
         with _dynamo_patch(), capturing(blocks, loops):
             return fn(*args, **kwargs)

@@ -271,7 +271,8 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
     """Re-plan a forward's graphs (replan_jointly) until they fit: where one misses, the
     graphs before it that were planned GREEDY hold less for it: a repeated graph (whose
     runs each keep its saved bytes) counts them more often (`weight`, up to MAX_WEIGHT
-    times), the others, and then it, become LEAN. Policies and weights settled
+    times), the others, and then it, become LEAN, and last the graphs before it LOWEST.
+    Policies and weights settled
     by earlier forwards stay; the first forward's guesses do not. After the first forward
     fits, `refine` may plan it further (memopt.run_plans.split_later_runs: a second plan
     for a repeated graph's later runs) and `runs` is changed in place to what it returns.
@@ -305,7 +306,17 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
                     # budget_error found the fit: an AssertionError; HF Jamba at 0.7)
                     policies[id(miss.graph)] = ReplanPolicy.LEAN
                     continue
-                return miss.graph.budget_error()
+                # last, the graphs before it at their lowest peaks: a LEAN plan recomputes
+                # Chen's mirror set but fits a chain to its own graph's budget, and the
+                # chunks it keeps are what the graph after it misses by (an nn.LSTM with
+                # forward hooks at 0.7 was refused, naming 0.978, where 0.6 fitted)
+                lean = [g for g in dict.fromkeys(runs[:miss.position])
+                        if policies[id(g)] == ReplanPolicy.LEAN and g is not miss.graph]
+                if not lean:
+                    return miss.graph.budget_error()
+                for g in lean:
+                    policies[id(g)] = ReplanPolicy.LOWEST
+                continue
             for g in earlier:
                 if sum(r is g for r in runs) > 1 and g.weight < MAX_WEIGHT:
                     g.weight += 1

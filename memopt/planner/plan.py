@@ -221,6 +221,7 @@ class _Planning:
                     # lean: no budget, op by op (under inductor's kernels the stand-ins'
                     # savings measured half what the plan counted: not taken there)
                     found.begin(lean=self.request.budget is None
+                                and self._first_fraction() is None
                                 and not self.request.lowest_peak and not self.step.fused,
                                 room=self._measuring_room())
             self.found[family] = found
@@ -242,6 +243,13 @@ class _Planning:
             return FractionRoom(budget.fraction, inputs)
         # a fraction of the whole step's baseline (graph breaks) is known
         return max(0, budget.resolve(self.request.step_baseline or 0) - inputs)
+
+    def _first_fraction(self) -> float | None:
+        """The fraction budget of a first plan made before the step's baseline is known
+        (graph breaks: PlanRequest.measure_within), else None."""
+        within = self.request.measure_within
+        return within.fraction if self.request.budget is None and within is not None \
+            else None
 
     def found_sites(self) -> bool:
         """Whether any op family found a site (Step 5 has choices to make)."""
@@ -343,7 +351,15 @@ class _Planning:
 
     # Step 5
     def choose_families(self) -> None:
-        ctx = ChoiceContext(self.n, self.target, self.step, self.build, NEAR_LOWEST)
+        """Each op family's configuration against the search's target. A first plan at a
+        fraction budget before the step's baseline is known (`_first_fraction`) has none:
+        its families aim at the fraction of this graph's baseline, at most the step's, so
+        that a chain splits there as the budget will split it (kept whole, an nn.LSTM
+        with forward hooks measured 1.86x a 0.5 budget in its first step)."""
+        target, fraction = self.target, self._first_fraction()
+        if target is None and fraction is not None:
+            target = max(1, int(fraction * self.fraction_base()))
+        ctx = ChoiceContext(self.n, target, self.step, self.build, NEAR_LOWEST)
         for family in CHOOSE_ORDER:
             found = self.found[family]
             if found.sites:
