@@ -174,9 +174,9 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite,
     of the real shapes on the real device; long chunks are not run (on FakeTensors the
     fused RNN op decomposes into per-step ops: slow to trace, and the wrong bytes).
     ``room``: the bytes the measurement may allocate (a byte budget less what is live as
-    the first call plans; a fraction's ``FractionRoom``), None for any: the runs are inside the user's first step, and
-    a chunk of 12 steps of an nn.LSTM, the whole chain, measured 1.68x the budget there
-    (found from outside). The longer chunk is then the longest whose bytes, priced on
+    the first call plans; a fraction's ``FractionRoom``), None for any: the runs are
+    inside the user's first step, and a chunk of 12 steps of an nn.LSTM, the whole
+    chain, measured 1.68x the budget there (found from outside). The longer chunk is then the longest whose bytes, priced on
     the 1-step chunk measured first (``_longest_within``), fit in it, 2 steps at least.
 
     Step 1: a chunk of each length, its inputs zeros of the real shapes.

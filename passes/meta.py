@@ -212,3 +212,16 @@ def op_name(node: fx.Node) -> str:
         namespace, _, name = node.target._schema.name.rpartition("::")
         return f"{namespace or 'aten'}.{name}"
     return str(getattr(node.target, "__name__", node.target))
+
+
+def laid_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`t`, an op's real output, with the strides its fake kernel gives it,
+    `torch.empty_like(ref)`'s (copied where they differ; strides of size-1 dimensions do
+    not count): the graph after a custom op is traced for its fake's layout. A recurrent
+    chain's state carried in a transposed view (a GroupNorm over transposed channels
+    before a loop of a block) got its gradient back contiguous, and the GroupNorm's
+    parameters got wrong gradients (found from outside)."""
+    want = torch.empty_like(ref, device="meta").stride()
+    if all(a == b for a, b, n in zip(t.stride(), want, t.shape) if n > 1):
+        return t
+    return torch.empty_like(ref, dtype=t.dtype).copy_(t)

@@ -539,7 +539,7 @@ def test_an_rnns_forward_hooks_run_as_in_eager(budget):
 def test_a_hooked_rnns_first_step_holds_a_fraction_budget(budget):
     """With graph breaks around a chain, a fraction budget's first step is planned before
     the step's baseline is known: the chain splits against the fraction of its graph's
-    baseline (planner.plan, `_first_fraction`), where it stayed one chunk (1.86x a 0.5
+    baseline (PlanRequest.first_fraction), where it stayed one chunk (1.86x a 0.5
     budget). Where the graph after it missed, the chain's graph was planned LEAN, which
     fits its chunks to its own graph only, and the budget was refused (0.7, naming 0.978,
     where 0.6 fitted); it is planned at its lowest peak then (graph_breaks.replan_forward).

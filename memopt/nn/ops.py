@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from memopt.passes.meta import laid_like
 from memopt.passes.runtime import RUNTIMES
 from memopt.passes._torch_compat import autograd_inside_op
 from memopt.budget import format_bytes
@@ -182,7 +183,8 @@ def reversible_fwd(stack: int, slot: int, keep: bool, init: list[Tensor], xs: Te
     if keep:
         _STASH[key] = _Kept(final, buffers)
         weakref.finalize(handle, _STASH.pop, key, None)
-    return [out, *(to_float(h, xs.dtype) for state in final for h in state), handle]
+    final = [to_float(h, xs.dtype) for state in final for h in state]
+    return [out, *map(laid_like, final, init), handle]
 
 
 @reversible_fwd.register_fake
@@ -213,7 +215,8 @@ def reversible_bwd(stack: int, need_x: bool, handle: Tensor, grad_out: Tensor,
             return reversible_backward(cells, xs, init, final, buffers, grad_out,
                                        grad_final, need_x, leaves, dropout)
     grad_init, grad_xs, grad_params = _with_params(stack, leaves, run)
-    return [*grad_init, *grad_params, *([grad_xs] if need_x else [])]
+    grads = [*map(laid_like, grad_init, init), *map(laid_like, grad_params, params)]
+    return grads + ([laid_like(grad_xs, xs)] if need_x else [])
 
 
 @reversible_bwd.register_fake

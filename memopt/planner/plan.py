@@ -25,13 +25,11 @@ from memopt.allocator.caching import reserved_for
 from memopt.allocator.timeline import other_lowered
 from memopt.allocator.offload import Link
 from memopt.link import measured
-from memopt.passes.chain_costs import FractionRoom
 from memopt.passes.embedding_grads import add_embedding_grads_in_place
 from memopt.passes.partition import find_cut, forward_region, read_concat_views
 from memopt.passes.recompute import mirrorable, node_flops, user_checkpointed
 from memopt.passes.simulate import Simulated, StepModel, peak_without
 from memopt.passes.grad_layouts import accumulate_copy_bytes
-from memopt.passes.meta import fake_value, value_tensors
 from memopt.passes.runtime_layouts import restore_runtime_layouts
 from memopt.passes.storage_sizes import restore_storage_sizes
 
@@ -74,7 +72,7 @@ MINIMUM_ROUNDS = 3
 
 def plan_joint(request: PlanRequest) -> tuple[fx.GraphModule, fx.GraphModule, MemoryPlan]:
     """`plan_once`, and where it refuses the budget after measuring an op family within
-    it (a chain's chunks, priced within a byte budget: `_Planning._measuring_room`), the
+    it (a chain's chunks, priced within a byte budget: `PlanRequest.measuring_room`), the
     minimum it names planned again as a byte budget, whose room measures other chunks,
     until a minimum holds at its own measurements: the refusal names that one. A CTC
     model's BiLSTM refused at 0.01 named 303,789 bytes, refused when passed back naming
@@ -221,35 +219,10 @@ class _Planning:
                     # lean: no budget, op by op (under inductor's kernels the stand-ins'
                     # savings measured half what the plan counted: not taken there)
                     found.begin(lean=self.request.budget is None
-                                and self._first_fraction() is None
+                                and self.request.first_fraction is None
                                 and not self.request.lowest_peak and not self.step.fused,
-                                room=self._measuring_room())
+                                room=self.request.measuring_room())
             self.found[family] = found
-
-    def _measuring_room(self) -> int | FractionRoom | None:
-        """The bytes a measurement run while pricing an op family may allocate: a byte
-        budget less the graph's inputs and parameters, live as the first call plans (a
-        chain's chunks run on real tensors inside the user's first step: an nn.LSTM over
-        12 tokens measured 1.68x its budget at that step, found from outside). A
-        fraction's bytes are known only after the baseline: its room is the fraction of an
-        estimate of it (passes.chain_costs.FractionRoom). None for no budget."""
-        budget = self.request.budget or self.request.measure_within
-        if budget is None:
-            return None
-        inputs = sum(t.untyped_storage().nbytes() for n in self.joint.graph.nodes
-                     if n.op == "placeholder" and not n.name.startswith("tangents")
-                     for t in value_tensors(fake_value(n)))
-        if budget.nbytes is None and self.request.step_baseline is None:
-            return FractionRoom(budget.fraction, inputs)
-        # a fraction of the whole step's baseline (graph breaks) is known
-        return max(0, budget.resolve(self.request.step_baseline or 0) - inputs)
-
-    def _first_fraction(self) -> float | None:
-        """The fraction budget of a first plan made before the step's baseline is known
-        (graph breaks: PlanRequest.measure_within), else None."""
-        within = self.request.measure_within
-        return within.fraction if self.request.budget is None and within is not None \
-            else None
 
     def found_sites(self) -> bool:
         """Whether any op family found a site (Step 5 has choices to make)."""
@@ -352,11 +325,11 @@ class _Planning:
     # Step 5
     def choose_families(self) -> None:
         """Each op family's configuration against the search's target. A first plan at a
-        fraction budget before the step's baseline is known (`_first_fraction`) has none:
+        fraction budget before the step's baseline is known (PlanRequest.first_fraction) has none:
         its families aim at the fraction of this graph's baseline, at most the step's, so
         that a chain splits there as the budget will split it (kept whole, an nn.LSTM
         with forward hooks measured 1.86x a 0.5 budget in its first step)."""
-        target, fraction = self.target, self._first_fraction()
+        target, fraction = self.target, self.request.first_fraction
         if target is None and fraction is not None:
             target = max(1, int(fraction * self.fraction_base()))
         ctx = ChoiceContext(self.n, target, self.step, self.build, NEAR_LOWEST)

@@ -14,7 +14,9 @@ from typing import Any
 
 from torch import fx
 
+from memopt.passes.chain_costs import FractionRoom
 from memopt.passes.liveness import StepSchedule, analyze_liveness
+from memopt.passes.meta import fake_value, value_tensors
 from memopt.passes.workspace import WorkspaceCache
 
 from ..budget import Budget
@@ -170,9 +172,34 @@ class PlanRequest:
     room_bytes: int = 0
     #: the module's budget where this plan is made without one (a forward with graph
     #: breaks plans its first graphs before its step's baseline is known): what a
-    #: measurement made while planning may allocate (planner.plan._measuring_room)
+    #: measurement made while planning may allocate (`measuring_room`)
     measure_within: Budget | None = None
     step: StepContext = field(init=False)
+
+    @property
+    def first_fraction(self) -> float | None:
+        """The fraction budget of a first plan made before the step's baseline is known
+        (graph breaks: `measure_within`), else None."""
+        within = self.measure_within
+        return within.fraction if self.budget is None and within is not None else None
+
+    def measuring_room(self) -> int | FractionRoom | None:
+        """The bytes a measurement run while pricing an op family may allocate: a byte
+        budget less the graph's inputs and parameters, live as the first call plans (a
+        chain's chunks run on real tensors inside the user's first step: an nn.LSTM over
+        12 tokens measured 1.68x its budget at that step, found from outside). A
+        fraction's bytes are known only after the baseline: its room is the fraction of an
+        estimate of it (passes.chain_costs.FractionRoom). None for no budget."""
+        budget = self.budget or self.measure_within
+        if budget is None:
+            return None
+        inputs = sum(t.untyped_storage().nbytes() for n in self.joint.graph.nodes
+                     if n.op == "placeholder" and not n.name.startswith("tangents")
+                     for t in value_tensors(fake_value(n)))
+        if budget.nbytes is None and self.step_baseline is None:
+            return FractionRoom(budget.fraction, inputs)
+        # a fraction of the whole step's baseline (graph breaks) is known
+        return max(0, budget.resolve(self.step_baseline or 0) - inputs)
 
     def __post_init__(self) -> None:
         if self.num_fwd_outputs < 0:

@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+from memopt.passes.meta import laid_like
 from memopt.passes.runtime import RUNTIMES
 from memopt.passes._torch_compat import own_fake_mode, real_tensors, rng_kept, storage_key
 from memopt.allocator.gruslys import chunk_sizes, parse_strategy, solve, useful_m
@@ -285,10 +286,12 @@ def chain_fwd(chain: int, chunk: int, m: int, strategy: str, keep: bool,
         with torch.no_grad():
             x, plain = chunk_input(spec, xs, params, 0, steps_of(spec, xs, params))
             y, final = spec.step(plain, tuple(state), x)
+        final = [laid_like(f, s) for f, s in zip(final, state)]
         handle = torch.zeros((), dtype=torch.int64)
         return _unaliased([y, *final], [*state, xs, *params]) + [handle]
     run, box = _start(chain, chunk, m, strategy, state, xs, params)
     _, final = run.forward_phase()
+    final = [laid_like(f, s) for f, s in zip(final, state)]
     # chain_bwd hands the initial state back: kept here, it would outlive the forward
     # graph where the plan frees it and makes it again in backward (a zeros h_0)
     run.state0 = ()
@@ -403,15 +406,15 @@ def chain_bwd(chain: int, chunk: int, m: int, strategy: str, need_x: bool, handl
         run.on_grad_x = put
     g_chunks = [grad_ys.narrow(spec.time_dim, *b) for b in places]
     g_state, _, g_params = run.backward_phase(g_chunks, tuple(grad_state))
-    grads = [g if g is not None else torch.zeros_like(s) for g, s in zip(g_state, state)]
-    grads += [g if g is not None else torch.zeros_like(p)
-              for g, p in zip(g_params, params[:n_plain])]
-    grads += [g if g is not None else torch.zeros_like(p)
-              for g, p in zip(sliced, params[n_plain:])]
+    pairs = [*zip(g_state, state), *zip(g_params, params[:n_plain]),
+             *zip(sliced, params[n_plain:])]
+    grads = [torch.zeros_like(r) if g is None else laid_like(g, r) for g, r in pairs]
     if spec.rows:
         grads.append(torch.zeros_like(params[-1]))
     if need_x and grad_x is None:
         grad_x = torch.zeros_like(xs)
+    elif need_x and not _step_laid(spec, chunk, xs, params):  # else laid as the step's
+        grad_x = laid_like(grad_x, xs)
     return _unaliased(grads + ([grad_x] if need_x else []),
                       [handle, grad_ys, *grad_state, *state, xs, *params])
 
