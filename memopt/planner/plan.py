@@ -312,27 +312,26 @@ class _Planning:
             if r.budget is not None else None
         if r.budget is not None and r.budget.fraction is not None:
             self.budget_bytes = max(self.budget_bytes, r.fraction_floor)
+        if r.first_fraction is not None:
+            # A first plan made before the step's baseline is known (graph breaks): the
+            # fraction of this graph's baseline, at most the step's. Kept whole, a chain
+            # there measured 1.86x a 0.5 budget in its first step (an nn.LSTM with forward
+            # hooks, found from outside); the plan is provisional, made again as the
+            # forward ends (memopt.graph_breaks)
+            self.budget_bytes = max(1, int(r.first_fraction * base))
         # Headroom guards every budget against what the plan does not model, by the worst
         # measured prediction error on the device (memopt.budget.HEADROOM)
         headroom = self.options.headroom
         if headroom is None:
             headroom = default_headroom(device_of(self.joint), fused=self.step.fused)
-        self.headroom = headroom if r.budget is not None else 0.0
+        self.headroom = headroom if self.budget_bytes is not None else 0.0
         self.fits = self.budget_bytes - math.ceil(self.budget_bytes * self.headroom) \
             - r.reserve_bytes if self.budget_bytes else None  # what the plan must fit
         self.target = 1 if r.lowest_peak else self.fits  # what the search aims at
 
     # Step 5
     def choose_families(self) -> None:
-        """Each op family's configuration against the search's target. A first plan at a
-        fraction budget before the step's baseline is known (PlanRequest.first_fraction) has none:
-        its families aim at the fraction of this graph's baseline, at most the step's, so
-        that a chain splits there as the budget will split it (kept whole, an nn.LSTM
-        with forward hooks measured 1.86x a 0.5 budget in its first step)."""
-        target, fraction = self.target, self.request.first_fraction
-        if target is None and fraction is not None:
-            target = max(1, int(fraction * self.fraction_base()))
-        ctx = ChoiceContext(self.n, target, self.step, self.build, NEAR_LOWEST)
+        ctx = ChoiceContext(self.n, self.target, self.step, self.build, NEAR_LOWEST)
         for family in CHOOSE_ORDER:
             found = self.found[family]
             if found.sites:
