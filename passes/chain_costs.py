@@ -315,13 +315,28 @@ def _chunk_run(joint: fx.GraphModule, site: ChainSite, chunk: int) -> _ChunkRun:
     spec = ops.spec_of(site.chain)
     fake_state, fake_x, fake_params = _inputs(_fwd_node(joint, site), chunk, spec)
 
-    def real(t: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(t.shape, dtype=t.dtype, device=t.device).requires_grad_(
-            t.is_floating_point())
+    def real(t: torch.Tensor, laid: bool = False) -> torch.Tensor:
+        stride = _dense_stride(t) if laid else None
+        made = torch.zeros(t.shape, dtype=t.dtype, device=t.device) if stride is None \
+            else torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).zero_()
+        return made.requires_grad_(t.is_floating_point())
 
     x = tuple(map(real, fake_x)) if isinstance(fake_x, tuple) else real(fake_x)
     return _ChunkRun(spec.step, tuple(real(p) for p in fake_params),
-                     tuple(real(s) for s in fake_state), x, site.x_grad)
+                     tuple(real(s, laid=True) for s in fake_state), x, site.x_grad)
+
+
+def _dense_stride(t: torch.Tensor) -> tuple[int, ...] | None:
+    """`t`'s strides where they lay it out densely (a permutation of a contiguous
+    layout), else None. A chain's state is measured in its own layout: a loop's state
+    entering as a transposed view made each step copy it, which contiguous zeros did not
+    measure (1.064x a 0.6 budget at every step, found from outside)."""
+    expect = 1
+    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), d)):
+        if t.shape[d] != 1 and t.stride(d) != expect:
+            return None
+        expect *= t.shape[d]
+    return tuple(t.stride())
 
 
 #: a chunk's measured transients, forward and backward, by what it runs (`_run_key`): a
