@@ -272,12 +272,11 @@ def replan_forward(runs: list[CompiledGraph], bases: list[Outside],
     graphs before it that were planned GREEDY hold less for it: a repeated graph (whose
     runs each keep its saved bytes) counts them more often (`weight`, up to MAX_WEIGHT
     times), the others, and then it, become LEAN, and last the graphs before it LOWEST.
-    Policies and weights settled
-    by earlier forwards stay; the first forward's guesses do not. After the first forward
-    fits, `refine` may plan it further (memopt.run_plans.split_later_runs: a second plan
-    for a repeated graph's later runs) and `runs` is changed in place to what it returns.
-    Returns the BudgetError of a graph that misses with every graph before it lean (None:
-    every graph fits)."""
+    Policies and weights settled by earlier forwards stay; the first forward's guesses
+    do not. After the first forward fits, `refine` may plan it further
+    (memopt.run_plans.split_later_runs: a second plan for a repeated graph's later runs)
+    and `runs` is changed in place to what it returns. Returns the BudgetError of a graph
+    that misses with every graph before it at its lowest peak (None: every graph fits)."""
     policies = {id(g): ReplanPolicy.GREEDY if g.provisional else g.policy for g in runs}
     first = any(g.provisional for g in runs)
     planned = {id(g): g.plan for g in runs}

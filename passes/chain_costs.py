@@ -176,8 +176,9 @@ def chunk_costs(joint: fx.GraphModule, site: ChainSite,
     ``room``: the bytes the measurement may allocate (a byte budget less what is live as
     the first call plans; a fraction's ``FractionRoom``), None for any: the runs are
     inside the user's first step, and a chunk of 12 steps of an nn.LSTM, the whole
-    chain, measured 1.68x the budget there (found from outside). The longer chunk is then the longest whose bytes, priced on
-    the 1-step chunk measured first (``_longest_within``), fit in it, 2 steps at least.
+    chain, measured 1.68x the budget there (found from outside). The longer chunk is
+    then the longest whose bytes, priced on the 1-step chunk measured first
+    (``_longest_within``), fit in it, 2 steps at least.
 
     Step 1: a chunk of each length, its inputs zeros of the real shapes.
     Step 2: bytes: each chunk run once, forward then backward, under allocation
@@ -351,13 +352,14 @@ _TRANSIENTS_KEPT = 512
 
 
 def _run_key(run: _ChunkRun, device: torch.device) -> tuple:
-    """What decides a chunk's transients: its step's code and every input's shape and
-    dtype, whether it takes the input's gradient, and the device."""
+    """What decides a chunk's transients: its step's code and every input's shape,
+    layout and dtype, whether it takes the input's gradient, and the device."""
     step = run.step
     code = getattr(step, "code", None) or getattr(getattr(step, "func", step), "__qualname__",
                                                    type(step).__name__)
     xs = run.x if isinstance(run.x, tuple) else (run.x,)
-    shapes = tuple((tuple(t.shape), t.dtype) for t in (*run.params, *run.state, *xs))
+    shapes = tuple((tuple(t.shape), t.stride(), t.dtype)
+                   for t in (*run.params, *run.state, *xs))
     return code, shapes, run.x_grad, str(device)
 
 
