@@ -501,12 +501,19 @@ class MemoptBackend:
         if trace.opaque and self.budget is not None:
             self.plan_log.pending = opaque_backward_error(trace.opaque, self.budget)
             self.plan_log.raise_pending()
-        runs = [run.graph for run in trace.runs]
+        as_ran = [run.graph for run in trace.runs]
+        # the later runs of a repeated graph ran an interim plan (CompiledGraph._interim_twin):
+        # the step is planned again with the graph itself there, split where that pays
+        runs = [run.primary if run.interim else run for run in as_ran]
+        for run in as_ran:
+            if run.interim:
+                run.primary.later = None
         self.plan_log.last_runs = tuple(runs)
         self._count_repeated_outputs(returned, runs[-1])
         if call.pending_calls:  # the earlier calls' runs before this call's: memopt.pending
             runs, bases = earlier_calls(runs, bases, call.pending_calls, *call.pending_bytes,
                                         sum(trace.grads.values()))
+            as_ran = as_ran * (call.pending_calls + 1)
         if len(set(map(id, runs))) == 1 and runs[0].policy == ReplanPolicy.GREEDY \
                 and runs[0].outside.covers(required(runs[0], runs, bases)):
             # one graph, planned with what it needed: the usual case; the whole forward
@@ -518,7 +525,7 @@ class MemoptBackend:
         if self.budget is not None and self.budget.fraction is not None:
             # once per sequence of graphs: from the first forward's plans, as it ran
             key = tuple(id(run.primary) for run in runs)
-            baseline = self.plan_log.step_baselines.setdefault(key, step_baseline(runs))
+            baseline = self.plan_log.step_baselines.setdefault(key, step_baseline(as_ran))
         # The first forward's graphs were planned before the rest of the step was known,
         # and its backward runs those plans: where the whole step misses the budget, the
         # step is refused here, before the backward runs over it.
@@ -535,7 +542,7 @@ class MemoptBackend:
             if lean is not None and missed_lean is None:
                 self.plan_log.last_runs, missed = tuple(runs), None
         if missed is not None:
-            base = baseline if baseline is not None else step_baseline(planned)
+            base = baseline if baseline is not None else step_baseline(as_ran)
             self.plan_log.pending = step_minimum(
                 missed, lambda nbytes: self._misses_at(planned, bases, nbytes), base)
             if lean is not None:  # the minimum holds the room; a loss keeping none: this

@@ -105,6 +105,8 @@ class CompiledGraph:
         self.primary: CompiledGraph = self
         self.later: tuple[int, CompiledGraph] | None = None
         self.first_run, self.pinned = 0, False
+        #: a twin that runs the later runs of the first forward only (`_interim_twin`)
+        self.interim = False
         #: positions among its inputs whose gradient it returns as a view (a weight
         #: F.linear reads transposed): autograd adds another gradient into such a one
         #: out of place (memopt.steps.ForwardTrace._eager_grads)
@@ -179,16 +181,17 @@ class CompiledGraph:
 
     def compile(self, example_inputs: Sequence[Any], outside: Outside, policy: ReplanPolicy,
                 budget: Budget | None, step_baseline: int | None = None,
-                must_fit: bool = True) -> Callable:
+                must_fit: bool = True, least_held: bool = False) -> Callable:
         """Plan this graph under `budget` with `outside` held around it, by `policy`
         (ReplanPolicy), a fraction budget of `step_baseline` when given
         (memopt.planner.PlanRequest), and compile it (AOTAutograd with memopt's partition
         function); the callable for dynamo. Raises BudgetError where the plan misses,
-        if `must_fit` (else the plan is kept all the same: `plan.fits` says)."""
+        if `must_fit` (else the plan is kept all the same: `plan.fits` says).
+        `least_held`: LEAN recomputes Chen's mirror set `all` at a fraction budget too."""
         backend, plans = self.backend, self.backend.plan_log
         options = backend.options
         first_fraction = budget is None and backend.budget is not None \
-            and backend.budget.fraction is not None
+            and backend.budget.fraction is not None and not least_held
         if policy == ReplanPolicy.LEAN and not first_fraction:
             # a first plan at a fraction aims at the fraction of the graph's own baseline
             # instead (PlanRequest.first_fraction): Chen's mirror set `all` can peak
@@ -216,7 +219,8 @@ class CompiledGraph:
                 must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
                 fraction_floor=plans.fraction_floor if self.alone else 0,
                 reserve_bytes=reserve[0], room_bytes=caller_loss.room(self, used[0]),
-                measure_within=backend.budget if budget is None else None)
+                measure_within=backend.budget if budget is None else None,
+                aim_within=not least_held)
             requests.append(request)
             try:
                 fw, bw, plan = self._plan_joint(request)
@@ -493,6 +497,25 @@ class CompiledGraph:
             self.backend.plan_log.last = self.plan
         return None
 
+    def _interim_twin(self, trace: Any, args: Sequence[Any]) -> CompiledGraph:
+        """The plan of this graph's later runs in the first forward, made as its second
+        run starts: its first plan was made for one run, and each later run holds what the
+        runs before it saved, so these keep the least they can (LEAN: Chen's mirror set
+        `all`; LOWEST where that misses a byte budget). A loop of 6 layers broken by
+        dynamo into one graph run 6 times measured 1.17x a 0.5 budget in its first step
+        with every run on the first plan (a Wav2Vec2 with transformers 4.46, found from
+        outside). The forward's end plans the step again without it
+        (memopt.backend: `interim`)."""
+        outside = trace.outside_of(len(trace.runs), [*self.attributes, *args])
+        budget = None if self.backend.budget.fraction is not None else self.backend.budget
+        twin = self.twin(1)
+        try:
+            twin.compile(self.fakes, outside, ReplanPolicy.LEAN, budget, least_held=True)
+        except BudgetError:
+            twin.compile_lowest(self.fakes, outside, budget)
+        twin.provisional = twin.interim = True
+        return twin
+
     def kept_inputs(self) -> tuple[int, ...]:
         """memopt.steps.kept_input_positions of its plan, found once per plan."""
         if self._kept[0] is not self.plan:
@@ -504,6 +527,10 @@ class CompiledGraph:
         settled (memopt.settled), its parameters bound for a kept-gradient backward."""
         log = self.backend.plan_log
         call, record, skipped = log.call, None, False
+        if self.provisional and self.later is None and self.primary is self \
+                and call is not None and self.backend.budget is not None \
+                and call.trace().runs_of(self) == 1:
+            self.later = (1, self._interim_twin(call.trace(), args))
         if self.later is not None and call is not None \
                 and call.trace().runs_of(self) >= self.later[0]:
             return self.later[1].run(*args)  # its later runs: the twin's plan

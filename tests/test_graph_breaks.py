@@ -675,7 +675,7 @@ def test_a_ctc_models_first_step_holds_a_fraction_budget():
     2,850,272) and the first step measured 1.25x a 0.7 budget (found from outside); each
     first plan now aims at the fraction of its own graph's baseline
     (PlanRequest.first_fraction). With transformers 4.x (CI's lowest) the forward breaks
-    into 7 graphs and its first step is a known miss by 0.1% (an xfail, docs/limits.md);
+    into 7 graphs and its first step is a known miss by 2.6% (an xfail, docs/limits.md);
     the steps after it are held there too. About 20 s."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Wav2Vec2Config(
@@ -701,7 +701,8 @@ def test_a_ctc_models_first_step_holds_a_fraction_budget():
     assert max(measured[1:]) <= budget, (measured, budget)
     if measured[0] > budget and int(transformers.__version__.split(".")[0]) < 5:
         # docs/limits.md: transformers 4.x breaks the forward at its encoder layers, whose
-        # one graph runs twice in the first step with a plan made for one run (2,225,268
-        # bytes against 2,223,068); the steps after it run a second plan for the later run
+        # one graph runs twice in the first step, the second run at its leanest plan
+        # (CompiledGraph._interim_twin), which peaks higher in the last run (1.026x); the
+        # steps after it run a second plan for the later run
         pytest.xfail(f"first step {measured[0]:,} bytes against {budget:,} (docs/limits.md)")
     assert measured[0] <= budget, (measured, budget)

@@ -174,6 +174,10 @@ class PlanRequest:
     #: breaks plans its first graphs before its step's baseline is known): what a
     #: measurement made while planning may allocate (`measuring_room`)
     measure_within: Budget | None = None
+    #: where `measure_within` is a fraction, aim at it (`first_fraction`); False: plan as
+    #: with no budget (a repeated graph's later runs in the first forward keep the least
+    #: they can: memopt.compiled_graph.CompiledGraph._interim_twin)
+    aim_within: bool = True
     step: StepContext = field(init=False)
 
     @property
@@ -181,7 +185,8 @@ class PlanRequest:
         """The fraction budget of a first plan made before the step's baseline is known
         (graph breaks: `measure_within`), else None."""
         within = self.measure_within
-        return within.fraction if self.budget is None and within is not None else None
+        return within.fraction if self.budget is None and within is not None \
+            and self.aim_within else None
 
     def measuring_room(self) -> int | FractionRoom | None:
         """The bytes a measurement run while pricing an op family may allocate: a byte
