@@ -33,6 +33,7 @@ from .kernels import (Kernels, compile_with_inductor, inductor_peak, op_by_op_or
 from .graph_breaks import ReplanPolicy
 from .memory_plan import GraphBreak, MemoryPlan
 from .planner import PlanRequest, plan_joint
+from .planner.request import first_fraction
 from .dropped import DroppedOutputs
 from .graph_facts import (checked_backward, ddp_fields, grad_sink, optimizer_fields,
                           primal_kinds, refuse_double_backward, refuse_sparse_values,
@@ -181,18 +182,20 @@ class CompiledGraph:
 
     def compile(self, example_inputs: Sequence[Any], outside: Outside, policy: ReplanPolicy,
                 budget: Budget | None, step_baseline: int | None = None,
-                must_fit: bool = True, least_held: bool = False) -> Callable:
+                must_fit: bool = True, aim_within: bool = True) -> Callable:
         """Plan this graph under `budget` with `outside` held around it, by `policy`
         (ReplanPolicy), a fraction budget of `step_baseline` when given
         (memopt.planner.PlanRequest), and compile it (AOTAutograd with memopt's partition
         function); the callable for dynamo. Raises BudgetError where the plan misses,
         if `must_fit` (else the plan is kept all the same: `plan.fits` says).
-        `least_held`: LEAN recomputes Chen's mirror set `all` at a fraction budget too."""
+        `aim_within` False: a plan made without a budget of its own does not aim at the
+        module's fraction budget (PlanRequest.first_fraction), so LEAN recomputes Chen's
+        mirror set `all` there too."""
         backend, plans = self.backend, self.backend.plan_log
         options = backend.options
-        first_fraction = budget is None and backend.budget is not None \
-            and backend.budget.fraction is not None and not least_held
-        if policy == ReplanPolicy.LEAN and not first_fraction:
+        within = backend.budget if budget is None else None
+        aims = first_fraction(budget, within, aim_within) is not None
+        if policy == ReplanPolicy.LEAN and not aims:
             # a first plan at a fraction aims at the fraction of the graph's own baseline
             # instead (PlanRequest.first_fraction): Chen's mirror set `all` can peak
             # above keeping everything (a Wav2Vec2's encoder: 2,970,352 bytes against
@@ -219,8 +222,7 @@ class CompiledGraph:
                 must_fit=must_fit, whole_step=self.alone, workspaces=backend.workspaces,
                 fraction_floor=plans.fraction_floor if self.alone else 0,
                 reserve_bytes=reserve[0], room_bytes=caller_loss.room(self, used[0]),
-                measure_within=backend.budget if budget is None else None,
-                aim_within=not least_held)
+                measure_within=within, aim_within=aim_within)
             requests.append(request)
             try:
                 fw, bw, plan = self._plan_joint(request)
@@ -510,7 +512,7 @@ class CompiledGraph:
         budget = None if self.backend.budget.fraction is not None else self.backend.budget
         twin = self.twin(1)
         try:
-            twin.compile(self.fakes, outside, ReplanPolicy.LEAN, budget, least_held=True)
+            twin.compile(self.fakes, outside, ReplanPolicy.LEAN, budget, aim_within=False)
         except BudgetError:
             twin.compile_lowest(self.fakes, outside, budget)
         twin.provisional = twin.interim = True

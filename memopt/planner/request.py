@@ -127,6 +127,17 @@ class Options:
     offload: object = None
 
 
+def first_fraction(budget: Budget | None, within: Budget | None,
+                   aim_within: bool = True) -> float | None:
+    """The fraction a plan made without a budget of its own aims at: the module's
+    fraction budget `within` where the step's baseline is not known yet (a first plan
+    with graph breaks: PlanRequest.measure_within), unless `aim_within` is False (a
+    repeated graph's interim plan keeps the least it can instead). None otherwise."""
+    if budget is not None or within is None or not aim_within:
+        return None
+    return within.fraction
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """One graph to plan (memopt.planner.plan_joint), checked once when it is made.
@@ -184,9 +195,7 @@ class PlanRequest:
     def first_fraction(self) -> float | None:
         """The fraction budget of a first plan made before the step's baseline is known
         (graph breaks: `measure_within`), else None."""
-        within = self.measure_within
-        return within.fraction if self.budget is None and within is not None \
-            and self.aim_within else None
+        return first_fraction(self.budget, self.measure_within, self.aim_within)
 
     def measuring_room(self) -> int | FractionRoom | None:
         """The bytes a measurement run while pricing an op family may allocate: a byte
