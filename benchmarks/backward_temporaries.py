@@ -47,7 +47,8 @@ def ops(device: str) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     classes = torch.randint(0, SIZE, (SIZE,), device=device)
     return {
         "pow": lambda x: x ** 2, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal,
-        "div": lambda x: other / x, "erf": torch.erf, "erfc": torch.erfc,
+        "div": lambda x: other / x, "div_numerator": lambda x: x / other,
+        "div_scalar": lambda x: x / 0.1, "erf": torch.erf, "erfc": torch.erfc,
         "asin": lambda x: torch.asin(x * 0.5), "acos": lambda x: torch.acos(x * 0.5),
         "atan": torch.atan, "cos": torch.cos, "sinh": torch.sinh, "cosh": torch.cosh,
         "log2": torch.log2, "log10": torch.log10,
