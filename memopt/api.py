@@ -49,6 +49,8 @@ from .settled import ModelTensors
 #: Sharing these dicts makes the compiled module hold the very same parameter
 #: and buffer objects (and state_dict keys) as the user's model.
 _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+#: what CompiledModule keeps on itself rather than on the model (`__setattr__`)
+_OWN_ATTRIBUTES = frozenset({"training", "forward"})
 
 
 class CompiledModule(nn.Module):
@@ -215,6 +217,24 @@ class CompiledModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._memopt_model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute set on the compiled module is set on the model, which its forward
+        reads (``compiled.temperature = 2.0``), as ``torch.compile``'s module does; kept
+        on the wrapper, the forward went on reading the model's old value, silently
+        (found from outside). Its own (``training``, ``_memopt_*``, what its class
+        defines) stay here."""
+        if name in _OWN_ATTRIBUTES or name.startswith("_memopt_") or hasattr(type(self), name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._memopt_model, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _OWN_ATTRIBUTES or name.startswith("_memopt_") or hasattr(type(self), name) \
+                or name in self.__dict__:
+            super().__delattr__(name)
+        else:
+            delattr(self._memopt_model, name)
 
     # A container model (nn.Sequential, nn.ModuleList) stays one: indexing, length and
     # iteration reach its submodules, which run eagerly, as its other methods do.

@@ -131,6 +131,53 @@ def test_attributes_methods_and_state_dict_reach_the_model(tmp_path) -> None:
         torch.testing.assert_close(p, q, msg=name)
 
 
+class Tempered(nn.Module):
+    """Logits over a plain attribute its forward reads, through an LSTM (which memopt runs
+    from a copy of the modules around it) or a linear layer."""
+
+    def __init__(self, rnn: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(8, 8, batch_first=True) if rnn else None
+        self.head = nn.Linear(8, 4)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rnn is not None:
+            x = self.rnn(x)[0]
+        return self.head(x) / self.temperature
+
+
+@pytest.mark.parametrize("rnn", [False, True], ids=["linear", "lstm"])
+def test_an_attribute_set_on_the_compiled_module_reaches_its_forward(rnn: bool) -> None:
+    """``compiled.temperature = 4.0`` sets it on the model, as on torch.compile's module,
+    and so does setting it on the model itself: the next step computes eager's outputs
+    and gradients. Kept on the wrapper, the forward read the old value, silently (found
+    from outside); with an LSTM, the copy memopt runs read the old value either way."""
+    model = Tempered(rnn)
+    eager = copy.deepcopy(model)
+    compiled = memopt.compile(model, budget=None)
+    x = torch.randn(2, 5, 8)
+    compiled(x).sum().backward()
+    for target in (compiled, model):
+        target.temperature *= 4.0
+        eager.temperature *= 4.0
+        assert compiled.temperature == model.temperature == eager.temperature
+        for m in (compiled, eager):
+            for p in m.parameters():
+                p.grad = None
+        out, want = compiled(x), eager(x)
+        torch.testing.assert_close(out, want)
+        out.sum().backward()
+        want.sum().backward()
+        for p, q in zip(compiled.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    compiled.extra = "kept"
+    assert model.extra == "kept"
+    del compiled.extra
+    assert not hasattr(model, "extra")
+
+
 def test_a_container_model_is_indexed_measured_and_iterated_as_the_model() -> None:
     """compiled[0], len(compiled) and list(compiled) reach an nn.Sequential's submodules
     (they raised TypeError, found from outside); a model that is no container is still

@@ -517,7 +517,8 @@ class RNNSubstitution:
     def sync(self) -> None:
         """Carry into the tree what the user changed on the model since it was built (at
         every call; it walks only the modules the tree copied): train() / eval(); an RNN
-        parameter replaced (``lstm.weight_hh_l0 = nn.Parameter(...)``); a submodule added,
+        parameter replaced (``lstm.weight_hh_l0 = nn.Parameter(...)``); a plain attribute
+        set on a copied module (``model.temperature = 2.0``); a submodule added,
         replaced or removed on a copied module, an RNN among them wrapped anew (and the
         copies of what it replaced dropped, with the modules they held). Left as built,
         the copy kept computing with the old tensors and modules, silently (found from
@@ -526,6 +527,11 @@ class RNNSubstitution:
         dropped: list[nn.Module] = []
         for original, twin, path in list(self.pairs):
             twin.training = original.training
+            if not isinstance(twin, ChainedRNN):  # plain attributes its forward reads
+                mine = twin.__dict__
+                for k, v in original.__dict__.items():
+                    if k != "_modules" and mine.get(k, _MISSING) is not v:
+                        mine[k] = v
             if isinstance(twin, ChainedRNN):
                 _refuse_backward_hooks(original, twin.path)
                 twin.hooked = _hooked(original)
@@ -548,6 +554,9 @@ class RNNSubstitution:
         if dropped:  # the copies inside what was replaced or removed: no longer synced
             gone = {id(m) for d in dropped if d is not None for m in d.modules()}
             self.pairs = [pair for pair in self.pairs if id(pair[1]) not in gone]
+
+
+_MISSING = object()
 
 
 def _refuse_backward_hooks(rnn: nn.Module, name: str) -> None:
