@@ -35,6 +35,7 @@ from .memory_plan import GraphBreak, MemoryPlan
 from .planner import PlanRequest, plan_joint
 from .planner.request import first_fraction
 from .dropped import DroppedOutputs
+from .unused_outputs import UnusedOutputGrads
 from .graph_facts import (checked_backward, ddp_fields, grad_sink, optimizer_fields,
                           primal_kinds, refuse_double_backward, refuse_sparse_values,
                           view_grads, warn_parallel_scan)
@@ -207,12 +208,14 @@ class CompiledGraph:
         reserve = [0]  # bytes inductor's schedule of an earlier plan held above it
         requests: list[PlanRequest] = []  # the last is the plan's
         used = [outside]  # what it was planned with (without the loss's room: partition_fn)
+        unused: list[UnusedOutputGrads | None] = [None]  # memopt.unused_outputs
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
             captured = plans.capture_seconds()
             refuse_sparse_values(joint)
             self.view_grads = view_grads(joint, num_fwd_outputs)
+            unused[0] = UnusedOutputGrads.of_joint(joint)
             request = PlanRequest(
                 joint, num_fwd_outputs, budget, primal_kinds=self.kinds, options=options,
                 grads=self.grads, outside_grad_bytes=self.outside_grads + self.repeated_grads,
@@ -283,6 +286,8 @@ class CompiledGraph:
                                                   reserve, requests)
             else:
                 compiled = aten()
+        if unused[0] is not None and not self.attaches:  # an input reached only through
+            compiled = unused[0].wrap(compiled, self._drop)  # outputs the loss left
         if self.attaches:
             from .lm_head import with_attached_logits  # noqa: PLC0415
             compiled = with_attached_logits(compiled, self.attaches)
@@ -517,6 +522,12 @@ class CompiledGraph:
             twin.compile_lowest(self.fakes, outside, budget)
         twin.provisional = twin.interim = True
         return twin
+
+    def _drop(self, primals: frozenset[int]) -> None:
+        """An optimizer stepped inside the backward skips the parameters whose gradients
+        memopt.unused_outputs drops in it (eager gives them none)."""
+        if self.steps_in_backward:
+            self.stepping.stepper.drop(primals)
 
     def kept_inputs(self) -> tuple[int, ...]:
         """memopt.steps.kept_input_positions of its plan, found once per plan."""

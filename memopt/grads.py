@@ -68,6 +68,18 @@ class GradSink:
         self._bound: tuple[tuple[weakref.ref, ...], tuple[int, ...]] = ((), ())
         self.added = 0       # gradients added in place (for tests and the plan's evidence)
         self.returned = 0    # gradients handed back to autograd instead
+        #: ids of the bound parameters whose gradient this backward drops: reached only
+        #: through outputs the loss did not use (memopt.unused_outputs)
+        self.unreached: set[int] = set()
+
+    def drop(self, primals: frozenset[int]) -> None:
+        """The bound parameters at joint primal indices `primals` (``primals_{i+1}``) get
+        no gradient in the backward starting now (memopt.unused_outputs); empty: all do."""
+        refs = self._bound[0]
+        names = list(self.slots) if len(refs) == len(self.slots) else []
+        self.unreached = {id(p) for name, ref in zip(names, refs)
+                          if int(name.rsplit("_", 1)[1]) - 1 in primals
+                          and (p := ref()) is not None}
 
     def bind(self, flat_inputs: Sequence[Any]) -> None:
         """Remember the parameter tensors of this forward call (beside earlier calls').

@@ -144,6 +144,8 @@ class ParamStepper(GradSink):
     def add(self, grad: torch.Tensor | None, saved: torch.Tensor) -> torch.Tensor | None:
         self._pending = []
         param = self._param(saved)
+        if self.unreached and id(param) in self.unreached:
+            return None  # no gradient in eager: not stepped (memopt.unused_outputs)
         if grad is None or param is None or torch.is_grad_enabled() \
                 or not engine_will_accumulate(param):
             self.returned += grad is not None

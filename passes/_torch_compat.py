@@ -261,6 +261,22 @@ def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and str(node.target).startswith("tangents")
 
 
+def tangent_of_output(node: fx.Node) -> int | None:
+    """The index among the traced function's outputs of the output whose gradient joint
+    placeholder `node` is (AOTAutograd's descriptor ``TangentAOTInput(PlainAOTOutput)``);
+    None for another (a mutated input's, an alias's base) or where torch records none."""
+    desc = node.meta.get("desc")
+    out = getattr(desc, "output", None)
+    return out.idx if type(out).__name__ == "PlainAOTOutput" else None
+
+
+def gradient_of_input(desc: Any) -> int | None:
+    """The primal index whose gradient a joint output with descriptor `desc` is
+    (``GradAOTOutput(PlainAOTInput)``), else None."""
+    of = getattr(desc, "grad_of", None)
+    return of.idx if type(of).__name__ == "PlainAOTInput" else None
+
+
 
 def engine_will_accumulate(param: torch.Tensor) -> bool:
     """Whether the backward now running will run `param`'s AccumulateGrad node (called
