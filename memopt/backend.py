@@ -502,6 +502,7 @@ class MemoptBackend:
             self.plan_log.pending = opaque_backward_error(trace.opaque, self.budget)
             self.plan_log.raise_pending()
         as_ran = [run.graph for run in trace.runs]
+        self.plan_log.last_baseline = None  # set below where the step is several runs
         # the later runs of a repeated graph ran an interim plan (CompiledGraph._interim_twin):
         # the step is planned again with the graph itself there, split where that pays
         runs = [run.primary if run.interim else run for run in as_ran]
@@ -522,10 +523,13 @@ class MemoptBackend:
                 if len(runs) == 1 and runs[0].alone else None
             return
         baseline = None
-        if self.budget is not None and self.budget.fraction is not None:
-            # once per sequence of graphs: from the first forward's plans, as it ran
+        if self.budget is not None:
+            # once per sequence of graphs: from the first forward's plans, as it ran. What
+            # a fraction is of; a refusal of a byte budget names its fraction of it too
             key = tuple(id(run.primary) for run in runs)
-            baseline = self.plan_log.step_baselines.setdefault(key, step_baseline(as_ran))
+            known = self.plan_log.step_baselines.setdefault(key, step_baseline(as_ran))
+            self.plan_log.last_baseline = known
+            baseline = known if self.budget.fraction is not None else None
         # The first forward's graphs were planned before the rest of the step was known,
         # and its backward runs those plans: where the whole step misses the budget, the
         # step is refused here, before the backward runs over it.

@@ -71,6 +71,10 @@ class PlanLog:
     #: forwards that ended traced (the others ran a settled graph: memopt.settled)
     traced: int = 0
     step_baselines: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: the last traced step's entry there, where it ran several graphs or runs: what a
+    #: refusal names a fraction of (`raise_pending`); None for one graph run once, whose
+    #: plan's own baseline is the step's
+    last_baseline: int | None = None
     #: a fraction budget's bytes at the largest whole step (one graph) accepted so far: a
     #: later step of a smaller shape, whose own fraction gives fewer bytes, is given these
     #: (docs/budgets.md, "A fraction at several shapes")
@@ -106,8 +110,12 @@ class PlanLog:
         their autograd graph, a chain's stashed run) alive as long as this log."""
         if self.pending is not None:
             err = self.pending
-            raise err.with_minimum(err.minimum_bytes) if isinstance(err, BudgetError) \
-                else copy.copy(err)
+            # a graph planned again (a caller's loss measured, a second call) names its
+            # own baseline, which holds what the step's other runs hold: a byte budget's
+            # refusal offered a fraction from 0.687 that was then refused (found from
+            # outside, two calls before one backward)
+            raise err.with_minimum(err.minimum_bytes, self.last_baseline) \
+                if isinstance(err, BudgetError) else copy.copy(err)
 
     def plan_again(self, graph: CompiledGraph, outside: Outside) -> None:
         """Plan `graph` again with `outside` held around it, for the steps after this

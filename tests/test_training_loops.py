@@ -484,6 +484,36 @@ def test_functional_call_counts_the_modules_own_parameters_kept_aside() -> None:
     assert max(peaks[1:]) <= plan.budget_bytes, (peaks, plan.budget_bytes)
 
 
+def _contrastive_refusal(budget: float | int) -> memopt.BudgetError:
+    """The BudgetError a contrastive loop over two calls of an MLP gets at `budget`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
+                          nn.Linear(128, 64))
+    compiled = memopt.compile(model, budget=budget)
+    x1 = torch.randn(1024, 128)
+    x2 = x1 + 0.1 * torch.randn(1024, 128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            try:
+                a = F.normalize(compiled(x1), dim=-1)
+                b = F.normalize(compiled(x2), dim=-1)
+                F.cross_entropy(a @ b.t() / 0.1, torch.arange(1024)).backward()
+            except memopt.BudgetError as err:
+                return err
+    raise AssertionError(f"{budget} was accepted")
+
+
+def test_a_refused_byte_budget_names_the_fraction_a_fraction_is_of() -> None:
+    """Two calls before one backward: a refusal of a byte budget and of a fraction name
+    the same step's baseline, so a fraction it offers is one that is accepted. The byte
+    budget's named its re-planned graph's own baseline (23.4 MB against 10.3 MB) and
+    offered fractions from 0.687, which were refused (found from outside)."""
+    by_bytes, by_fraction = _contrastive_refusal(15_000_000), _contrastive_refusal(0.9)
+    assert by_bytes.baseline_bytes == by_fraction.baseline_bytes, (by_bytes, by_fraction)
+    assert by_bytes.smallest_fraction is None  # the loss's similarity matrix is most of it
+
+
 def test_two_calls_before_one_backward_hold_the_minimum_named_from_the_next_step() -> None:
     """A contrastive loop, `loss(m(x1), m(x2))`: the second call holds the first call's
     saved tensors, input and output, and its backward the first output's gradient. The
