@@ -325,16 +325,24 @@ def _spanned_bytes(t: torch.Tensor) -> int:
 
 
 def _columns(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> int:
-    """The unfolded input a convolution's backward builds on CPU for an input that is not
-    contiguous (channels-last), charged while planning cannot measure: a depthwise 7x7
-    convolution after timm's ConvNeXt's LayerNorm2d (whose permute leaves its output
-    channels-last) allocated 1.6 MB over inputs of 64 KB, and the step, planned inside
-    the user's allocation_peak, measured 1.08-1.14x an accepted budget (found from
-    outside, 2026-11-30). Half of batch x input channels x kernel x output positions:
-    that backward measured 1,612,032 bytes where the whole is 3,211,264."""
+    """What a convolution's backward allocates on CPU for an input that is not contiguous
+    (channels-last), charged while planning cannot measure. Measured for 2-d kernels
+    (CPU, 1 and 2 threads, 7x7 depthwise, maps of 2x2 to 32x32, batches of 2 to 8):
+    ``max(batch, 8) x channels x taps x 32`` elements whatever the map's size, and a
+    channels-last copy of the output's gradient where it is not one. A ConvNeXt's late
+    stage, (8, 320, 2, 2) maps, allocated 16,120,320 bytes, 8x its unfolded columns, and
+    its first step planned under the profiler with half the columns charged measured
+    1.31x an accepted budget (found from outside, 2026-12-02; timm's LayerNorm2d leaves
+    its output channels-last). Other kernels: half the unfolded columns, as measured on
+    the first such case (1.6 MB over 64 KB inputs, 2026-11-30)."""
     kernel = math.prod(weight.shape[2:])
-    whole = x.shape[0] * x.shape[1] * kernel * math.prod(grad_out.shape[2:]) * x.element_size()
-    return whole // 2
+    if x.dim() != 4:
+        whole = x.shape[0] * x.shape[1] * kernel * math.prod(grad_out.shape[2:])
+        return whole * x.element_size() // 2
+    blocks = max(x.shape[0], 8) * x.shape[1] * kernel * 32 * x.element_size()
+    copied = 0 if grad_out.is_contiguous(memory_format=torch.channels_last) \
+        else grad_out.numel() * grad_out.element_size()
+    return int(1.01 * blocks) + copied
 
 
 #: memopt's own ops that run ATen kernels and nothing else: measured as those are
