@@ -527,7 +527,9 @@ class MemoptBackend:
             # once per sequence of graphs: from the first forward's plans, as it ran. What
             # a fraction is of; a refusal of a byte budget names its fraction of it too
             key = tuple(id(run.primary) for run in runs)
-            known = self.plan_log.step_baselines.setdefault(key, step_baseline(as_ran))
+            known = self.plan_log.step_baselines.get(key)
+            if known is None:
+                known = self.plan_log.step_baselines[key] = step_baseline(as_ran)
             self.plan_log.last_baseline = known
             baseline = known if self.budget.fraction is not None else None
         # The first forward's graphs were planned before the rest of the step was known,

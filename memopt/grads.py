@@ -51,6 +51,12 @@ def parameter_slots(kinds: dict[str, str], inputs: Sequence[Any],
             and keep(inputs[i])}
 
 
+def _primal_index(name: str) -> int | None:
+    """The joint graph's index of primal `name` ("primals_3" -> 2), None for another."""
+    head, _, number = name.rpartition("_")
+    return int(number) - 1 if head == "primals" and number.isdigit() else None
+
+
 class GradSink:
     """The parameters the forward calls of a compiled graph were given, by storage, for
     the backward's `add` nodes.
@@ -78,8 +84,7 @@ class GradSink:
         refs = self._bound[0]
         names = list(self.slots) if len(refs) == len(self.slots) else []
         self.unreached = {id(p) for name, ref in zip(names, refs)
-                          if int(name.rsplit("_", 1)[1]) - 1 in primals
-                          and (p := ref()) is not None}
+                          if _primal_index(name) in primals and (p := ref()) is not None}
 
     def bind(self, flat_inputs: Sequence[Any]) -> None:
         """Remember the parameter tensors of this forward call (beside earlier calls').
