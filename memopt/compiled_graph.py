@@ -209,6 +209,7 @@ class CompiledGraph:
         requests: list[PlanRequest] = []  # the last is the plan's
         used = [outside]  # what it was planned with (without the loss's room: partition_fn)
         unused: list[UnusedOutputGrads | None] = [None]  # memopt.unused_outputs
+        by_aten = [False]  # compiled op by op (memopt's backward: unused_outputs drops)
 
         def partition_fn(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                          **_kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -267,13 +268,15 @@ class CompiledGraph:
             return make_boxed(graph)
 
         def compile_backward(graph: fx.GraphModule, inputs: Any) -> Callable:
-            return checked_backward(compile_graph(graph, inputs), self.dropped)
+            run = checked_backward(compile_graph(graph, inputs), self.dropped)
+            return unused[0].backward(run) if unused[0] is not None else run
 
         # Planning runs chain steps on real tensors (passes.chain_policy measures what they
         # save): the user's RNG state must not move, or dropout would draw other masks.
         def aten() -> Callable:
             nonlocal options  # the graph runs op by op: nothing is recomputed for free
             options = dataclasses.replace(options, fusible=False)
+            by_aten[0] = True
             with random_ops_kept(True):  # unused ones too (passes.dead_draws)
                 return aot_module_simplified(
                     self.gm, list(example_inputs), fw_compiler=compile_graph,
@@ -286,8 +289,8 @@ class CompiledGraph:
                                                   reserve, requests)
             else:
                 compiled = aten()
-        if unused[0] is not None and not self.attaches:  # an input reached only through
-            compiled = unused[0].wrap(compiled, self._drop)  # outputs the loss left
+        if unused[0] is not None and by_aten[0] and not self.attaches:  # an input reached
+            compiled = unused[0].wrap(compiled, self._drop)  # only through outputs unused
         if self.attaches:
             from .lm_head import with_attached_logits  # noqa: PLC0415
             compiled = with_attached_logits(compiled, self.attaches)

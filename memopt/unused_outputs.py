@@ -12,10 +12,11 @@ same).
 
 `UnusedOutputGrads` finds, from the joint graph's AOTAutograd descriptors, which outputs
 each input's gradient depends on (a bit per output, propagated through the graph), and a
-hook on the graph's autograd node (``register_hook``, which sees the gradients handed to
-the node before autograd fills the missing ones with zeros) returns None for an input
-whose gradient depends on no output the loss reached: the engine then accumulates
-nothing, as in eager. It is made only where some input's gradient depends on a strict
+pre-hook on the graph's autograd node (``register_prehook``, which sees the gradients handed to
+the node before autograd fills the missing ones with zeros) finds the inputs whose
+gradient depends on no output the loss reached, and the backward returns None for them:
+the engine then accumulates nothing, as in eager. Op by op only (`kernels="aten"`):
+inductor's backward is its own. It is made only where some input's gradient depends on a strict
 subset of two or more outputs; where torch records no descriptors it is off. The memory
 plan still counts those gradients (its prediction is then an upper bound by their size).
 """
@@ -39,6 +40,10 @@ class UnusedOutputGrads:
 
     def __init__(self, masks: dict[int, int], primals: int) -> None:
         self.masks, self.primals = masks, primals
+        #: the primal indices whose gradients the backward starting now drops (set by
+        #: the node's pre-hook, read by `backward`)
+        self.dropping: frozenset[int] = frozenset()
+        self.on_drop: Callable[[frozenset[int]], None] | None = None
 
     @classmethod
     def of_joint(cls, joint: fx.GraphModule) -> UnusedOutputGrads | None:
@@ -84,18 +89,41 @@ class UnusedOutputGrads:
 
     def wrap(self, compiled: Callable[..., Any],
              on_drop: Callable[[frozenset[int]], None] | None = None) -> Callable[..., Any]:
-        """`compiled` (AOTAutograd's runtime: the traced function's outputs, flat), with
-        the hooks on the autograd node of each call's outputs. `on_drop` is told, as the
-        node's backward starts, the primal indices whose gradients it drops (an empty set
-        as it ends): an optimizer stepped inside the backward must not step them."""
+        """`compiled` (AOTAutograd's runtime: the traced function's outputs, flat), with a
+        pre-hook on the autograd node of each call's outputs, which finds the gradients
+        to drop as the node's backward starts. `on_drop` is told them then (an empty set
+        as the backward ends): an optimizer stepped inside the backward must not step
+        them."""
+        self.on_drop = on_drop
+
         def run(*args: Any) -> Any:
             out = compiled(*args)
-            self.watch(out, on_drop)
+            self.watch(out)
             return out
         return run
 
-    def watch(self, outputs: Sequence[Any],
-              on_drop: Callable[[frozenset[int]], None] | None = None) -> None:
+    def backward(self, run: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+        """The boxed backward `run`, returning None for the gradients being dropped. Not
+        a post-hook on the node: autograd keeps a node's incoming gradients until its
+        post-hooks ran, past where the backward frees them (memopt.pending)."""
+        def checked(args: list[Any]) -> Any:
+            grads = run(args)
+            dropping = self.dropping
+            if not dropping:
+                return grads
+            self.dropping = frozenset()
+            if self.on_drop is not None:
+                self.on_drop(frozenset())
+            grads = list(grads)
+            for index in dropping:
+                if index < len(grads):
+                    grads[index] = None
+            return grads
+
+        checked._boxed_call = True  # type: ignore[attr-defined]
+        return checked
+
+    def watch(self, outputs: Sequence[Any]) -> None:
         node, positions = None, []
         for index, value in enumerate(outputs if isinstance(outputs, (list, tuple)) else ()):
             fn = getattr(value, "grad_fn", None)
@@ -107,27 +135,16 @@ class UnusedOutputGrads:
                 positions.append((index, value.output_nr))
         if node is None or len(node.next_functions) != self.primals:
             return
-        masks, dropped = self.masks, [frozenset()]
+        masks = self.masks
 
         def before(grad_outputs: tuple[Any, ...]) -> None:
             unused = 0
             for index, position in positions:
                 if grad_outputs[position] is None:
                     unused |= 1 << index
-            dropped[0] = frozenset(i for i, mask in masks.items() if mask & ~unused == 0) \
-                if unused else frozenset()
-            if on_drop is not None and dropped[0]:
-                on_drop(dropped[0])
-
-        def after(grad_inputs: tuple[Any, ...], _grad_outputs: tuple[Any, ...]) -> Any:
-            if not dropped[0]:
-                return None
-            if on_drop is not None:
-                on_drop(frozenset())
-            grads = list(grad_inputs)
-            for index in dropped[0]:
-                grads[index] = None
-            return tuple(grads)
+            self.dropping = frozenset(i for i, mask in masks.items()
+                                      if mask & ~unused == 0) if unused else frozenset()
+            if self.on_drop is not None and self.dropping:
+                self.on_drop(self.dropping)
 
         node.register_prehook(before)
-        node.register_hook(after)
